@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   create .venv, install, pack the bundled real sample and print the summary
+#   make test   install, run the test suite (GPU tests skip cleanly without CUDA)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# Without a GPU we install a CPU build of torch first, so that the `torch>=2.6` requirement of
+# pyproject.toml is already met and pip never pulls a multi-GB CUDA build. With a GPU, pip
+# resolves `torch>=2.6` normally and gets the CUDA build. Override TORCH_CPU_SPEC if needed.
+TORCH_CPU_SPEC ?= torch==2.13.0
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: demo test install clean bench-pack
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+ifeq ($(HAS_GPU),)
+	$(PIP) install -q "$(TORCH_CPU_SPEC)"
+endif
+	$(PIP) install -q -e ".[data,service,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/flamia pack --out out/sample-packed --capacity 65536
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench-pack: install
+	$(PIP) install -q -e ".[bench]"
+	$(PY) benchmarks/bench_pack.py
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

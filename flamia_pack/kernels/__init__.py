@@ -1,0 +1,1 @@
+"""flamia_pack.kernels (see DESIGN.md §2)."""

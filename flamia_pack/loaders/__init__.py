@@ -1,0 +1,1 @@
+"""flamia_pack.loaders (see DESIGN.md §2)."""

@@ -1,0 +1,1 @@
+"""flamia_pack.scheduler (see DESIGN.md §2)."""

@@ -1,0 +1,1 @@
+"""flamia_pack.service (see DESIGN.md §2)."""
