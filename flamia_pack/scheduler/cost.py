@@ -1,0 +1,120 @@
+"""The one FLOPs / visible-pairs / tile-count function set of flamia_pack (DESIGN.md §6, STYLE.md 3).
+
+Benchmarks, tests, the CLI and the service all count work through these functions.
+
+Conventions (WORKLOADS.md): FLOPs are counted on visible (query, key) pairs only::
+
+    pairs  = sum_i len_i * (len_i + 1) / 2      causal (a token sees itself and earlier tokens of its document)
+           = sum_i len_i ** 2                   non-causal (whole document)
+    fwd    = 4 * num_heads * head_dim * pairs   (QK^T and PV, 2 FLOPs per multiply-add)
+    bwd    = 2.5 * fwd
+    fwd_bwd (one training call) = 3.5 * fwd
+
+``num_heads`` is the number of QUERY heads (GQA shares K/V between heads but not the arithmetic).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flamia_pack.errors import FlamiaError
+from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba
+
+__all__ = ["PASS_FACTORS", "attention_flops", "lengths_from", "tile_count", "visible_pairs"]
+
+PASS_FACTORS = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+"""FLOPs of each pass relative to the forward (WORKLOADS.md)."""
+
+
+def lengths_from(seqlens=None, *, cu_seqlens=None) -> np.ndarray:
+    """Document lengths as an int64 numpy array from lengths or ``cu_seqlens`` (numpy/torch/list).
+
+    Raises:
+        FlamiaError: negative lengths, non-integer values, or not 1-D.
+    """
+    if cu_seqlens is not None:
+        from flamia_pack.varlen import validate_cu_seqlens
+
+        return np.diff(validate_cu_seqlens(cu_seqlens))
+    if hasattr(seqlens, "detach"):
+        seqlens = seqlens.detach().cpu().numpy()
+    arr = np.asarray(seqlens)
+    if arr.ndim != 1:
+        raise FlamiaError(f"seqlens must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        if not np.all(np.mod(arr, 1) == 0):
+            raise FlamiaError("seqlens must be integers")
+    arr = arr.astype(np.int64)
+    if arr.size and arr.min() < 0:
+        raise FlamiaError(f"seqlens must be >= 0, got {int(arr.min())}")
+    return arr
+
+
+def visible_pairs(seqlens, causal: bool = True) -> int:
+    """Visible (query, key) pairs of a packed row (exact Python int).
+
+    Args:
+        seqlens: document lengths, 1-D ints (list / numpy / torch).
+        causal: ``sum len*(len+1)/2`` if True, ``sum len^2`` if False.
+
+    Returns:
+        int. Example (seed 001 §6): 16 x 4096 -> 134,250,496; 8192 + 224 x 256 -> 40,927,232.
+    """
+    lens = lengths_from(seqlens)
+    if lens.size == 0:
+        return 0
+    mx = int(lens.max())
+    if mx * (mx + 1) * lens.size < 2**62:  # exact in int64
+        sq = lens * (lens + 1) // 2 if causal else lens * lens
+        return int(sq.sum())
+    obj = lens.astype(object)
+    return int((obj * (obj + 1) // 2 if causal else obj * obj).sum())
+
+
+def attention_flops(
+    seqlens,
+    num_heads: int,
+    head_dim: int,
+    causal: bool = True,
+    backward: bool = False,
+    *,
+    mode: str | None = None,
+) -> float:
+    """Attention FLOPs on visible pairs (WORKLOADS.md convention).
+
+    Args:
+        seqlens: document lengths.
+        num_heads: query heads H_q.
+        head_dim: D.
+        causal: see :func:`visible_pairs`.
+        backward: legacy switch: True -> the backward alone (2.5x forward). Ignored if ``mode``.
+        mode: ``"fwd"``, ``"bwd"`` or ``"fwd_bwd"`` (one training call, 3.5x forward).
+
+    Returns:
+        float FLOPs. W1 (16 x 4096, H=16, D=128): fwd = 4*16*128*134,250,496 = 1.0998e12,
+        fwd_bwd = 3.849e12 (W1's 11.40 ms FlexAttention call -> 338 TFLOP/s).
+
+    Raises:
+        FlamiaError: unknown mode, non-positive heads/head_dim.
+    """
+    if mode is None:
+        mode = "bwd" if backward else "fwd"
+    if mode not in PASS_FACTORS:
+        raise FlamiaError(f"mode must be one of {sorted(PASS_FACTORS)}, got {mode!r}")
+    if int(num_heads) < 1 or int(head_dim) < 1:
+        raise FlamiaError(f"num_heads and head_dim must be >= 1, got {num_heads}, {head_dim}")
+    fwd = 4.0 * int(num_heads) * int(head_dim) * float(visible_pairs(seqlens, causal))
+    return fwd * PASS_FACTORS[mode]
+
+
+def tile_count(cu_seqlens, config: TileConfig = TileConfig()) -> int:
+    """Total visible key tiles of the work list (sum of item costs), per head.
+
+    Args:
+        cu_seqlens: ``(n_docs + 1,)`` int32/int64 (numpy / torch / list).
+        config: tile geometry (``causal`` and ``merge_short`` included).
+
+    Returns:
+        int: ``sum(cost)`` over :func:`build_work_list_numba` items.
+    """
+    items = build_work_list_numba(np.asarray(cu_seqlens if not hasattr(cu_seqlens, "detach") else cu_seqlens.detach().cpu().numpy()), config)
+    return int(items[:, 3].astype(np.int64).sum())

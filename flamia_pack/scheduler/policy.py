@@ -1,0 +1,53 @@
+"""Static vs dynamic scheduling policy (DESIGN.md §6; seed 001 Algorithm 2 lines 06-08).
+
+- ``static``: the sorted item list is dealt over P persistent CTAs in snake order
+  (:func:`flamia_pack.scheduler.worklist.static_assignment`).
+- ``dynamic``: persistent CTAs take the next item of the sorted list from a global atomic counter
+  (our Hopper stand-in for Blackwell Cluster Launch Control).
+
+Rule (the paper's, empirical): causal -> dynamic; non-causal -> dynamic iff
+``max_len >= 4 * mean_len``, else static.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flamia_pack.errors import FlamiaError
+
+__all__ = ["POLICIES", "SKEW_THRESHOLD", "choose_policy"]
+
+POLICIES = ("static", "dynamic")
+SKEW_THRESHOLD = 4.0
+"""Non-causal calls use the dynamic policy when max_len >= SKEW_THRESHOLD * mean_len."""
+
+
+def choose_policy(seqlens, causal: bool, override: str | None = None) -> tuple[str, str]:
+    """Pick ``"static"`` or ``"dynamic"`` for a row and say why.
+
+    Args:
+        seqlens: document lengths (1-D ints; list / numpy / torch).
+        causal: causal attention.
+        override: ``"static"``, ``"dynamic"``, or None / ``"auto"`` to apply the rule.
+
+    Returns:
+        ``(policy, reason)`` with a one-line human-readable reason.
+
+    Raises:
+        FlamiaError: unknown override.
+    """
+    if override not in (None, "auto") and override not in POLICIES:
+        raise FlamiaError(f"policy must be one of 'auto', 'static', 'dynamic', got {override!r}")
+    if override in POLICIES:
+        return override, f"{override} requested explicitly (rule not applied)"
+    if causal:
+        return "dynamic", "causal call: item costs grow along each document, so dynamic acquisition balances the tail"
+    if hasattr(seqlens, "detach"):
+        seqlens = seqlens.detach().cpu().numpy()
+    lens = np.asarray(seqlens, dtype=np.float64)
+    if lens.size == 0:
+        return "static", "no documents"
+    mx, mean = float(lens.max()), float(lens.mean())
+    ratio = mx / mean if mean > 0 else float("inf")
+    if ratio >= SKEW_THRESHOLD:
+        return "dynamic", f"non-causal, skewed: max_len {mx:.0f} >= {SKEW_THRESHOLD:g} x mean_len {mean:.1f} (ratio {ratio:.2f})"
+    return "static", f"non-causal, balanced: max_len {mx:.0f} < {SKEW_THRESHOLD:g} x mean_len {mean:.1f} (ratio {ratio:.2f})"

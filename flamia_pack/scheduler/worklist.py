@@ -1,0 +1,541 @@
+"""Document-local attention work lists: host reference, numba builder and the GPU builder.
+
+Implements DESIGN.md §6 / seed 001 §6 (Algorithm 2, lines 01-06).
+
+Item table
+----------
+A work item is one row of an int32 table with the columns :data:`ITEM_COLUMNS`
+``(doc, q_start, q_end, cost)``:
+
+- ``doc``: index of the document in ``cu_seqlens`` (row-local document number);
+- ``q_start, q_end``: absolute token offsets in the packed row (``cu_seqlens`` coordinates),
+  ``q_end - q_start <= BLOCK_M``; query tiles start at the document start:
+  ``q_start = cu_seqlens[doc] + i * BLOCK_M``, ``q_end = min(q_start + BLOCK_M, cu_seqlens[doc + 1])``;
+- ``cost``: number of visible key tiles of size ``BLOCK_N`` counted on the ROW's tile grid
+  (tile ``t`` holds keys ``[t * BLOCK_N, (t + 1) * BLOCK_N)``), so a document starting at an
+  unaligned offset can cost one tile more than an aligned one::
+
+      causal:      keys [doc_start, q_end)     -> tiles  doc_start // BLOCK_N ... (q_end - 1) // BLOCK_N
+      non-causal:  keys [doc_start, doc_end)   -> tiles  doc_start // BLOCK_N ... (doc_end - 1) // BLOCK_N
+
+      cost = last_tile - first_tile + 1
+
+Items are sorted by decreasing cost, ties by ``(doc, q_start)`` (ascending). This order is the
+dynamic scheduler's queue and the input of the static snake assignment (:func:`static_assignment`).
+
+``merge_short`` (TileConfig option)
+-----------------------------------
+Many tiny documents make one item each (131,072 one-token documents -> 131,072 items, each a
+nearly empty tile). With ``merge_short=True`` every run of consecutive WHOLE documents that lie
+entirely inside one ``BLOCK_M``-aligned query window of the row ``[w * BLOCK_M, (w + 1) * BLOCK_M)``
+is coalesced into ONE item::
+
+    doc     = index of the first document of the run
+    q_start = start of the first document, q_end = end of the last document  (<= BLOCK_M queries)
+    cost    = tiles spanned by [q_start, q_end):  (q_end - 1) // BLOCK_N - q_start // BLOCK_N + 1
+
+(the keys visible to a short document lie inside its own range, causal or not). Documents that
+cross a window boundary keep their ordinary per-``BLOCK_M`` items. The window rule (rather than a
+greedy "fill up to BLOCK_M" scan) is chosen because it is computable in parallel on the GPU and
+gives tile-aligned merged items; for S1 (131,072 one-token documents, BLOCK_M = 128) it yields
+1,024 items of cost 1. **A kernel consuming a merged item must mask per token by document**: an
+item is merged iff ``q_end > cu_seqlens[doc + 1]``; the document of a query/key token is then
+``searchsorted(cu_seqlens, token, right=True) - 1`` (or a per-token document-id tensor), and keys
+are visible only inside the same document (and ``key <= query`` when causal).
+
+Builders
+--------
+- :func:`build_work_list_host`: plain, obviously-correct Python (the reference for tests);
+- :func:`build_work_list_numba`: the same result from a numba host loop;
+- :func:`build_work_list`: torch ops with fixed output sizes (no host sync when
+  ``validate=False``, CUDA-graph capturable); the same code runs on CPU tensors, so CPU tests
+  compare it to the reference; on CUDA tensors an optional fused Triton path
+  (``backend="triton"``) does the expansion in one kernel.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from flamia_pack.errors import FlamiaError, MetadataError
+from flamia_pack.varlen import validate_cu_seqlens
+
+__all__ = [
+    "ITEM_COLUMNS",
+    "TileConfig",
+    "WorkList",
+    "build_work_list",
+    "build_work_list_host",
+    "build_work_list_numba",
+    "max_work_items",
+    "static_assignment",
+    "work_list_to_numpy",
+]
+
+ITEM_COLUMNS = ("doc", "q_start", "q_end", "cost")
+"""Columns of the int32 item table, in order."""
+
+_MAX_BLOCK_M = 256
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TileConfig:
+    """Tile geometry of the attention kernel the work list is built for (DESIGN.md §6)."""
+
+    block_m: int = 128
+    """BLOCK_M: queries per work item (power of two, 16 <= block_m <= 256)."""
+    block_n: int = 128
+    """BLOCK_N: keys per key tile; the cost unit (power of two >= 16)."""
+    causal: bool = True
+    """Causal attention (keys up to the query) or full attention inside each document."""
+    merge_short: bool = False
+    """Coalesce consecutive whole documents lying inside one BLOCK_M-aligned window into one item
+    (see the module docstring; the kernel must mask per token by document)."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not _is_pow2(int(v)) or v < 16:
+                raise FlamiaError(f"TileConfig.{name} must be a power of two >= 16, got {v!r}")
+        if self.block_m > _MAX_BLOCK_M:
+            raise FlamiaError(f"TileConfig.block_m must be <= {_MAX_BLOCK_M}, got {self.block_m}")
+        if not isinstance(self.causal, bool) or not isinstance(self.merge_short, bool):
+            raise FlamiaError("TileConfig.causal and TileConfig.merge_short must be bool")
+
+
+# ----------------------------------------------------------------------------------------------
+# host reference
+# ----------------------------------------------------------------------------------------------
+
+
+def _tiles(first_key: int, last_key: int, block_n: int) -> int:
+    """Number of BLOCK_N tiles of the row grid touched by keys first_key..last_key (inclusive)."""
+    return last_key // block_n - first_key // block_n + 1
+
+
+def build_work_list_host(cu_seqlens, config: TileConfig = TileConfig()) -> np.ndarray:
+    """Plain-Python reference work list (the definition the other builders are tested against).
+
+    Args:
+        cu_seqlens: ``(n_docs + 1,)`` int32/int64 (numpy or torch), validated with
+            :func:`flamia_pack.varlen.validate_cu_seqlens` (first 0, strictly increasing).
+        config: tile geometry and options (:class:`TileConfig`).
+
+    Returns:
+        ``(n_items, 4)`` int32 numpy array, columns :data:`ITEM_COLUMNS`, sorted by decreasing
+        cost then ``(doc, q_start)``. ``(0, 4)`` for zero documents.
+
+    Raises:
+        MetadataError: invalid ``cu_seqlens``.
+    """
+    cu = [int(x) for x in validate_cu_seqlens(cu_seqlens)]
+    bm, bn = config.block_m, config.block_n
+    items: list[tuple[int, int, int, int]] = []
+    d = 0
+    n = len(cu) - 1
+    while d < n:
+        s, e = cu[d], cu[d + 1]
+        contained = s // bm == (e - 1) // bm
+        if config.merge_short and contained:
+            # take the run of following documents inside the same aligned window
+            last = d
+            while last + 1 < n and cu[last + 1] // bm == s // bm and (cu[last + 2] - 1) // bm == s // bm:
+                last += 1
+            q_end = cu[last + 1]
+            items.append((d, s, q_end, _tiles(s, q_end - 1, bn)))
+            d = last + 1
+            continue
+        q = s
+        while q < e:
+            q_end = min(q + bm, e)
+            last_key = q_end - 1 if config.causal else e - 1
+            items.append((d, q, q_end, _tiles(s, last_key, bn)))
+            q = q_end
+        d += 1
+    items.sort(key=lambda it: (-it[3], it[0], it[1]))
+    return np.array(items, dtype=np.int32).reshape(-1, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# numba host builder
+# ----------------------------------------------------------------------------------------------
+
+_numba_kernel = None
+
+
+def _get_numba_kernel():
+    global _numba_kernel
+    if _numba_kernel is None:
+        import numba
+
+        @numba.njit(cache=True, nogil=True)
+        def _expand(cu, bm, bn, causal, merge):  # pragma: no cover - compiled
+            n = cu.shape[0] - 1
+            # count
+            cnt = 0
+            d = 0
+            while d < n:
+                s = cu[d]
+                e = cu[d + 1]
+                if merge and s // bm == (e - 1) // bm:
+                    w = s // bm
+                    while d + 1 < n and cu[d + 1] // bm == w and (cu[d + 2] - 1) // bm == w:
+                        d += 1
+                    cnt += 1
+                else:
+                    cnt += (e - s + bm - 1) // bm
+                d += 1
+            out = np.empty((cnt, 4), np.int32)
+            k = 0
+            d = 0
+            while d < n:
+                s = cu[d]
+                e = cu[d + 1]
+                if merge and s // bm == (e - 1) // bm:
+                    w = s // bm
+                    first = d
+                    while d + 1 < n and cu[d + 1] // bm == w and (cu[d + 2] - 1) // bm == w:
+                        d += 1
+                    q_end = cu[d + 1]
+                    out[k, 0] = first
+                    out[k, 1] = s
+                    out[k, 2] = q_end
+                    out[k, 3] = (q_end - 1) // bn - s // bn + 1
+                    k += 1
+                else:
+                    q = s
+                    while q < e:
+                        q_end = min(q + bm, e)
+                        last_key = q_end - 1 if causal else e - 1
+                        out[k, 0] = d
+                        out[k, 1] = q
+                        out[k, 2] = q_end
+                        out[k, 3] = last_key // bn - s // bn + 1
+                        k += 1
+                        q = q_end
+                d += 1
+            # items are generated in (doc, q_start) order: a stable sort on -cost gives the order
+            order = np.argsort(-out[:, 3], kind="mergesort")
+            return out[order]
+
+        _numba_kernel = _expand
+    return _numba_kernel
+
+
+def build_work_list_numba(cu_seqlens, config: TileConfig = TileConfig()) -> np.ndarray:
+    """Same result as :func:`build_work_list_host`, from a compiled numba loop.
+
+    Args/Returns/Raises: as :func:`build_work_list_host`. The first call compiles (cached on disk).
+    """
+    cu = validate_cu_seqlens(cu_seqlens)
+    if cu[-1] >= 2**31:
+        raise MetadataError(f"cu_seqlens[-1]={int(cu[-1])} does not fit the int32 item table")
+    return _get_numba_kernel()(cu, config.block_m, config.block_n, config.causal, config.merge_short)
+
+
+# ----------------------------------------------------------------------------------------------
+# device builder
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkList:
+    """A work list on the device, sized statically for CUDA graphs.
+
+    Attributes:
+        items: ``(max_items, 4)`` int32 on the device, columns :data:`ITEM_COLUMNS`, sorted by
+            decreasing cost then ``(doc, q_start)``; rows ``>= num_items`` are filled with -1.
+        num_items: ``(1,)`` int32 on the device: number of valid rows.
+        max_items: static row count of ``items``.
+        config: the :class:`TileConfig` the list was built for.
+    """
+
+    items: torch.Tensor
+    num_items: torch.Tensor
+    max_items: int
+    config: TileConfig = field(default_factory=TileConfig)
+
+    def to_numpy(self) -> np.ndarray:
+        """Valid rows as a ``(num_items, 4)`` int32 numpy array (syncs; for tests and tools)."""
+        return work_list_to_numpy(self)
+
+
+def work_list_to_numpy(wl: WorkList) -> np.ndarray:
+    """Copy the valid rows of ``wl`` to the host: ``(num_items, 4)`` int32 (one sync)."""
+    n = int(wl.num_items.to("cpu")[0])
+    return wl.items[:n].to("cpu").numpy().copy()
+
+
+def max_work_items(total_tokens: int, max_docs: int | None = None, config: TileConfig = TileConfig()) -> int:
+    """Static upper bound on the number of items for any row of ``total_tokens`` tokens.
+
+    Used to size the work-list buffers (CUDA graphs need fixed sizes).
+
+    Without merging, a document of length L makes ``ceil(L / BLOCK_M) <= L // BLOCK_M + 1`` items,
+    so ``n_items <= T // BLOCK_M + n_docs`` and ``n_items <= T`` (one token at least per item).
+    With ``merge_short`` there is at most one merged item per aligned window
+    (``ceil(T / BLOCK_M)``), and the remaining documents each cross one of the
+    ``ceil(T / BLOCK_M) - 1`` window boundaries (a boundary is crossed by one document at most),
+    so their items number at most ``T // BLOCK_M + ceil(T / BLOCK_M) - 1``.
+
+    Args:
+        total_tokens: T, tokens of the row (or its capacity); >= 0.
+        max_docs: upper bound on documents per row, or None (then T).
+        config: tile geometry.
+
+    Returns:
+        int >= 0.
+    """
+    t = int(total_tokens)
+    if t < 0:
+        raise FlamiaError(f"total_tokens must be >= 0, got {total_tokens}")
+    bm = config.block_m
+    n = t if max_docs is None else min(int(max_docs), t)
+    bound = min(t, t // bm + n)
+    if config.merge_short:
+        windows = -(-t // bm)
+        bound = min(bound, windows + t // bm + max(windows - 1, 0))
+    return bound
+
+
+def _cost_key_dtype(total_tokens: int, block_n: int) -> torch.dtype:
+    # smallest signed key for -cost; fewer radix-sort passes
+    max_cost = total_tokens // block_n + 2
+    return torch.int16 if max_cost < 2**15 - 1 else torch.int32
+
+
+_ARANGE_CACHE: dict = {}
+
+
+def _arange(m: int, device: torch.device) -> torch.Tensor:
+    key = (m, str(device))
+    a = _ARANGE_CACHE.get(key)
+    if a is None:
+        a = torch.arange(m, device=device, dtype=torch.int64)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ARANGE_CACHE[key] = a
+    return a
+
+
+def _expand_torch(cu: torch.Tensor, m: int, config: TileConfig):
+    """Unsorted item fields (int64, length m, in (doc, q_start) order) and the item count.
+
+    Fixed shapes; no host sync. Rows >= count hold garbage and are masked by the caller.
+    """
+    bm, bn = config.block_m, config.block_n
+    n = cu.numel() - 1
+    starts = cu[:-1]
+    ends = cu[1:]
+    if config.merge_short:
+        w = torch.div(starts, bm, rounding_mode="floor")
+        contained = w == torch.div(ends - 1, bm, rounding_mode="floor")
+        # a contained doc continues its predecessor's run if that one is contained in the same window
+        prev_same = torch.zeros_like(contained)
+        if n > 1:
+            prev_same[1:] = contained[:-1] & (w[:-1] == w[1:])
+        run_head = contained & ~prev_same
+        cnt = torch.where(contained, run_head.to(torch.int64), torch.div(ends - starts + (bm - 1), bm, rounding_mode="floor"))
+    else:
+        cnt = torch.div(ends - starts + (bm - 1), bm, rounding_mode="floor")
+    offs = torch.cumsum(cnt, 0)  # inclusive
+    j = _arange(m, cu.device)
+    d = torch.searchsorted(offs, j, right=True).clamp_(max=n - 1)
+    total = offs[-1:]
+    first = offs[d] - cnt[d]
+    s = starts[d]
+    e = ends[d]
+    qs = s + (j - first) * bm
+    valid = j < total
+    if config.merge_short:
+        # items tile the used part of the row contiguously and in order, so an item ends where
+        # the next one starts (the last one at cu[-1]); needed for merged runs.
+        qs = torch.where(valid, qs, cu[-1:])
+        qe = torch.cat([qs[1:], cu[-1:]])
+        first_key = torch.where(contained[d], qs, s)
+    else:
+        qe = torch.minimum(qs + bm, e)
+        first_key = s
+    if config.causal or config.merge_short:
+        last_key = qe - 1 if config.causal else torch.where(contained[d], qe - 1, e - 1)
+    else:
+        last_key = e - 1
+    cost = torch.div(last_key, bn, rounding_mode="floor") - torch.div(first_key, bn, rounding_mode="floor") + 1
+    return d, qs, qe, cost, valid, total
+
+
+def _validate_device_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
+    arr = validate_cu_seqlens(cu_seqlens)
+    if int(arr[-1]) > int(total_tokens):
+        raise MetadataError(
+            f"cu_seqlens[-1]={int(arr[-1])} exceeds total_tokens={int(total_tokens)} "
+            "(the row length the work list is sized for; tokens past cu_seqlens[-1] are row-end padding)"
+        )
+    if int(total_tokens) >= 2**31:
+        raise MetadataError(f"total_tokens={int(total_tokens)} does not fit the int32 item table")
+
+
+def build_work_list(
+    cu_seqlens: torch.Tensor,
+    total_tokens: int,
+    config: TileConfig = TileConfig(),
+    *,
+    max_items: int | None = None,
+    validate: bool = True,
+    out: WorkList | None = None,
+    backend: str = "auto",
+) -> WorkList:
+    """Build the sorted work list on ``cu_seqlens.device`` (DESIGN.md §6, seed 001 Algorithm 2).
+
+    All work runs on the tensor's device with fixed output sizes: with ``validate=False`` there is
+    no host synchronisation and the call can be captured in a CUDA graph (pass ``out`` to write
+    into fixed buffers, and build ``cu_seqlens`` in a fixed buffer too). CPU tensors take the same
+    torch code path, which the tests compare to :func:`build_work_list_host`.
+
+    Args:
+        cu_seqlens: ``(n_docs + 1,)`` int32 or int64 tensor (row-local offsets, first 0, strictly
+            increasing, last <= total_tokens). ``n_docs`` is static (the tensor's shape).
+        total_tokens: T, the row length (or capacity) the buffers are sized for; tokens past
+            ``cu_seqlens[-1]`` are row-end padding and belong to no item.
+        config: :class:`TileConfig`.
+        max_items: row count of the output; default :func:`max_work_items(T, n_docs, config)`,
+            which can never overflow.
+        validate: check ``cu_seqlens`` (one host copy) and, when ``max_items`` is given, that the
+            list fits. With False, invalid input gives undefined rows and an overflowing list is
+            truncated (``num_items`` still reports the full count).
+        out: optional preallocated :class:`WorkList` (same device, ``max_items`` rows) to fill.
+        backend: ``"torch"`` (any device), ``"triton"`` (CUDA; fused expansion kernel) or
+            ``"auto"`` (triton on CUDA when available, else torch).
+
+    Returns:
+        :class:`WorkList` (``items`` (max_items, 4) int32, ``num_items`` (1,) int32).
+
+    Raises:
+        MetadataError: invalid ``cu_seqlens`` (validate=True), or the list exceeds ``max_items``.
+        FlamiaError: unknown backend, or ``out`` of the wrong shape/device.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise MetadataError(f"cu_seqlens must be a torch.Tensor for build_work_list, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise MetadataError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise MetadataError(f"cu_seqlens must be 1-D of shape (n_docs + 1,), got shape {tuple(cu_seqlens.shape)}")
+    if validate:
+        _validate_device_cu(cu_seqlens, total_tokens)
+    device = cu_seqlens.device
+    n = cu_seqlens.numel() - 1
+    m = max_work_items(total_tokens, n, config) if max_items is None else int(max_items)
+    if out is not None:
+        if out.items.shape != (m, 4) or out.items.device != device or out.items.dtype != torch.int32:
+            raise FlamiaError(
+                f"out.items must be ({m}, 4) int32 on {device}, got {tuple(out.items.shape)} {out.items.dtype} on {out.items.device}"
+            )
+        out.config = config
+        out.max_items = m
+        wl = out
+    else:
+        wl = WorkList(
+            items=torch.empty((m, 4), dtype=torch.int32, device=device),
+            num_items=torch.empty((1,), dtype=torch.int32, device=device),
+            max_items=m,
+            config=config,
+        )
+    if n == 0 or m == 0:
+        wl.items.fill_(-1)
+        wl.num_items.zero_()
+        if validate and n > 0 and m == 0:
+            raise MetadataError(f"work list does not fit max_items={m}")
+        return wl
+    if backend not in ("auto", "torch", "triton"):
+        raise FlamiaError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    use_triton = backend == "triton" or (backend == "auto" and device.type == "cuda" and _triton_available())
+    if use_triton:
+        if device.type != "cuda":
+            raise FlamiaError("backend='triton' needs a CUDA tensor")
+        from flamia_pack.scheduler import _worklist_triton
+
+        _worklist_triton.build_into(cu_seqlens, int(total_tokens), config, wl)
+    else:
+        _build_torch_into(cu_seqlens, int(total_tokens), config, wl)
+    if validate and max_items is not None:
+        count = int(wl.num_items.to("cpu")[0])
+        if count > m:
+            raise MetadataError(f"work list has {count} items but max_items={m}; use max_work_items()")
+    return wl
+
+
+def _build_torch_into(cu_seqlens: torch.Tensor, total_tokens: int, config: TileConfig, wl: WorkList) -> None:
+    m = wl.max_items
+    cu = cu_seqlens.to(torch.int64)
+    d, qs, qe, cost, valid, total = _expand_torch(cu, m, config)
+    key = torch.where(valid, -cost, 1).to(_cost_key_dtype(total_tokens, config.block_n))
+    _, perm = torch.sort(key, stable=True)
+    table = torch.stack([d, qs, qe, cost], dim=1).to(torch.int32)
+    table = torch.where(valid[:, None], table, -1)
+    torch.index_select(table, 0, perm, out=wl.items)
+    wl.num_items.copy_(total)
+
+
+_TRITON_OK: bool | None = None
+
+
+def _triton_available() -> bool:
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        try:
+            import triton  # noqa: F401
+
+            from flamia_pack.scheduler import _worklist_triton  # noqa: F401
+
+            _TRITON_OK = True
+        except Exception:  # pragma: no cover - depends on the install
+            _TRITON_OK = False
+    return _TRITON_OK
+
+
+# ----------------------------------------------------------------------------------------------
+# static (snake) assignment
+# ----------------------------------------------------------------------------------------------
+
+
+def static_assignment(items: torch.Tensor | np.ndarray, num_items, num_ctas: int) -> torch.Tensor | np.ndarray:
+    """Snake (alternating) assignment of the sorted items over ``num_ctas`` persistent CTAs.
+
+    Item ``k`` of the sorted list goes to CTA ``k % P`` in even rounds (``k // P`` even) and to
+    ``P - 1 - k % P`` in odd rounds (seed 001 Algorithm 2 line 06). CTA ``c`` processes its items
+    in increasing ``k``. Works on torch tensors (any device, no host sync) and numpy arrays.
+
+    Args:
+        items: ``(max_items, 4)`` int32 item table (only its row count is used).
+        num_items: ``(1,)`` int32 device tensor or an int: number of valid rows.
+        num_ctas: P >= 1.
+
+    Returns:
+        ``(max_items,)`` int32 CTA id per item, -1 for rows ``>= num_items`` (same library/device as
+        ``items``).
+    """
+    p = int(num_ctas)
+    if p < 1:
+        raise FlamiaError(f"num_ctas must be >= 1, got {num_ctas}")
+    m = items.shape[0]
+    if isinstance(items, torch.Tensor):
+        k = torch.arange(m, device=items.device, dtype=torch.int32)
+        r = torch.div(k, p, rounding_mode="floor")
+        pos = k - r * p
+        cta = torch.where((r & 1) == 0, pos, p - 1 - pos)
+        if isinstance(num_items, torch.Tensor):
+            lim = num_items.to(device=items.device, dtype=torch.int32)
+        else:
+            lim = torch.tensor([int(num_items)], device=items.device, dtype=torch.int32)
+        return torch.where(k < lim, cta, -1).to(torch.int32)
+    k = np.arange(m, dtype=np.int64)
+    r = k // p
+    pos = k % p
+    cta = np.where(r % 2 == 0, pos, p - 1 - pos)
+    return np.where(k < int(np.asarray(num_items).reshape(-1)[0]), cta, -1).astype(np.int32)
