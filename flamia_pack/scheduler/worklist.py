@@ -335,7 +335,8 @@ def _expand_torch(cu: torch.Tensor, m: int, config: TileConfig):
     ends = cu[1:]
     if config.merge_short:
         w = torch.div(starts, bm, rounding_mode="floor")
-        contained = w == torch.div(ends - 1, bm, rounding_mode="floor")
+        # (ends > starts): empty trailing segments of a padded cu_seqlens buffer make no item
+        contained = (w == torch.div(ends - 1, bm, rounding_mode="floor")) & (ends > starts)
         # a contained doc continues its predecessor's run if that one is contained in the same window
         prev_same = torch.zeros_like(contained)
         if n > 1:
@@ -400,7 +401,9 @@ def build_work_list(
 
     Args:
         cu_seqlens: ``(n_docs + 1,)`` int32 or int64 tensor (row-local offsets, first 0, strictly
-            increasing, last <= total_tokens). ``n_docs`` is static (the tensor's shape).
+            increasing, last <= total_tokens). ``n_docs`` is static (the tensor's shape). For CUDA
+            graphs that replay over rows with different document counts, pad the buffer with its
+            last value (empty TRAILING segments make no item; accepted with ``validate=False``).
         total_tokens: T, the row length (or capacity) the buffers are sized for; tokens past
             ``cu_seqlens[-1]`` are row-end padding and belong to no item.
         config: :class:`TileConfig`.

@@ -1,0 +1,222 @@
+"""Cost functions, policy rule, schedule simulator and predict (DESIGN.md §6)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flamia_pack.errors import FlamiaError
+from flamia_pack.scheduler import (
+    Calibration,
+    TileConfig,
+    attention_flops,
+    build_work_list_host,
+    choose_policy,
+    fit_calibration,
+    kernel_path,
+    load_calibration,
+    predict,
+    simulate_schedule,
+    tile_count,
+    visible_pairs,
+    workload_lengths,
+)
+from flamia_pack.scheduler.simulate import memory_bytes
+
+
+def test_visible_pairs_seed_examples():
+    # seed 001 §6: 16 x 4096 -> 134,250,496; 8192 + 224 x 256 -> 40,927,232
+    assert visible_pairs([4096] * 16) == 134_250_496
+    assert visible_pairs(workload_lengths("W2")) == 40_927_232
+    assert visible_pairs([3, 1], causal=False) == 10
+    assert visible_pairs([3, 1], causal=True) == 7
+    assert visible_pairs([]) == 0
+    # exact beyond int64 squares
+    assert visible_pairs([2**40], causal=False) == 2**80
+
+
+def test_flops_against_workloads_md():
+    # W1 fwd+bwd FlexAttention 11.40 ms; WORKLOADS.md best W1 fwd+bwd 473 TFLOP/s at padded SDPA's 8.14 ms
+    w1 = workload_lengths("W1")
+    fwd = attention_flops(w1, 16, 128)
+    assert fwd == 4 * 16 * 128 * 134_250_496
+    assert attention_flops(w1, 16, 128, backward=True) == pytest.approx(2.5 * fwd)
+    assert attention_flops(w1, 16, 128, mode="bwd") == pytest.approx(2.5 * fwd)
+    total = attention_flops(w1, 16, 128, mode="fwd_bwd")
+    assert total == pytest.approx(3.5 * fwd)
+    assert round(total / 8.14e-3 / 1e12) == 473
+    # W4: 549 TFLOP/s at 112.1 ms
+    assert round(attention_flops(workload_lengths("W4"), 16, 128, mode="fwd_bwd") / 112.1e-3 / 1e12) == 549
+    with pytest.raises(FlamiaError):
+        attention_flops(w1, 16, 128, mode="both")
+
+
+def test_tile_count_equals_sum_of_item_costs():
+    cu = np.array([0, 5, 300, 1000])
+    for cfg in (TileConfig(), TileConfig(causal=False), TileConfig(block_m=64, block_n=32, merge_short=True)):
+        assert tile_count(cu, cfg) == int(build_work_list_host(cu, cfg)[:, 3].sum())
+    # aligned causal doc of 4096 with 128x128 tiles: 32 * 33 / 2 tiles
+    assert tile_count(np.array([0, 4096]), TileConfig()) == 32 * 33 // 2
+
+
+def test_workload_mixes_match_workloads_md():
+    for name in ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9"):
+        assert workload_lengths(name).sum() == 65536, name
+    w6 = workload_lengths("W6")
+    assert w6[:-1].min() >= 16 and w6.max() <= 32768
+    s2 = workload_lengths("S2")
+    assert s2.sum() == 131072 and len(s2) == 145  # WORKLOADS.md: "seed 1; 145 documents"
+    assert round(len(s2) * s2.max() / s2.sum(), 1) == 9.4  # "padded-to-longest would need 9.4x"
+    with pytest.raises(FlamiaError):
+        workload_lengths("W10")
+
+
+def test_policy_rule():
+    assert choose_policy([10, 10], causal=True)[0] == "dynamic"
+    assert choose_policy([100, 100, 100, 100], causal=False)[0] == "static"
+    # max = 4 x mean exactly -> dynamic (>=)
+    lens = [400] + [0] * 3  # mean 100
+    assert choose_policy(lens, causal=False)[0] == "dynamic"
+    assert choose_policy([399, 1, 0, 0], causal=False)[0] == "static"  # mean 100, max 399
+    pol, why = choose_policy([1, 1], causal=True, override="static")
+    assert pol == "static" and "explicit" in why
+    with pytest.raises(FlamiaError):
+        choose_policy([1], causal=True, override="fast")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    costs=st.lists(st.integers(0, 50), min_size=0, max_size=300),
+    p=st.integers(1, 20),
+    a=st.floats(0.1, 10),
+    b=st.floats(0, 5),
+)
+def test_simulator_invariants(costs, p, a, b):
+    c = np.sort(np.asarray(costs, dtype=np.int64))[::-1]
+    t = a * c + b
+    for policy in ("static", "dynamic"):
+        s = simulate_schedule(c, p, a, b, policy)
+        if len(c) == 0:
+            assert s.makespan_us == 0
+            continue
+        lower = max(t.sum() / p, t.max())
+        assert s.makespan_us >= lower * (1 - 1e-12)
+        assert s.makespan_us <= t.sum() * (1 + 1e-12)
+        assert s.per_sm_busy_us.sum() == pytest.approx(t.sum())
+        assert 0 <= s.busy_fraction <= 1 + 1e-12
+        if t.sum() > 0:
+            assert s.busy_fraction > 0
+        # intervals: each unit once, durations right, no overlap on an SM, none after the makespan
+        assert np.allclose(s.end_us - s.start_us, t)
+        assert s.end_us.max() == pytest.approx(s.makespan_us)
+        for sm in range(p):
+            sel = np.sort(s.start_us[s.sm == sm])
+            ends = np.sort(s.end_us[s.sm == sm])
+            assert np.all(sel[1:] >= ends[:-1] - 1e-9)
+        if p == 1:
+            assert s.makespan_us == pytest.approx(t.sum())
+    # greedy list scheduling (dynamic) is within 2x of the optimum, hence of the lower bound
+    d = simulate_schedule(c, p, a, b, "dynamic")
+    if len(c):
+        assert d.makespan_us <= 2 * max(t.sum() / p, t.max()) + 1e-9
+
+
+def test_simulator_static_snake_and_dynamic_order():
+    costs = np.array([4, 3, 2, 1, 1, 1])
+    s = simulate_schedule(costs, 2, 1.0, 0.0, "static")
+    # snake over 2 SMs: SM0 gets units 0,3,4 (4+1+1), SM1 gets 1,2,5 (3+2+1)
+    assert s.sm.tolist() == [0, 1, 1, 0, 0, 1]
+    assert s.makespan_us == 6
+    d = simulate_schedule(costs, 2, 1.0, 0.0, "dynamic")
+    # greedy: SM0 [0,4), SM1 [0,3) then unit 2 on SM1 [3,5), unit 3 on SM0 [4,5), 4 on SM0 (tie -> lower id), 5 on SM1
+    assert d.sm.tolist() == [0, 1, 1, 0, 0, 1]
+    assert d.start_us.tolist() == [0, 0, 3, 4, 5, 5]
+    assert d.makespan_us == 6
+    with pytest.raises(FlamiaError):
+        simulate_schedule(costs, 2, 1.0, 0.0, "random")
+
+
+def test_calibration_table_and_lookup(tmp_path):
+    table = load_calibration()
+    for prec in ("bf16", "fp8"):
+        for pas in ("fwd", "bwd", "fwd_bwd"):
+            for d in (64, 128):
+                cal = table.lookup(kernel_path(prec, pas), d, "H200")
+                assert cal.a_us_per_tile > 0 and cal.b_us_per_item >= 0 and cal.source
+    with pytest.raises(FlamiaError, match="available"):
+        table.lookup("bf16_fwd", 96)
+    bad = tmp_path / "cal.json"
+    bad.write_text(json.dumps({"version": "x"}))
+    with pytest.raises(FlamiaError, match="malformed"):
+        load_calibration(bad)
+    with pytest.raises(FlamiaError):
+        kernel_path("fp4", "fwd")
+
+
+def test_fit_calibration_recovers_known_model():
+    a, b = 3.0, 7.0
+    samples = []
+    for name in ("W1", "W3", "W7", "W4"):
+        p = predict(workload_lengths(name), calibration=Calibration(kernel_path="bf16_fwd", head_dim=128, gpu="H200",
+                                                                      a_us_per_tile=a, b_us_per_item=b), pass_="fwd")
+        samples.append((workload_lengths(name), 16, p.dynamic_ms * 1e3))
+    fa, fb = fit_calibration(samples)
+    assert fa == pytest.approx(a, rel=0.03) and fb == pytest.approx(b, rel=0.15)
+
+
+def test_predict_w1_and_reports_everything():
+    p = predict(workload_lengths("W1"))
+    assert p.docs == 16 and p.tokens == 65536 and p.pairs == 134_250_496
+    assert p.items == 16 * 32 and p.tiles == 16 * 32 * 33 // 2 and p.units == p.items * 16
+    assert p.flops == attention_flops(workload_lengths("W1"), 16, 128, mode="fwd_bwd")
+    assert p.policy == "dynamic" and p.predicted_ms == p.dynamic_ms
+    # both schedules are at least the balanced lower bound
+    t = p.a_us_per_tile * p.tiles * 16 + p.b_us_per_item * p.units
+    assert p.static_ms * 1e3 >= t / 132 - 1e-6 and p.dynamic_ms * 1e3 >= t / 132 - 1e-6
+    assert p.memory_packed_bytes == p.memory_padded_bytes  # equal lengths: no padding
+    d = p.to_dict()
+    json.dumps(d)
+    assert set(d["schedules"]) == {"static", "dynamic"}
+    assert p.calibration_version
+
+
+def test_predict_memory_padded_vs_packed_s2():
+    s2 = workload_lengths("S2")
+    p = predict(s2, pass_="fwd_bwd")
+    assert p.memory_padded_bytes / p.memory_packed_bytes == pytest.approx(145 * s2.max() / 131072)
+    # q,k,v,o,dO,dq,dk,dv in bf16 + fp32 lse: 8 * T * H * D * 2 + 4 * T * H
+    assert p.memory_packed_bytes == 8 * 131072 * 16 * 128 * 2 + 4 * 131072 * 16
+    assert memory_bytes(10, 16, 4, 64, "fwd") == 2 * 10 * 64 * (32 + 8) + 4 * 10 * 16
+
+
+def test_predict_options_and_errors():
+    lens = [4000, 10, 10, 10, 10]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    a = predict(lens, num_kv_heads=4, capacity=4096, causal=False, precision="fp8", pass_="fwd")
+    b = predict(cu_seqlens=cu, num_kv_heads=4, capacity=4096, causal=False, precision="fp8", pass_="fwd")
+    assert a.to_dict() == b.to_dict()
+    assert a.policy == "dynamic" and "skewed" in a.reason  # max 4000 >= 4 x mean 808
+    assert predict(lens[:3], causal=False).policy == "static"  # 4000 < 4 x 1340
+    assert a.capacity == 4096 and a.kernel_path == "fp8_fwd"
+    s = predict(lens, policy="static")
+    assert s.policy == "static" and s.predicted_ms == s.static_ms
+    for kwargs in (dict(capacity=10), dict(num_heads=16, num_kv_heads=5), dict(precision="fp4"), dict(head_dim=96)):
+        with pytest.raises(FlamiaError):
+            predict(lens, **kwargs)
+    with pytest.raises(FlamiaError):
+        predict([])
+    with pytest.raises(FlamiaError):
+        predict([5, 0, 3])
+    with pytest.raises(FlamiaError):
+        predict(lens, cu_seqlens=cu)
+
+
+def test_predict_merge_short_makes_one_token_documents_cheap():
+    lens = np.ones(8192, np.int64)
+    plain = predict(lens, pass_="fwd")
+    merged = predict(lens, pass_="fwd", config=TileConfig(merge_short=True))
+    assert plain.items == 8192 and merged.items == 64
+    assert merged.dynamic_ms < plain.dynamic_ms / 50
