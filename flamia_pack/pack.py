@@ -672,18 +672,28 @@ def plan_packing(lengths: np.ndarray, config: PackConfig) -> PackPlan:
 @numba.njit(cache=True, nogil=True)
 def _fill_rows(tokens, doc_starts, seg_doc, seg_src, seg_len, seg_row_start, row_offsets, row_used,
                capacity, pad_id, input_ids, position_ids):  # pragma: no cover - compiled
+    """Copy every segment's tokens into its row, write positions 0..len-1 and the row-end padding.
+
+    The inner loops run over 1-D slices with a non-negative loop index, so LLVM vectorises them
+    (indexing the 2-D arrays directly with a computed offset was about 4x slower: wraparound checks).
+    """
     n_rows = row_used.shape[0]
     for r in range(n_rows):
-        out_ids = input_ids[r]
-        out_pos = position_ids[r]
         for s in range(row_offsets[r], row_offsets[r + 1]):
             src = doc_starts[seg_doc[s]] + seg_src[s]
-            dst = seg_row_start[s]
-            L = seg_len[s]
+            dst = np.int64(seg_row_start[s])
+            L = np.int64(seg_len[s])
+            out_ids = input_ids[r, dst:dst + L]
+            out_pos = position_ids[r, dst:dst + L]
+            inp = tokens[src:src + L]
             for j in range(L):
-                out_ids[dst + j] = tokens[src + j]
-                out_pos[dst + j] = j
-        for j in range(row_used[r], capacity):
+                out_ids[j] = inp[j]
+            for j in range(L):
+                out_pos[j] = j
+        u = np.int64(row_used[r])
+        out_ids = input_ids[r, u:]
+        out_pos = position_ids[r, u:]
+        for j in range(capacity - u):
             out_ids[j] = pad_id
             out_pos[j] = 0
 
@@ -724,6 +734,9 @@ def _validate_flat_tokens(tokens: np.ndarray, doc_offsets: np.ndarray) -> None:
         return
     if tokens.dtype.itemsize < 4 and tokens.dtype.kind == "u":
         return  # uint8/uint16 are always in range
+    narrow = tokens.dtype.itemsize < 4 or tokens.dtype == np.int32  # cannot exceed 2**31 - 1
+    if int(tokens.min()) >= 0 and (narrow or int(tokens.max()) < _TOKEN_LIMIT):
+        return
     bad = int(_first_bad_token(tokens))
     if bad >= 0:
         doc = int(np.searchsorted(doc_offsets, bad, side="right")) - 1
@@ -794,7 +807,7 @@ def _bad_doc(arrs: list[np.ndarray]) -> None:
     for i, a in enumerate(arrs):
         if a.ndim != 1:
             raise SourceError(f"document {i}: token ids must be a 1-D sequence, got shape {a.shape}")
-        if a.size and a.dtype.kind not in "iu":
+        if a.size and a.dtype.kind not in "iu":  # bool is rejected too: not a token id
             raise SourceError(f"document {i}: token ids must be integers, got dtype {a.dtype}")
 
 
@@ -829,6 +842,8 @@ def pack_documents(docs: Sequence[np.ndarray] | Iterable[Sequence[int]], config:
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     nonempty = [a for a in arrs if a.size]
+    if {a.dtype.kind for a in nonempty} - {"i", "u"}:  # bool/float/str/object: name the document
+        _bad_doc(arrs)
     if nonempty:
         try:
             flat = np.concatenate(nonempty)

@@ -318,6 +318,9 @@ def test_config_is_frozen_and_keyword_only() -> None:
         ([[1], [[1, 2], [3]]], "document 1"),
         ([np.array([1], dtype=np.uint64), np.array([-1], dtype=np.int64)], "document 1"),
         ([np.array([2**40], dtype=np.uint64), np.array([1], dtype=np.int64)], "document 0"),
+        ([np.array([1], dtype=np.uint32), np.array([2**31], dtype=np.uint32)], "document 1"),
+        ([np.array([3], dtype=np.int8), np.array([4, -2], dtype=np.int8)], "document 1"),
+        ([[0], np.array([True])], "document 1"),
     ],
 )
 def test_bad_tokens(docs, match) -> None:
