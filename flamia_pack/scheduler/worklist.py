@@ -54,7 +54,7 @@ Builders
 """
 from __future__ import annotations
 
-import math
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -463,7 +463,15 @@ def build_work_list(
             raise FlamiaError("backend='triton' needs a CUDA tensor")
         from flamia_pack.scheduler import _worklist_triton
 
-        _worklist_triton.build_into(cu_seqlens, int(total_tokens), config, wl)
+        try:
+            _worklist_triton.build_into(cu_seqlens, int(total_tokens), config, wl)
+        except Exception as exc:  # compile/launch failure of the optional fast path
+            if backend == "triton":
+                raise
+            global _TRITON_OK
+            _TRITON_OK = False
+            warnings.warn(f"Triton work-list builder failed ({exc!r}); using the torch builder", RuntimeWarning)
+            _build_torch_into(cu_seqlens, int(total_tokens), config, wl)
     else:
         _build_torch_into(cu_seqlens, int(total_tokens), config, wl)
     if validate and max_items is not None:
