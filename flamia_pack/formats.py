@@ -1,0 +1,764 @@
+"""On-disk format of packed rows: parquet shards + ``manifest.json`` (DESIGN.md §3 "Output").
+
+Layout of an output directory ``OUT``::
+
+    OUT/train-00000.parquet     shard 0: one record per packed row
+    OUT/train-00001.parquet     ...
+    OUT/manifest.json           written LAST: its presence (and validity) marks OUT complete
+
+Shards are named ``train-NNNNN.parquet`` (not ``shard-*``) so that
+``datasets.load_dataset("parquet", data_dir=OUT)`` picks exactly the shards as split ``train``:
+``datasets`` matches split names in file names, and would otherwise also try to read
+``manifest.json`` as parquet. Temporary and progress files start with ``.`` (hidden), so
+``datasets`` ignores them too.
+
+Columns of every shard (one record = one row of :class:`~flamia_pack.pack.PackedRows`):
+
+==============  ==================  =================================================
+column          arrow type          content
+==============  ==================  =================================================
+input_ids       list<int32>         ``capacity`` token ids, ``pad_id`` past num_tokens
+position_ids    list<int32>         ``capacity`` positions, restart at 0 per document
+cu_seqlens      list<int32>         ``n_docs + 1`` row-local offsets, 0 .. num_tokens
+doc_ids         list<int64>         ``n_docs`` source document index per segment
+chunk_ids       list<int32>         ``n_docs`` piece index per segment (split docs)
+num_tokens      int32               tokens used in the row (``cu_seqlens[-1]``)
+==============  ==================  =================================================
+
+The parquet schema metadata key ``flamia_pack`` holds ``{"format_version", "capacity",
+"pad_id"}`` as JSON. Compression: zstd.
+
+``manifest.json`` (format_version 1) holds: ``format_version``, ``writer``, ``created`` (UTC ISO
+8601), ``capacity``, ``algorithm``, ``long_docs``, ``pad_id``, ``tokenizer`` and ``source``
+(JSON objects describing the input), ``documents`` {in, packed, split, empty, dropped,
+truncated}, ``tokens`` {in, packed, dropped, dropped_reasons}, ``rows``, ``fill`` (tokens packed /
+(rows * capacity)), ``columns`` {name: arrow type}, and ``shards``: a list of {file, rows, sha256,
+content_key} in row order (``sha256`` of the file's bytes; ``content_key`` a sha256 of the
+logical row content, used to resume).
+
+Crash safety (DESIGN.md §3): every file is written to a hidden temp file in the same directory,
+flushed, ``fsync``-ed and moved into place with ``os.replace`` (atomic on POSIX), then the
+directory is ``fsync``-ed; so no shard is ever torn. ``write_packed`` first removes an existing
+``manifest.json`` (the directory is then "incomplete"), writes the shards while recording each
+finished one in ``.flamia-pack-progress.json``, removes stale temp files and shards that are not
+part of the new output, and writes ``manifest.json`` last. Re-running after a crash *resumes*: a
+shard whose file is listed (in the progress file or an old manifest) with the same
+``content_key`` and whose bytes still hash to the recorded ``sha256`` is kept; every other
+shard is rewritten. Only one writer per directory at a time is supported.
+
+Test hook: when the environment variable ``FLAMIA_TEST_CRASH_AFTER_SHARDS=N`` is set,
+``write_packed`` calls ``os._exit(86)`` right after it has written ``N`` new shards (before the
+manifest), to simulate a crash in tests. Never set it otherwise.
+
+Reading: :func:`read_manifest`, :func:`verify` (checksums, missing/extra shards) and
+:func:`iter_rows` (per-row dicts of numpy arrays, the same keys and dtypes as
+:meth:`PackedRows.row`), :func:`load_packed` (everything back as one ``PackedRows``).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import pathlib
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import pyarrow as pa
+
+from flamia_pack.errors import FlamiaError, FormatError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "COLUMNS",
+    "CRASH_ENV",
+    "Manifest",
+    "ShardInfo",
+    "default_shard_rows",
+    "write_packed",
+    "read_manifest",
+    "verify",
+    "iter_rows",
+    "load_packed",
+]
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+PROGRESS_NAME = ".flamia-pack-progress.json"
+CRASH_ENV = "FLAMIA_TEST_CRASH_AFTER_SHARDS"
+SHARD_TEMPLATE = "train-{:05d}.parquet"
+_SHARD_RE = re.compile(r"^train-\d{5,}\.parquet$")
+_TMP_RE = re.compile(r"^\.(train-\d{5,}\.parquet|manifest\.json|flamia-pack-progress\.json)\.tmp-\d+$")
+COLUMNS: dict[str, pa.DataType] = {
+    "input_ids": pa.list_(pa.int32()),
+    "position_ids": pa.list_(pa.int32()),
+    "cu_seqlens": pa.list_(pa.int32()),
+    "doc_ids": pa.list_(pa.int64()),
+    "chunk_ids": pa.list_(pa.int32()),
+    "num_tokens": pa.int32(),
+}
+_COMPRESSION = "zstd"
+_TARGET_SHARD_BYTES = 1 << 27  # ~128 MiB of uncompressed input_ids + position_ids per shard
+_TARGET_GROUP_BYTES = 1 << 24  # ~16 MiB per parquet row group
+_LIST_LIMIT = 2**31 - 1  # list<int32> offsets are int32
+
+
+# ---------------------------------------------------------------------------------------------
+# manifest
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardInfo:
+    """One shard file of an output directory (an entry of ``manifest.json``'s ``shards``)."""
+
+    file: str
+    """File name relative to the output directory, e.g. ``train-00000.parquet``."""
+    rows: int
+    """Packed rows (records) in the file."""
+    sha256: str
+    """Hex sha256 of the file's bytes."""
+    content_key: str
+    """Hex sha256 of the logical row content (arrays + capacity/pad_id/compression); resume key."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict."""
+        return {"file": self.file, "rows": self.rows, "sha256": self.sha256, "content_key": self.content_key}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """Parsed ``manifest.json`` of a packed output directory (see the module docstring).
+
+    ``documents`` has keys in, packed, split, empty, dropped, truncated; ``tokens`` has keys in,
+    packed, dropped, dropped_reasons (reason -> tokens). ``tokenizer``/``source`` are free-form
+    JSON objects describing the input (e.g. ``{"name": "bytes", "vocab_size": 256}``).
+    """
+
+    format_version: int
+    capacity: int
+    algorithm: Optional[str]
+    long_docs: Optional[str]
+    pad_id: int
+    tokenizer: Any
+    source: Any
+    documents: dict[str, int]
+    tokens: dict[str, Any]
+    rows: int
+    fill: float
+    shards: tuple[ShardInfo, ...]
+    columns: dict[str, str] = field(default_factory=lambda: {k: str(v) for k, v in COLUMNS.items()})
+    created: str = ""
+    writer: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict, keys in the documented order."""
+        return {
+            "format_version": self.format_version,
+            "writer": self.writer,
+            "created": self.created,
+            "capacity": self.capacity,
+            "algorithm": self.algorithm,
+            "long_docs": self.long_docs,
+            "pad_id": self.pad_id,
+            "tokenizer": self.tokenizer,
+            "source": self.source,
+            "documents": dict(self.documents),
+            "tokens": dict(self.tokens),
+            "rows": self.rows,
+            "fill": self.fill,
+            "columns": dict(self.columns),
+            "shards": [s.to_dict() for s in self.shards],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, *, where: str = "manifest") -> "Manifest":
+        """Validate and parse a manifest dict.
+
+        Raises:
+            FormatError: not an object, missing or mistyped key, unsupported format_version,
+                shard rows not adding up to ``rows``.
+        """
+        if not isinstance(d, dict):
+            raise FormatError(f"{where}: expected a JSON object, got {type(d).__name__}")
+
+        def get(key: str, types: type | tuple[type, ...], optional: bool = False) -> Any:
+            if key not in d:
+                raise FormatError(f"{where}: missing key {key!r}")
+            v = d[key]
+            if v is None and optional:
+                return None
+            if isinstance(v, bool) or not isinstance(v, types):
+                raise FormatError(f"{where}: key {key!r} has the wrong type ({type(v).__name__})")
+            return v
+
+        version = get("format_version", int)
+        if version != FORMAT_VERSION:
+            raise FormatError(f"{where}: format_version {version} is not supported (this flamia_pack reads {FORMAT_VERSION})")
+        shards_raw = get("shards", list)
+        shards = []
+        for i, s in enumerate(shards_raw):
+            if not isinstance(s, dict):
+                raise FormatError(f"{where}: shards[{i}] is not an object")
+            try:
+                file, rows, sha, key = s["file"], s["rows"], s["sha256"], s["content_key"]
+            except KeyError as e:
+                raise FormatError(f"{where}: shards[{i}] misses key {e.args[0]!r}") from None
+            if not (isinstance(file, str) and _SHARD_RE.match(file)):
+                raise FormatError(f"{where}: shards[{i}].file {file!r} is not a shard name like train-00000.parquet")
+            if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+                raise FormatError(f"{where}: shards[{i}].rows must be an integer >= 0")
+            if not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+                raise FormatError(f"{where}: shards[{i}].sha256 is not a hex sha256")
+            shards.append(ShardInfo(file=file, rows=rows, sha256=sha, content_key=str(key)))
+        m = cls(
+            format_version=version,
+            capacity=get("capacity", int),
+            algorithm=get("algorithm", str, optional=True),
+            long_docs=get("long_docs", str, optional=True),
+            pad_id=get("pad_id", int),
+            tokenizer=d.get("tokenizer"),
+            source=d.get("source"),
+            documents=get("documents", dict),
+            tokens=get("tokens", dict),
+            rows=get("rows", int),
+            fill=float(get("fill", (int, float))),
+            shards=tuple(shards),
+            columns=get("columns", dict),
+            created=str(d.get("created", "")),
+            writer=str(d.get("writer", "")),
+        )
+        if m.capacity < 1:
+            raise FormatError(f"{where}: capacity must be >= 1, got {m.capacity}")
+        if sum(s.rows for s in m.shards) != m.rows:
+            raise FormatError(f"{where}: shard rows add up to {sum(s.rows for s in m.shards)}, but rows is {m.rows}")
+        return m
+
+
+# ---------------------------------------------------------------------------------------------
+# small file-system helpers
+
+
+def _fsync_dir(d: pathlib.Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: pathlib.Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` atomically: hidden temp file in the same dir, fsync, os.replace."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+def _atomic_write_json(path: pathlib.Path, obj: Any) -> None:
+    _atomic_write(path, (json.dumps(obj, indent=2) + "\n").encode())
+
+
+def _sha256_file(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def default_shard_rows(capacity: int) -> int:
+    """Rows per shard when ``shard_rows`` is not given: about 128 MiB of uncompressed
+    ``input_ids`` + ``position_ids`` per shard (256 rows at capacity 65,536), at least 1."""
+    return max(1, _TARGET_SHARD_BYTES // (8 * int(capacity)))
+
+
+def _check_packed(packed: Any) -> None:
+    need = ("capacity", "pad_id", "input_ids", "position_ids", "num_tokens", "doc_offsets",
+            "seg_lengths", "doc_ids", "chunk_ids", "stats")
+    missing = [k for k in need if not hasattr(packed, k)]
+    if missing:
+        raise FlamiaError(f"packed must be a PackedRows, got {type(packed).__name__} (missing {', '.join(missing)})")
+    n, cap = len(packed.num_tokens), int(packed.capacity)
+    for name in ("input_ids", "position_ids"):
+        a = getattr(packed, name)
+        if a.shape != (n, cap) or a.dtype != np.int32:
+            raise FlamiaError(f"packed.{name} must be int32 of shape ({n}, {cap}), got {a.dtype} {a.shape}")
+    if packed.doc_offsets.shape != (n + 1,):
+        raise FlamiaError(f"packed.doc_offsets must have shape ({n + 1},), got {packed.doc_offsets.shape}")
+    n_segs = int(packed.doc_offsets[-1]) if n else 0
+    for name in ("seg_lengths", "doc_ids", "chunk_ids"):
+        if getattr(packed, name).shape[0] < n_segs:
+            raise FlamiaError(f"packed.{name} has {getattr(packed, name).shape[0]} entries, needs {n_segs}")
+
+
+def _list_array(offsets: np.ndarray, values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+    return pa.ListArray.from_arrays(
+        pa.array(np.ascontiguousarray(offsets, dtype=np.int32), pa.int32()),
+        pa.array(np.ascontiguousarray(values), value_type),
+    )
+
+
+def _row_cu_seqlens(doc_offsets: np.ndarray, seg_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row-local cu_seqlens for rows described by ``doc_offsets`` (already rebased to start at 0).
+
+    Returns (list offsets int64 ``(n_rows + 1,)``, values int32): row r's cu_seqlens is
+    ``values[off[r]:off[r + 1]]`` = ``[0, cumsum(seg_lengths of row r)]``.
+    """
+    n = doc_offsets.shape[0] - 1
+    counts = np.diff(doc_offsets) + 1
+    off = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=off[1:])
+    g = np.zeros(seg_lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(seg_lengths, out=g[1:])
+    row_of = np.repeat(np.arange(n, dtype=np.int64), counts)
+    within = np.arange(int(off[-1]), dtype=np.int64) - off[:-1][row_of]
+    starts = doc_offsets[:-1][row_of]
+    vals = (g[starts + within] - g[starts]).astype(np.int32)
+    return off, vals
+
+
+def _shard_arrays(packed: Any, a: int, b: int) -> dict[str, np.ndarray]:
+    """Numpy views/arrays of rows [a, b) (segment arrays rebased)."""
+    sa, sb = int(packed.doc_offsets[a]), int(packed.doc_offsets[b])
+    return {
+        "input_ids": packed.input_ids[a:b],
+        "position_ids": packed.position_ids[a:b],
+        "num_tokens": np.ascontiguousarray(packed.num_tokens[a:b], dtype=np.int32),
+        "doc_offsets": np.asarray(packed.doc_offsets[a : b + 1], dtype=np.int64) - sa,
+        "seg_lengths": np.ascontiguousarray(packed.seg_lengths[sa:sb], dtype=np.int32),
+        "doc_ids": np.ascontiguousarray(packed.doc_ids[sa:sb], dtype=np.int64),
+        "chunk_ids": np.ascontiguousarray(packed.chunk_ids[sa:sb], dtype=np.int32),
+    }
+
+
+def _content_key(arrs: dict[str, np.ndarray], capacity: int, pad_id: int) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({"format_version": FORMAT_VERSION, "capacity": capacity, "pad_id": pad_id,
+                         "compression": _COMPRESSION, "rows": int(arrs["num_tokens"].shape[0])}).encode())
+    for k in ("input_ids", "position_ids", "num_tokens", "doc_offsets", "seg_lengths", "doc_ids", "chunk_ids"):
+        h.update(k.encode())
+        h.update(np.ascontiguousarray(arrs[k]).data)
+    return h.hexdigest()
+
+
+def _shard_table(arrs: dict[str, np.ndarray], capacity: int, pad_id: int) -> pa.Table:
+    n = int(arrs["num_tokens"].shape[0])
+    row_off = np.arange(n + 1, dtype=np.int64) * capacity
+    cu_off, cu_vals = _row_cu_seqlens(arrs["doc_offsets"], arrs["seg_lengths"])
+    cols = {
+        "input_ids": _list_array(row_off, arrs["input_ids"].reshape(-1), pa.int32()),
+        "position_ids": _list_array(row_off, arrs["position_ids"].reshape(-1), pa.int32()),
+        "cu_seqlens": _list_array(cu_off, cu_vals, pa.int32()),
+        "doc_ids": _list_array(arrs["doc_offsets"], arrs["doc_ids"], pa.int64()),
+        "chunk_ids": _list_array(arrs["doc_offsets"], arrs["chunk_ids"], pa.int32()),
+        "num_tokens": pa.array(arrs["num_tokens"], pa.int32()),
+    }
+    meta = {"flamia_pack": json.dumps({"format_version": FORMAT_VERSION, "capacity": capacity, "pad_id": pad_id})}
+    schema = pa.schema([pa.field(k, COLUMNS[k]) for k in COLUMNS], metadata=meta)
+    return pa.Table.from_arrays([cols[k] for k in COLUMNS], schema=schema)
+
+
+def _encode_shard(table: pa.Table, capacity: int) -> pa.Buffer:
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    group_rows = max(1, _TARGET_GROUP_BYTES // (8 * capacity))
+    pq.write_table(table, sink, compression=_COMPRESSION, row_group_size=group_rows)
+    return sink.getvalue()
+
+
+def _is_ours(name: str) -> bool:
+    return name in (MANIFEST_NAME, PROGRESS_NAME) or bool(_SHARD_RE.match(name)) or bool(_TMP_RE.match(name))
+
+
+def _prepare_dir(out: pathlib.Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise FormatError(f"output path {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    foreign = sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and not _is_ours(p.name))
+    if foreign:
+        raise FormatError(
+            f"output directory {out} holds files that flamia pack did not write ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new directory"
+        )
+
+
+def _reuse_candidates(out: pathlib.Path) -> dict[str, ShardInfo]:
+    """Shards recorded by an earlier run (old manifest, then progress file; later wins)."""
+    found: dict[str, ShardInfo] = {}
+    for name in (MANIFEST_NAME, PROGRESS_NAME):
+        try:
+            d = json.loads((out / name).read_text())
+            if d.get("format_version") != FORMAT_VERSION:
+                continue
+            for s in d.get("shards", []):
+                info = ShardInfo(file=str(s["file"]), rows=int(s["rows"]), sha256=str(s["sha256"]),
+                                 content_key=str(s["content_key"]))
+                found[info.file] = info
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # missing or unreadable: nothing to reuse from it
+    return found
+
+
+def _remove(path: pathlib.Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def write_packed(
+    out_dir: str | os.PathLike[str],
+    packed: Any,
+    *,
+    shard_rows: Optional[int] = None,
+    source: Any = None,
+    tokenizer: Any = None,
+    algorithm: Optional[str] = None,
+    long_docs: Optional[str] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> Manifest:
+    """Write packed rows to ``out_dir`` as parquet shards + ``manifest.json`` (DESIGN.md §3).
+
+    Atomic and resumable; see the module docstring for the layout, columns, crash-safety protocol
+    and the ``FLAMIA_TEST_CRASH_AFTER_SHARDS`` test hook.
+
+    Args:
+        out_dir: output directory; created if missing. It may hold an earlier (complete or
+            crashed) output of this function, which is replaced; any other non-hidden file makes
+            it an error.
+        packed: a :class:`~flamia_pack.pack.PackedRows` (``input_ids``/``position_ids`` int32
+            ``(n_rows, capacity)``, segment arrays, ``stats``).
+        shard_rows: packed rows per shard file (>= 1; ``shard_rows * capacity < 2**31``);
+            default :func:`default_shard_rows` (about 128 MiB uncompressed per shard).
+        source: JSON-serialisable description of the input (e.g. ``DocumentSource.info()``).
+        tokenizer: JSON-serialisable description of the tokenizer (``DocumentSource.tokenizer_info()``).
+        algorithm: packing algorithm used (``"bfd"``/``"concat"``); None is recorded as null.
+        long_docs: long-document policy used (``"split"``/``"truncate"``/``"drop"``); None -> null.
+        progress: called as ``progress(shards_done, n_shards)`` after each shard.
+
+    Returns:
+        The :class:`Manifest` written. Zero rows give one empty shard (so the directory still
+        loads with ``datasets``).
+
+    Raises:
+        FlamiaError: ``packed`` malformed, bad ``shard_rows``.
+        FormatError: ``out_dir`` is a file or holds foreign files; ``source``/``tokenizer`` not
+            JSON-serialisable.
+        OSError: the file system fails (disk full, permissions).
+    """
+    _check_packed(packed)
+    capacity, pad_id = int(packed.capacity), int(packed.pad_id)
+    if shard_rows is None:
+        shard_rows = default_shard_rows(capacity)
+    if isinstance(shard_rows, bool) or not isinstance(shard_rows, (int, np.integer)) or shard_rows < 1:
+        raise FlamiaError(f"shard_rows must be an integer >= 1, got {shard_rows!r}")
+    shard_rows = int(shard_rows)
+    if shard_rows * capacity > _LIST_LIMIT:
+        raise FlamiaError(
+            f"shard_rows * capacity must be < 2**31 (int32 list offsets), got {shard_rows} * {capacity}; "
+            f"use shard_rows <= {_LIST_LIMIT // capacity}"
+        )
+    try:
+        json.dumps({"source": source, "tokenizer": tokenizer})
+    except (TypeError, ValueError) as e:
+        raise FormatError(f"source/tokenizer descriptions must be JSON-serialisable: {e}") from None
+
+    out = pathlib.Path(out_dir)
+    _prepare_dir(out)
+    reuse = _reuse_candidates(out)
+    _remove(out / MANIFEST_NAME)  # from here on the directory is "incomplete"
+    for p in out.iterdir():
+        if _TMP_RE.match(p.name):
+            _remove(p)
+    _fsync_dir(out)
+
+    n_rows = len(packed.num_tokens)
+    n_shards = max(1, math.ceil(n_rows / shard_rows))
+    crash_after = int(os.environ.get(CRASH_ENV, "0") or 0)
+    shards: list[ShardInfo] = []
+    written = 0
+    for i in range(n_shards):
+        a, b = i * shard_rows, min(n_rows, (i + 1) * shard_rows)
+        name = SHARD_TEMPLATE.format(i)
+        arrs = _shard_arrays(packed, a, b)
+        key = _content_key(arrs, capacity, pad_id)
+        old = reuse.get(name)
+        path = out / name
+        if old is not None and old.content_key == key and old.rows == b - a and path.is_file() and _sha256_file(path) == old.sha256:
+            info = old
+        else:
+            buf = _encode_shard(_shard_table(arrs, capacity, pad_id), capacity)
+            info = ShardInfo(file=name, rows=b - a, sha256=hashlib.sha256(buf).hexdigest(), content_key=key)
+            _atomic_write(path, memoryview(buf))
+            written += 1
+        shards.append(info)
+        _atomic_write_json(out / PROGRESS_NAME, {"format_version": FORMAT_VERSION, "shards": [s.to_dict() for s in shards]})
+        if crash_after and written >= crash_after:
+            os._exit(86)  # test hook, see module docstring
+        if progress is not None:
+            progress(i + 1, n_shards)
+
+    keep = {s.file for s in shards}
+    for p in out.iterdir():
+        if _SHARD_RE.match(p.name) and p.name not in keep:
+            _remove(p)
+
+    st = packed.stats
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        writer=f"flamia_pack {_version()}",
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        capacity=capacity,
+        algorithm=algorithm,
+        long_docs=long_docs,
+        pad_id=pad_id,
+        tokenizer=tokenizer,
+        source=source,
+        documents={
+            "in": int(st.docs_in), "packed": int(st.docs_packed), "split": int(st.docs_split),
+            "empty": int(st.docs_empty), "dropped": int(st.docs_dropped), "truncated": int(st.docs_truncated),
+        },
+        tokens={
+            "in": int(st.tokens_in), "packed": int(st.tokens_packed), "dropped": int(st.tokens_dropped),
+            "dropped_reasons": {str(k): int(v) for k, v in dict(st.dropped_reasons).items()},
+        },
+        rows=n_rows,
+        fill=float(st.fill),
+        shards=tuple(shards),
+    )
+    _atomic_write_json(out / MANIFEST_NAME, manifest.to_dict())
+    _remove(out / PROGRESS_NAME)
+    _fsync_dir(out)
+    return manifest
+
+
+def _version() -> str:
+    try:
+        from flamia_pack import __version__
+
+        return __version__
+    except ImportError:  # pragma: no cover
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def read_manifest(out_dir: str | os.PathLike[str]) -> Manifest:
+    """Read and validate ``OUT/manifest.json`` (does not touch the shards; see :func:`verify`).
+
+    Raises:
+        FormatError: directory or manifest missing (an incomplete output: crashed or still
+            running), not valid JSON, or not a valid manifest (see :meth:`Manifest.from_dict`).
+    """
+    out = pathlib.Path(out_dir)
+    if not out.is_dir():
+        raise FormatError(f"packed directory not found: {out}")
+    path = out / MANIFEST_NAME
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FormatError(
+            f"no {MANIFEST_NAME} in {out}: not a flamia pack output, or an incomplete one (crashed or still "
+            "running; re-run flamia pack to finish it)"
+        ) from None
+    except OSError as e:
+        raise FormatError(f"cannot read {path}: {e}") from None
+    try:
+        d = json.loads(text)
+    except ValueError as e:
+        raise FormatError(f"{path} is not valid JSON: {e}") from None
+    return Manifest.from_dict(d, where=str(path))
+
+
+def verify(out_dir: str | os.PathLike[str]) -> Manifest:
+    """Check that ``out_dir`` is a complete, intact packed output.
+
+    Reads the manifest, checks that every listed shard exists, hashes to its ``sha256`` and holds
+    the listed number of rows (parquet footer), and that no unlisted ``train-*.parquet`` file is
+    present (``datasets`` would load it).
+
+    Returns:
+        The :class:`Manifest`.
+
+    Raises:
+        FormatError: bad/missing manifest, missing shard, checksum mismatch, wrong row count,
+            unlisted shard file.
+    """
+    import pyarrow.parquet as pq
+
+    out = pathlib.Path(out_dir)
+    m = read_manifest(out)
+    for s in m.shards:
+        p = out / s.file
+        if not p.is_file():
+            raise FormatError(f"shard {s.file} listed in {out / MANIFEST_NAME} is missing")
+        got = _sha256_file(p)
+        if got != s.sha256:
+            raise FormatError(f"checksum mismatch for shard {p}: sha256 {got[:16]}..., manifest says {s.sha256[:16]}...")
+        try:
+            n = pq.ParquetFile(p).metadata.num_rows
+        except (pa.ArrowException, OSError) as e:  # pragma: no cover - the checksum matched
+            raise FormatError(f"shard {p} is not readable parquet: {e}") from None
+        if n != s.rows:
+            raise FormatError(f"shard {p} holds {n} rows, manifest says {s.rows}")
+    listed = {s.file for s in m.shards}
+    extra = sorted(p.name for p in out.iterdir() if _SHARD_RE.match(p.name) and p.name not in listed)
+    if extra:
+        raise FormatError(f"{out} holds shard files not listed in its manifest: {', '.join(extra[:3])}")
+    return m
+
+
+def _list_parts(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets int64, values) of a list array; values zero-copy when possible."""
+    offsets = np.asarray(col.offsets.to_numpy(zero_copy_only=False), dtype=np.int64)
+    values = col.values
+    try:
+        v = values.to_numpy(zero_copy_only=True)
+    except pa.ArrowInvalid:  # pragma: no cover - only with nulls, which we never write
+        v = values.to_numpy(zero_copy_only=False)
+    return offsets, v
+
+
+def iter_rows(
+    out_dir: str | os.PathLike[str],
+    *,
+    columns: Optional[Sequence[str]] = None,
+    verify_checksums: bool = False,
+    batch_rows: int = 64,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Yield the packed rows of ``out_dir`` in order, one dict of numpy arrays per row.
+
+    Each dict has the keys and dtypes of :meth:`PackedRows.row`: ``input_ids`` (int32,
+    ``(capacity,)``), ``position_ids`` (int32, ``(capacity,)``), ``cu_seqlens`` (int32,
+    ``(n_docs + 1,)``), ``doc_ids`` (int64, ``(n_docs,)``), ``chunk_ids`` (int32, ``(n_docs,)``),
+    ``num_tokens`` (int32 0-d array) -- restricted to ``columns`` when given. Arrays are
+    read-only zero-copy views into pyarrow buffers (copy them to modify or keep past the batch).
+
+    Args:
+        out_dir: a complete output directory (its manifest lists the shards in row order).
+        columns: subset of :data:`COLUMNS` to read (default all).
+        verify_checksums: run :func:`verify` first.
+        batch_rows: rows per parquet read batch (memory: ``batch_rows * capacity * 8`` bytes).
+
+    Raises:
+        FormatError: bad manifest, missing shard (or any :func:`verify` error when
+            ``verify_checksums``), unknown column.
+    """
+    import pyarrow.parquet as pq
+
+    out = pathlib.Path(out_dir)
+    m = verify(out) if verify_checksums else read_manifest(out)
+    cols = list(COLUMNS) if columns is None else list(columns)
+    unknown = [c for c in cols if c not in COLUMNS]
+    if unknown:
+        raise FormatError(f"unknown column(s) {', '.join(unknown)}; available: {', '.join(COLUMNS)}")
+    for s in m.shards:
+        p = out / s.file
+        try:
+            pf = pq.ParquetFile(p)
+        except FileNotFoundError:
+            raise FormatError(f"shard {s.file} listed in {out / MANIFEST_NAME} is missing") from None
+        except (pa.ArrowException, OSError) as e:
+            raise FormatError(f"shard {p} is not readable parquet: {e}") from None
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=cols):
+            parts = {}
+            for c in cols:
+                col = batch.column(c)
+                if c == "num_tokens":
+                    parts[c] = (None, col.to_numpy(zero_copy_only=False).astype(np.int32, copy=False))
+                else:
+                    parts[c] = _list_parts(col)
+            for i in range(batch.num_rows):
+                row = {}
+                for c in cols:
+                    off, v = parts[c]
+                    row[c] = np.asarray(v[i], dtype=np.int32) if off is None else v[off[i] : off[i + 1]]
+                yield row
+
+
+def load_packed(out_dir: str | os.PathLike[str], *, verify_checksums: bool = True):
+    """Read a whole output directory back into one :class:`~flamia_pack.pack.PackedRows`.
+
+    Stats are rebuilt from the manifest. Memory: ``rows * capacity * 8`` bytes plus metadata.
+
+    Raises:
+        FormatError: as :func:`verify` (when ``verify_checksums``) / :func:`read_manifest`.
+    """
+    import pyarrow.parquet as pq
+
+    from flamia_pack.pack import PackedRows, PackStats
+
+    out = pathlib.Path(out_dir)
+    m = verify(out) if verify_checksums else read_manifest(out)
+    tables = [pq.read_table(out / s.file) for s in m.shards]
+    table = pa.concat_tables(tables) if tables else None
+    cap, n = m.capacity, m.rows
+
+    def flat(name: str) -> tuple[np.ndarray, np.ndarray]:
+        arr = table.column(name).combine_chunks()
+        return _list_parts(arr)
+
+    if n:
+        ids_off, ids = flat("input_ids")
+        _, pos = flat("position_ids")
+        seg_off, doc_ids = flat("doc_ids")
+        _, chunk_ids = flat("chunk_ids")
+        cu_off, cu = flat("cu_seqlens")
+        base = ids_off[0]
+        input_ids = np.array(ids[base : base + n * cap], dtype=np.int32).reshape(n, cap)
+        position_ids = np.array(pos[base : base + n * cap], dtype=np.int32).reshape(n, cap)
+        doc_ids = np.array(doc_ids[seg_off[0] : seg_off[-1]], dtype=np.int64)
+        chunk_ids = np.array(chunk_ids[seg_off[0] : seg_off[-1]], dtype=np.int32)
+        doc_offsets = seg_off - seg_off[0]
+        # segment lengths from the per-row cu_seqlens: drop each row's leading 0
+        d = np.diff(cu[cu_off[0] : cu_off[-1]].astype(np.int64))
+        row_first = (cu_off[:-1] - cu_off[0])  # index of each row's leading 0
+        keep = np.ones(d.shape[0], dtype=bool)
+        keep[row_first[1:] - 1] = False  # the jump from one row's end to the next row's 0
+        seg_lengths = d[keep].astype(np.int32)
+        num_tokens = table.column("num_tokens").to_numpy().astype(np.int32)
+    else:
+        input_ids = position_ids = np.zeros((0, cap), dtype=np.int32)
+        doc_ids = np.zeros(0, np.int64)
+        chunk_ids = seg_lengths = num_tokens = np.zeros(0, np.int32)
+        doc_offsets = np.zeros(1, np.int64)
+    docs, toks = m.documents, m.tokens
+    stats = PackStats(
+        docs_in=docs.get("in", 0), docs_packed=docs.get("packed", 0), docs_split=docs.get("split", 0),
+        docs_empty=docs.get("empty", 0), docs_dropped=docs.get("dropped", 0),
+        docs_truncated=docs.get("truncated", 0), tokens_in=toks.get("in", 0),
+        tokens_packed=toks.get("packed", 0), tokens_dropped=toks.get("dropped", 0), rows=n, capacity=cap,
+        fill=m.fill, dropped_reasons=dict(toks.get("dropped_reasons", {})),
+    )
+    return PackedRows(
+        capacity=cap, pad_id=m.pad_id, input_ids=input_ids, position_ids=position_ids,
+        num_tokens=num_tokens, doc_offsets=np.asarray(doc_offsets, dtype=np.int64),
+        seg_lengths=seg_lengths, doc_ids=doc_ids, chunk_ids=chunk_ids, stats=stats,
+    )

@@ -1,0 +1,187 @@
+"""Tests of `flamia pack` (issue 2 item 5): JSON/table summary, the bundled sample, one-line
+errors with exit code 2 for bad input, and crash safety under SIGKILL (DESIGN.md §3)."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from flamia_pack import formats
+from flamia_pack.cli import app
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FLAMIA = [sys.executable, "-m", "flamia_pack.cli"]
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(app, ["pack", *args])
+
+
+@pytest.fixture
+def text_parquet(tmp_path) -> pathlib.Path:
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "δέλτα", "epsilon"]
+    texts = [" ".join(rng.choice(words, size=int(rng.integers(0, 60)))) for _ in range(80)]
+    f = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": texts}), f)
+    return f
+
+
+def test_json_summary_matches_manifest(tmp_path, text_parquet):
+    out = tmp_path / "out"
+    res = run_cli(str(text_parquet), "--out", str(out), "--capacity", "128", "--algorithm", "concat",
+                  "--shard-rows", "7", "--pad-id", "3", "--json")
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)  # stdout is JSON only
+    m = formats.verify(out)
+    assert summary["rows"] == m.rows > 7 and summary["shards"] == len(m.shards) > 1
+    assert summary["documents"] == m.documents and summary["tokens"] == m.tokens
+    assert (summary["capacity"], summary["algorithm"], summary["pad_id"]) == (128, "concat", 3)
+    assert summary["fill"] == m.fill and summary["tokens_per_s"] > 0
+    texts = pq.read_table(text_parquet).column("text").to_pylist()
+    assert m.documents["in"] == len(texts)
+    assert m.tokens["in"] == sum(len(t.encode()) for t in texts) == m.tokens["packed"]
+    assert m.tokenizer == {"name": "bytes", "vocab_size": 256}
+    assert m.source["path"] == str(text_parquet) and m.source["column"] == "text"
+
+
+def test_table_summary(tmp_path, text_parquet):
+    res = run_cli(str(text_parquet), "--out", str(tmp_path / "o"), "--capacity", "64")
+    assert res.exit_code == 0, res.output
+    for word in ("documents", "tokens", "rows", "fill", "tokens/s", "output", "dropped", "empty", "split"):
+        assert word in res.stdout
+    assert not res.stdout.lstrip().startswith("{")
+
+
+def test_no_source_packs_the_bundled_sample(tmp_path):
+    from importlib import resources
+
+    res = run_cli("--out", str(tmp_path / "s"), "--capacity", "65536", "--json")
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    sample = pathlib.Path(str(resources.files("flamia_pack") / "data" / "python-stdlib.parquet"))
+    texts = pq.read_table(sample).column("text").to_pylist()
+    assert summary["documents"]["in"] == len(texts)
+    assert summary["tokens"]["packed"] == sum(len(t.encode()) for t in texts)
+    assert summary["documents"]["split"] > 0 and summary["documents"]["empty"] > 0
+    assert summary["fill"] > 0.95
+    formats.verify(tmp_path / "s")
+
+
+def test_long_docs_and_tokenizer_options(tmp_path, text_parquet):
+    res = run_cli(str(text_parquet), "--out", str(tmp_path / "t"), "--capacity", "32", "--long-docs", "truncate", "--json")
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)
+    assert s["long_docs"] == "truncate" and s["documents"]["truncated"] > 0
+    assert s["tokens"]["dropped"] == s["tokens"]["dropped_reasons"]["long_doc_truncate"] > 0
+    assert s["tokens"]["in"] == s["tokens"]["packed"] + s["tokens"]["dropped"]
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: one red line, exit 2, no traceback, no manifest
+
+
+def _bad_inputs(tmp_path: pathlib.Path) -> dict[str, tuple[list[str], str]]:
+    floats = tmp_path / "floats.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array([[1.0, 2.0]], pa.list_(pa.float64()))}), floats)
+    neg = tmp_path / "neg.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2], [3, -4]]}), neg)
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(b"PAR1" + os.urandom(200))
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"text": ["hello"]}), good)
+    return {
+        "missing file": ([str(tmp_path / "missing.parquet")], "not found"),
+        "unknown column": ([str(good), "--text-column", "body"], "available columns: text"),
+        "non-integer tokens": ([str(floats)], "integer"),
+        "negative ids": ([str(neg)], "negative token id -4"),
+        "corrupt parquet": ([str(corrupt)], "corrupt.parquet"),
+        "capacity 0": ([str(good), "--capacity", "0"], "--capacity must be >= 1"),
+        "capacity negative": ([str(good), "--capacity", "-5"], "--capacity must be >= 1"),
+        "bad algorithm": ([str(good), "--algorithm", "first-fit"], "algorithm"),
+        "bad long-docs": ([str(good), "--long-docs", "wrap"], "long_docs"),
+        "shard rows 0": ([str(good), "--shard-rows", "0"], "--shard-rows"),
+        "bad tokenizer": ([str(good), "--tokenizer", str(tmp_path / "tok.json")], "tokenizer file not found"),
+    }
+
+
+BAD_CASES = ["missing file", "unknown column", "non-integer tokens", "negative ids", "corrupt parquet",
+             "capacity 0", "capacity negative", "bad algorithm", "bad long-docs", "shard rows 0", "bad tokenizer"]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input_one_line_exit_2(tmp_path, case):
+    args, needle = _bad_inputs(tmp_path)[case]
+    out = tmp_path / "out"
+    if "--capacity" not in args:
+        args = [*args, "--capacity", "64"]
+    res = run_cli(*args, "--out", str(out))
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in res.output and res.stdout == ""
+    assert not (out / "manifest.json").exists()
+
+
+def test_bad_input_real_process_no_traceback(tmp_path):
+    args, _ = _bad_inputs(tmp_path)["negative ids"]
+    proc = subprocess.run([*FLAMIA, "pack", *args, "--out", str(tmp_path / "o"), "--capacity", "8", "--json"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "document 1" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# crash safety: SIGKILL mid-write, re-run, complete and correct
+
+
+def test_sigkill_mid_run_then_rerun(tmp_path):
+    """Kill `flamia pack` (bundled sample, 263 shards) once a few shards exist; the killed output
+    has no manifest and no torn shard; a re-run completes it and it equals a fresh in-process pack."""
+    from flamia_pack.loaders.sources import open_source
+    from flamia_pack.pack import PackConfig, pack_documents
+
+    out = tmp_path / "out"
+    args = [*FLAMIA, "pack", "--out", str(out), "--capacity", "2048", "--shard-rows", "16", "--json"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (out / "train-00005.parquet").exists():
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "manifest.json").exists(), "killed too late: the run had already finished"
+    shards = sorted(out.glob("train-*.parquet"))
+    assert 6 <= len(shards) < 263
+    for s in shards:  # atomic rename: every shard under its final name is complete
+        assert pq.ParquetFile(s).metadata.num_rows == 16
+
+    rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr
+    m = formats.verify(out)
+    assert json.loads(rerun.stdout)["rows"] == m.rows
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # temp/progress files cleaned up
+
+    from importlib import resources
+
+    sample = str(resources.files("flamia_pack") / "data" / "python-stdlib.parquet")
+    packed = pack_documents(list(open_source(sample)), PackConfig(capacity=2048))
+    assert m.rows == len(packed)
+    for r, row in enumerate(formats.iter_rows(out)):
+        ref = packed.row(r)
+        for k, v in ref.items():
+            assert np.array_equal(row[k], v), f"row {r} {k}"

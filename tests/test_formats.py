@@ -1,0 +1,283 @@
+"""Tests of flamia_pack.formats: round trip through parquet and HF datasets, manifest contents,
+verify() errors, resume/rebuild after a crash (DESIGN.md §3 "Output", issue 2 item 4)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from flamia_pack import formats
+from flamia_pack.errors import FlamiaError, FormatError
+from flamia_pack.pack import PackConfig, pack_documents
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROW_KEYS = ("input_ids", "position_ids", "cu_seqlens", "doc_ids", "chunk_ids", "num_tokens")
+
+
+def make_docs(seed: int, n: int = 300, capacity: int = 64) -> list[np.ndarray]:
+    """Heavy-tailed random documents: empties, short ones and some longer than ``capacity``."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.lognormal(2.5, 1.2, size=n).astype(np.int64), 4 * capacity)
+    lengths[rng.random(n) < 0.05] = 0
+    return [rng.integers(0, 32_000, size=int(L)).astype(np.int32) for L in lengths]
+
+
+def make_packed(seed: int = 0, capacity: int = 64, **cfg):
+    return pack_documents(make_docs(seed, capacity=capacity), PackConfig(capacity=capacity, **cfg))
+
+
+def assert_rows_equal(packed, rows) -> None:
+    rows = list(rows)
+    assert len(rows) == len(packed)
+    for r, row in enumerate(rows):
+        ref = packed.row(r)
+        for k in ROW_KEYS:
+            got = np.asarray(row[k])
+            assert got.dtype == ref[k].dtype, (r, k, got.dtype)
+            np.testing.assert_array_equal(got, ref[k], err_msg=f"row {r} column {k}")
+
+
+def write(out, packed, **kw):
+    kw.setdefault("source", {"path": "test", "format": "synthetic"})
+    kw.setdefault("tokenizer", {"name": "pretokenized"})
+    kw.setdefault("algorithm", "bfd")
+    kw.setdefault("long_docs", "split")
+    return formats.write_packed(out, packed, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# round trip
+
+
+@pytest.mark.parametrize("algorithm", ["bfd", "concat"])
+def test_round_trip_datasets_iter_rows_load_packed(tmp_path, algorithm):
+    import datasets
+
+    packed = make_packed(seed=1, algorithm=algorithm, pad_id=7)
+    out = tmp_path / "out"
+    m = write(out, packed, shard_rows=9, algorithm=algorithm)
+    assert len(m.shards) == -(-len(packed) // 9) > 2
+
+    ds = datasets.load_dataset("parquet", data_dir=str(out), split="train", cache_dir=str(tmp_path / "cache"))
+    assert ds.features == datasets.Features({
+        "input_ids": datasets.List(datasets.Value("int32")), "position_ids": datasets.List(datasets.Value("int32")),
+        "cu_seqlens": datasets.List(datasets.Value("int32")), "doc_ids": datasets.List(datasets.Value("int64")),
+        "chunk_ids": datasets.List(datasets.Value("int32")), "num_tokens": datasets.Value("int32")})
+    table = ds.with_format("arrow")[:]  # arrow keeps int32 (the numpy formatter would upcast to int64)
+    assert_rows_equal(packed, ({k: table.column(k)[r].values.to_numpy() if k != "num_tokens"
+                                else np.int32(table.column(k)[r].as_py()) for k in ROW_KEYS}
+                               for r in range(len(ds))))
+
+    assert_rows_equal(packed, formats.iter_rows(out, verify_checksums=True, batch_rows=4))
+    back = formats.load_packed(out)
+    for k in ("input_ids", "position_ids", "num_tokens", "doc_offsets", "seg_lengths", "doc_ids", "chunk_ids"):
+        a, b = getattr(packed, k), getattr(back, k)
+        assert a.dtype == b.dtype, k
+        np.testing.assert_array_equal(a, b, err_msg=k)
+    assert back.stats.to_dict() == packed.stats.to_dict() | {"fill": pytest.approx(packed.stats.fill)}
+
+
+def test_iter_rows_column_subset(tmp_path):
+    packed = make_packed(seed=2)
+    write(tmp_path, packed, shard_rows=5)
+    rows = list(formats.iter_rows(tmp_path, columns=["cu_seqlens", "num_tokens"]))
+    assert all(set(r) == {"cu_seqlens", "num_tokens"} for r in rows)
+    for r, row in enumerate(rows):
+        np.testing.assert_array_equal(row["cu_seqlens"], packed.cu_seqlens(r))
+        assert int(row["num_tokens"]) == int(packed.num_tokens[r]) == int(row["cu_seqlens"][-1])
+    with pytest.raises(FormatError, match="unknown column"):
+        next(formats.iter_rows(tmp_path, columns=["labels"]))
+
+
+def test_manifest_contents(tmp_path):
+    packed = make_packed(seed=3, long_docs="truncate")
+    m = write(tmp_path, packed, shard_rows=10, long_docs="truncate", tokenizer={"name": "bytes", "vocab_size": 256})
+    d = json.loads((tmp_path / "manifest.json").read_text())
+    assert d == m.to_dict() and formats.read_manifest(tmp_path) == m
+    st = packed.stats
+    assert d["format_version"] == formats.FORMAT_VERSION
+    assert (d["capacity"], d["algorithm"], d["long_docs"], d["pad_id"]) == (64, "bfd", "truncate", 0)
+    assert d["tokenizer"] == {"name": "bytes", "vocab_size": 256}
+    assert d["documents"] == {"in": st.docs_in, "packed": st.docs_packed, "split": st.docs_split,
+                              "empty": st.docs_empty, "dropped": st.docs_dropped, "truncated": st.docs_truncated}
+    assert d["tokens"]["in"] == st.tokens_in and d["tokens"]["dropped"] == st.tokens_dropped > 0
+    assert d["tokens"]["dropped_reasons"] == st.dropped_reasons
+    assert d["rows"] == len(packed) == sum(s["rows"] for s in d["shards"])
+    assert d["fill"] == pytest.approx(packed.num_tokens.sum() / (len(packed) * 64))
+    for s in d["shards"]:
+        assert s["sha256"] == hashlib.sha256((tmp_path / s["file"]).read_bytes()).hexdigest()
+        assert pq.ParquetFile(tmp_path / s["file"]).metadata.num_rows == s["rows"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([s["file"] for s in d["shards"]] + ["manifest.json"])
+
+
+def test_zero_rows_gives_one_empty_loadable_shard(tmp_path):
+    packed = pack_documents([np.zeros(0, np.int32)] * 3, PackConfig(capacity=16))
+    m = write(tmp_path, packed)
+    assert m.rows == 0 and len(m.shards) == 1 and m.documents["empty"] == 3
+    assert list(formats.iter_rows(tmp_path)) == []
+    assert len(formats.load_packed(tmp_path)) == 0
+
+
+def test_bad_arguments(tmp_path):
+    packed = make_packed(seed=4)
+    with pytest.raises(FlamiaError, match="shard_rows"):
+        write(tmp_path / "a", packed, shard_rows=0)
+    with pytest.raises(FlamiaError, match="PackedRows"):
+        formats.write_packed(tmp_path / "b", object())
+    with pytest.raises(FormatError, match="JSON"):
+        write(tmp_path / "c", packed, source={"path": object()})
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(FormatError, match="not a directory"):
+        write(f, packed)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(FormatError, match="did not write"):
+        write(foreign, packed)
+    assert (foreign / "notes.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------------------------------------
+# verify() and read errors
+
+
+@pytest.fixture
+def written(tmp_path):
+    packed = make_packed(seed=5)
+    write(tmp_path, packed, shard_rows=6)
+    return tmp_path, packed
+
+
+def test_verify_ok(written):
+    out, packed = written
+    assert formats.verify(out).rows == len(packed)
+
+
+def test_verify_checksum_mismatch(written):
+    out, _ = written
+    shard = out / "train-00001.parquet"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="checksum mismatch.*train-00001"):
+        formats.verify(out)
+
+
+def test_verify_missing_and_extra_shard(written):
+    out, _ = written
+    (out / "train-00002.parquet").rename(out / "train-99999.parquet")
+    with pytest.raises(FormatError, match="train-00002.parquet.*missing"):
+        formats.verify(out)
+    with pytest.raises(FormatError, match="missing"):
+        list(formats.iter_rows(out))
+    (out / "train-99999.parquet").rename(out / "train-00002.parquet")
+    formats.verify(out)
+    (out / "train-00500.parquet").write_bytes(b"x")
+    with pytest.raises(FormatError, match="not listed"):
+        formats.verify(out)
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda d: "{ not json", "not valid JSON"),
+    (lambda d: json.dumps({k: v for k, v in d.items() if k != "capacity"}), "missing key 'capacity'"),
+    (lambda d: json.dumps(d | {"format_version": 99}), "format_version 99"),
+    (lambda d: json.dumps(d | {"rows": d["rows"] + 1}), "add up"),
+    (lambda d: json.dumps(d | {"shards": [{"file": "../x.parquet", "rows": 1, "sha256": "0" * 64, "content_key": ""}]}),
+     "not a shard name"),
+    (lambda d: json.dumps([1, 2]), "JSON object"),
+])
+def test_bad_manifest(written, mutate, needle):
+    out, _ = written
+    d = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(mutate(d))
+    with pytest.raises(FormatError, match=needle):
+        formats.verify(out)
+
+
+def test_missing_manifest_means_incomplete(written):
+    out, _ = written
+    (out / "manifest.json").unlink()
+    with pytest.raises(FormatError, match="incomplete"):
+        formats.read_manifest(out)
+    with pytest.raises(FormatError, match="not found"):
+        formats.read_manifest(out / "nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# re-runs: resume, rebuild, cleanup
+
+
+def test_rerun_same_data_reuses_shards(written):
+    out, packed = written
+    before = {p.name: p.stat().st_ino for p in out.glob("train-*.parquet")}
+    m = write(out, packed, shard_rows=6)
+    after = {p.name: p.stat().st_ino for p in out.glob("train-*.parquet")}
+    assert before == after  # nothing rewritten
+    formats.verify(out)
+    assert_rows_equal(packed, formats.iter_rows(out))
+    assert m.rows == len(packed)
+
+
+def test_rerun_other_data_rebuilds_and_removes_stale(written):
+    out, _ = written
+    (out / ".train-00003.parquet.tmp-12345").write_bytes(b"torn")
+    other = make_packed(seed=6, capacity=256)
+    m = write(out, other, shard_rows=50)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted([s.file for s in m.shards] + ["manifest.json"])
+    formats.verify(out)
+    assert_rows_equal(other, formats.iter_rows(out))
+
+
+def test_rerun_rewrites_a_corrupted_shard(written):
+    out, packed = written
+    (out / "train-00000.parquet").write_bytes(b"garbage")
+    write(out, packed, shard_rows=6)
+    formats.verify(out)
+    assert_rows_equal(packed, formats.iter_rows(out))
+
+
+_DRIVER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {root!r})
+    sys.path.insert(0, {tests!r})
+    from test_formats import make_packed, write
+    write(sys.argv[1], make_packed(seed=7), shard_rows=4)
+    """
+)
+
+
+def test_crash_hook_then_resume(tmp_path):
+    """FLAMIA_TEST_CRASH_AFTER_SHARDS=3 kills the writer after 3 shards; a re-run finishes it."""
+    out = tmp_path / "out"
+    code = _DRIVER.format(root=str(ROOT), tests=str(ROOT / "tests"))
+    env = dict(os.environ, **{formats.CRASH_ENV: "3"})
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 86, proc.stderr
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(FormatError, match="incomplete"):
+        formats.verify(out)
+    progress = json.loads((out / formats.PROGRESS_NAME).read_text())
+    assert [s["file"] for s in progress["shards"]] == ["train-00000.parquet", "train-00001.parquet", "train-00002.parquet"]
+    inodes = {p.name: p.stat().st_ino for p in out.glob("train-*.parquet")}
+    assert len(inodes) == 3
+
+    packed = make_packed(seed=7)
+    write(out, packed, shard_rows=4)
+    formats.verify(out)
+    assert {n: (out / n).stat().st_ino for n in inodes} == inodes  # resumed, not rewritten
+    assert_rows_equal(packed, formats.iter_rows(out))
+    assert not (out / formats.PROGRESS_NAME).exists()
+    # the resumed output is byte-identical to a clean write
+    clean = write(tmp_path / "clean", packed, shard_rows=4)
+    assert [s.sha256 for s in clean.shards] == [s.sha256 for s in formats.read_manifest(out).shards]
