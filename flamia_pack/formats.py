@@ -93,7 +93,7 @@ PROGRESS_NAME = ".flamia-pack-progress.json"
 CRASH_ENV = "FLAMIA_TEST_CRASH_AFTER_SHARDS"
 SHARD_TEMPLATE = "train-{:05d}.parquet"
 _SHARD_RE = re.compile(r"^train-\d{5,}\.parquet$")
-_TMP_RE = re.compile(r"^\.(train-\d{5,}\.parquet|manifest\.json|flamia-pack-progress\.json)\.tmp-\d+$")
+_TMP_RE = re.compile(r"^\.(train-\d{5,}\.parquet|manifest\.json|\.flamia-pack-progress\.json)\.tmp-\d+$")
 COLUMNS: dict[str, pa.DataType] = {
     "input_ids": pa.list_(pa.int32()),
     "position_ids": pa.list_(pa.int32()),

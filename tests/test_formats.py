@@ -229,7 +229,8 @@ def test_rerun_same_data_reuses_shards(written):
 
 def test_rerun_other_data_rebuilds_and_removes_stale(written):
     out, _ = written
-    (out / ".train-00003.parquet.tmp-12345").write_bytes(b"torn")
+    for stale in (".train-00003.parquet.tmp-12345", ".manifest.json.tmp-1", "..flamia-pack-progress.json.tmp-2"):
+        (out / stale).write_bytes(b"torn")  # what a crash mid-write leaves behind
     other = make_packed(seed=6, capacity=256)
     m = write(out, other, shard_rows=50)
     names = sorted(p.name for p in out.iterdir())
