@@ -1,0 +1,160 @@
+"""FastAPI app factory of the cost-prediction service (DESIGN.md §1.5, issue 7).
+
+``create_app(settings=None, dispatcher=None)`` builds an app; ``flamia serve`` runs it with uvicorn.
+Heavy resources live in the lifespan: the calibration table (shipped, or the newest refit stored
+in the database), the run store, the JIT warm-up of the packer/scheduler and the GPU check.
+
+Routes (one ``APIRouter`` per resource, ``flamia_pack.service.routes``)::
+
+    GET  /healthz                   liveness, calibration version, GPU check, runs recorded
+    POST /v1/cost:predict           mix -> packing, work, policy, predicted ms (static, dynamic)
+    POST /v1/runs                   predict, then time a real training call on the local GPU
+    GET  /v1/runs, /v1/runs/{id}    recorded runs (SQLite)
+    POST /v1/calibration:refit      least-squares refit of (a, b) from the runs, new version
+    GET  /, POST /                  HTML page (form + SVG pictures); OpenAPI at /docs
+
+Status codes: 422 schema errors (pydantic), 400 impossible mixes (``FlamiaError``, with the reason),
+404 unknown run, 409 busy / nothing to refit, 413 body too large (FastAPI ``max_body_size``), 503 no GPU, 504 past the request
+timeout. A 500 means a bug (or a failing device), never bad input.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import flamia_pack
+from flamia_pack.errors import FlamiaError
+from flamia_pack.scheduler.simulate import load_calibration
+from flamia_pack.service.calibration import table_from_json
+from flamia_pack.service.dispatch import Dispatcher, GpuDispatcher
+from flamia_pack.service.engine import MixParams, predict_mix
+from flamia_pack.service.routes import calibration, cost, health, page, runs
+from flamia_pack.service.settings import Settings, get_settings
+from flamia_pack.service.state import ServiceState
+from flamia_pack.service.store import RunStore
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("flamia_pack.service")
+
+
+class TimeoutMiddleware:
+    """Pure-ASGI wall-clock limit per request: 504 when the app has not answered in time (the
+    compute runs in abandon-on-cancel threads, so the cancellation is immediate). ``POST /v1/runs``
+    gets the longer run timeout. (Body size is limited by FastAPI's own ``max_body_size``: 413.)"""
+
+    def __init__(self, app: ASGIApp, *, timeout_s: float, run_timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = float(timeout_s)
+        self.run_timeout_s = float(run_timeout_s)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(msg: Message) -> None:
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        is_run = scope.get("method") == "POST" and scope.get("path") == "/v1/runs"
+        # the routes enforce the exact limits (504 from inside); this is the backstop
+        timeout = (self.run_timeout_s if is_run else self.timeout_s) + 1.0
+        try:
+            with anyio.fail_after(timeout):
+                await self.app(scope, receive, tracked_send)
+        except TimeoutError:
+            if not started:
+                resp = JSONResponse({"detail": f"request took longer than {timeout - 1.0:g} s"}, status_code=504)
+                await resp(scope, receive, send)
+
+
+def _load_table(settings: Settings, store: RunStore):
+    shipped = load_calibration(settings.calibration_path)
+    latest = store.latest_calibration()
+    if latest is not None:
+        version, raw = latest
+        try:
+            table = table_from_json(raw)
+            if table.version.split("+refit", 1)[0] == shipped.version.split("+refit", 1)[0]:
+                return table, shipped.version
+            log.warning("stored refit %s is based on another calibration than %s; using the latter", version, shipped.version)
+        except FlamiaError as exc:
+            log.warning("ignoring stored refit %s: %s", version, exc)
+    return shipped, shipped.version
+
+
+def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None = None) -> FastAPI:
+    """Build the service.
+
+    Args:
+        settings: limits and paths (default: :func:`get_settings`, i.e. ``FLAMIA_*`` variables).
+        dispatcher: runs ``POST /v1/runs`` (default :class:`GpuDispatcher`; tests also can use
+            ``app.dependency_overrides[get_dispatcher]``).
+
+    Returns:
+        A ``FastAPI`` app; its lifespan opens the store, loads the calibration, warms the JIT and
+        checks the GPU. ``app.state.service`` is the :class:`ServiceState` while it runs.
+    """
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        def start() -> ServiceState:
+            store = RunStore(settings.db_path)
+            table, shipped_version = _load_table(settings, store)
+            disp = dispatcher or GpuDispatcher()
+            ok, detail = disp.availability()
+            if settings.warmup_on_start:  # compile/load the numba kernels before the first request
+                predict_mix(np.array([300, 5, 0, 70000]), MixParams(gpu=settings.default_gpu), calibration=table,
+                            max_intervals=10_000)
+            return ServiceState(settings=settings, store=store, dispatcher=disp, calibration=table,
+                                shipped_version=shipped_version, gpu_available=ok, gpu_detail=detail)
+
+        app.state.service = await anyio.to_thread.run_sync(start)
+        log.info("flamia service ready: calibration %s, GPU: %s", app.state.service.calibration.version,
+                 app.state.service.gpu_detail)
+        yield
+
+    app = FastAPI(
+        title="flamia_pack service",
+        version=flamia_pack.__version__,
+        summary="Attention cost/time prediction for document-length mixes, and dispatch to the local GPU.",
+        description=(
+            "Predicts packing, work, the static-vs-dynamic policy and the time of one packed causal attention "
+            "training call for a proposed document-length mix, with the scheduler's simulator (the code behind "
+            "`flamia plan`), and times real calls on the local GPU. See DESIGN.md §6 and issue 7."
+        ),
+        lifespan=lifespan,
+        max_body_size=settings.max_body_bytes,
+    )
+    app.add_middleware(TimeoutMiddleware, timeout_s=settings.request_timeout_s, run_timeout_s=settings.run_timeout_s)
+
+    @app.exception_handler(FlamiaError)
+    async def _bad_mix(request: Request, exc: FlamiaError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _schema_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # like FastAPI's default, without echoing the (possibly huge) input back
+        errs: list[dict[str, Any]] = [
+            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+            for e in exc.errors()[:20]
+        ]
+        return JSONResponse({"detail": jsonable_encoder(errs)}, status_code=422)
+
+    for r in (health.router, cost.router, runs.router, calibration.router, page.router):
+        app.include_router(r)
+    return app

@@ -1,0 +1,186 @@
+"""Dispatch a real training call (forward + backward) of the attention op and time it (issue 7 item 3).
+
+No FastAPI / pydantic imports: the GPU machine has neither, and a plain script can call
+:class:`GpuDispatcher` (or ``python -m flamia_pack.service.dispatch W1 W2 ...``) directly. The
+service takes its dispatcher from a FastAPI dependency (``flamia_pack.service.deps.get_dispatcher``)
+so CPU tests substitute a fake through ``app.dependency_overrides``.
+
+What is timed (DESIGN.md §8): one training call ``o = varlen_attention(q, k, v, cu_seqlens,
+max_seqlen, causal=..., precision=...); o.backward(do)`` on random N(0, 1) BF16 inputs
+(``q, do: (T, H_q, D)``, ``k, v: (T, H_kv, D)``), fresh inputs drawn before every timed call (not
+timed), ``warmup`` untimed calls first, then the median of ``repeats`` calls measured with CUDA
+events. The documents are laid out as the packed segments in row order (``cu_seqlens`` of the
+flat token stream of all rows, padding left out), the same layout the scheduler's prediction uses.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from flamia_pack.errors import FlamiaError
+
+__all__ = ["Dispatcher", "GpuDispatcher", "Measurement", "RunSpec", "GpuUnavailable"]
+
+
+class GpuUnavailable(RuntimeError):
+    """No usable CUDA device (the service answers 503)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunSpec:
+    """One training call to time."""
+
+    seqlens: np.ndarray
+    """int64 ``(n_segs,)``: segment lengths in packed order (all >= 1); T = their sum."""
+    num_heads: int
+    """Query heads H_q."""
+    num_kv_heads: int
+    """Key/value heads H_kv (divides H_q)."""
+    head_dim: int
+    """D, 64 or 128."""
+    causal: bool = True
+    precision: str = "bf16"
+    """``"bf16"`` or ``"fp8"`` (kernel path)."""
+    warmup: int = 3
+    """Untimed calls before timing."""
+    repeats: int = 10
+    """Timed calls; the median is reported."""
+    seed: int = 0
+    """Seed of the random inputs (torch.Generator on the device)."""
+
+    def __post_init__(self) -> None:
+        s = np.asarray(self.seqlens)
+        if s.ndim != 1 or s.size == 0 or s.dtype.kind not in "iu" or int(s.min()) < 1:
+            raise FlamiaError("RunSpec.seqlens must be a non-empty 1-D integer array of lengths >= 1")
+        if self.num_heads < 1 or self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise FlamiaError(
+                f"num_heads ({self.num_heads}) must be a positive multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim not in (64, 128):
+            raise FlamiaError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.precision not in ("bf16", "fp8"):
+            raise FlamiaError(f"precision must be 'bf16' or 'fp8', got {self.precision!r}")
+        if self.warmup < 0 or self.repeats < 1:
+            raise FlamiaError(f"need warmup >= 0 and repeats >= 1, got {self.warmup}, {self.repeats}")
+
+    @property
+    def total_tokens(self) -> int:
+        """T, tokens of the flat packed stream."""
+        return int(np.asarray(self.seqlens).sum())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    """Timing of one :class:`RunSpec`."""
+
+    measured_ms: float
+    """Median wall time of one training call (ms, CUDA events)."""
+    times_ms: tuple[float, ...] = field(default=())
+    """Every timed call (ms), in order."""
+    device_name: str = ""
+    """``torch.cuda.get_device_name()`` or a fake's name."""
+    peak_bytes: int = 0
+    """Peak allocated device memory during the timed calls (bytes)."""
+
+
+class Dispatcher(Protocol):
+    """What the service needs from a dispatcher."""
+
+    def availability(self) -> tuple[bool, str]:
+        """``(available, detail)``: can :meth:`run` be called, and a one-line description."""
+
+    def run(self, spec: RunSpec) -> Measurement:
+        """Time one training call. Raises :class:`GpuUnavailable` without a device."""
+
+
+class GpuDispatcher:
+    """Runs :func:`flamia_pack.kernels.attention.varlen_attention` on the local CUDA device.
+
+    Torch and the kernels are imported lazily, on the first :meth:`availability` / :meth:`run`.
+    """
+
+    def __init__(self, device: str = "cuda") -> None:
+        self.device = device
+        self._checked: tuple[bool, str] | None = None
+
+    def availability(self) -> tuple[bool, str]:
+        """See :class:`Dispatcher`. Cached after the first call (the lifespan calls it once)."""
+        if self._checked is None:
+            try:
+                import torch
+
+                if not torch.cuda.is_available():
+                    self._checked = (False, "no CUDA device (torch.cuda.is_available() is False)")
+                else:
+                    name = torch.cuda.get_device_name(torch.device(self.device))
+                    try:
+                        from flamia_pack.kernels.attention import varlen_attention  # noqa: F401
+                    except ImportError as exc:
+                        self._checked = (False, f"{name}: attention op not importable ({exc})")
+                    else:
+                        self._checked = (True, name)
+            except Exception as exc:  # a broken driver must not take the service down
+                self._checked = (False, f"CUDA check failed: {type(exc).__name__}: {exc}")
+        return self._checked
+
+    def run(self, spec: RunSpec) -> Measurement:
+        """Time ``spec`` (see the module docstring). Returns a :class:`Measurement`.
+
+        Raises:
+            GpuUnavailable: no CUDA device or no attention op.
+            FlamiaError: invalid spec (from the op's own validation).
+        """
+        ok, detail = self.availability()
+        if not ok:
+            raise GpuUnavailable(detail)
+        import torch
+
+        from flamia_pack.kernels.attention import varlen_attention
+
+        dev = torch.device(self.device)
+        seqlens = np.asarray(spec.seqlens, dtype=np.int64)
+        cu = np.zeros(seqlens.size + 1, dtype=np.int32)
+        np.cumsum(seqlens, out=cu[1:])
+        cu_t = torch.from_numpy(cu).to(dev)
+        max_seqlen = int(seqlens.max())
+        T = int(cu[-1])
+        hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(int(spec.seed))
+
+        def fresh():
+            q = torch.randn(T, hq, d, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+            k = torch.randn(T, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+            v = torch.randn(T, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+            do = torch.randn(T, hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
+            return q, k, v, do
+
+        def call(q, k, v, do):
+            o = varlen_attention(q, k, v, cu_t, max_seqlen, causal=spec.causal, precision=spec.precision)
+            o.backward(do)
+
+        for _ in range(spec.warmup):
+            call(*fresh())
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        times: list[float] = []
+        for _ in range(spec.repeats):
+            args = fresh()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(dev)
+            start.record()
+            call(*args)
+            end.record()
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)))
+            del args
+        return Measurement(
+            measured_ms=float(statistics.median(times)),
+            times_ms=tuple(times),
+            device_name=detail,
+            peak_bytes=int(torch.cuda.max_memory_allocated(dev)),
+        )
