@@ -163,7 +163,223 @@ def pack_cmd(
 
 
 # ---- plan (issue: work list / scheduler) -----------------------------------------------------
-# (section owned by the scheduler work)
+# `flamia plan`: document lengths -> scheduler.predict (work list, policy, simulated time, memory).
+
+
+def _plan_read_lengths_file(path: str):
+    """Document lengths from a text file: one positive integer per line ('#' comments, blanks ok)."""
+    import numpy as np
+
+    from flamia_pack.errors import SourceError
+
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for no, line in enumerate(f, 1):
+            s = line.split("#", 1)[0].strip()
+            if not s:
+                continue
+            try:
+                v = int(s)
+            except ValueError:
+                raise SourceError(f"{path}:{no}: expected one document length (integer) per line, got {s[:40]!r}") from None
+            if v < 1:
+                raise SourceError(f"{path}:{no}: document lengths must be >= 1, got {v}")
+            out.append(v)
+    if not out:
+        raise SourceError(f"{path}: no document lengths found (one integer per line)")
+    return [np.asarray(out, dtype=np.int64)], None
+
+
+def _plan_read_packed_dir(path: str, max_rows: int | None):
+    """Per-row document lengths from a packed dataset directory (manifest.json + parquet shards)."""
+    import pathlib
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from flamia_pack import formats
+    from flamia_pack.errors import FormatError
+
+    man = formats.read_manifest(path)
+    rows = []
+    for shard in man.shards:
+        p = pathlib.Path(path) / shard.file
+        try:
+            col = pq.read_table(p, columns=["cu_seqlens"]).column("cu_seqlens").combine_chunks()
+        except (pa.ArrowException, OSError, KeyError) as e:
+            raise FormatError(f"cannot read cu_seqlens from {p}: {e}") from None
+        offs = col.offsets.to_numpy()
+        vals = col.values.to_numpy(zero_copy_only=False).astype(np.int64)
+        for r in range(len(col)):
+            cu = vals[offs[r]:offs[r + 1]]
+            lens = np.diff(cu)
+            if lens.size and lens.min() < 1 or (cu.size and cu[0] != 0):
+                raise FormatError(f"{p}: row {r} has invalid cu_seqlens")
+            rows.append(lens)
+            if max_rows is not None and len(rows) >= max_rows:
+                return rows, int(man.capacity)
+    if not rows:
+        raise FormatError(f"{path}: the packed dataset has no rows")
+    return rows, int(man.capacity)
+
+
+def _plan_fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+@app.command("plan")
+def plan_cmd(
+    source: str = typer.Argument(None, help="Text file with one document length per line, or a packed "
+                                 "dataset directory (manifest.json + parquet shards)."),
+    lognormal: tuple[float, float, int] = typer.Option(None, "--lognormal", metavar="MU SIGMA TOTAL_TOKENS",
+                                                       show_default=False,
+                                                       help="Instead of SOURCE: lognormal lengths (clipped to "
+                                                       "[16, 32768]) filling exactly TOTAL_TOKENS."),
+    seed: int = typer.Option(0, "--seed", help="Seed for --lognormal (numpy default_rng)."),
+    heads: int = typer.Option(16, "--heads", help="Query heads H_q."),
+    kv_heads: int = typer.Option(None, "--kv-heads", help="K/V heads H_kv (default: --heads; must divide it)."),
+    head_dim: int = typer.Option(128, "--head-dim", help="Head dimension D (calibrated: 64, 128)."),
+    causal: bool = typer.Option(True, "--causal/--no-causal", help="Causal (default) or full attention per document."),
+    precision: str = typer.Option("bf16", "--precision", help="bf16 or fp8."),
+    pass_: str = typer.Option("fwd_bwd", "--pass", help="fwd, bwd or fwd_bwd (one training call)."),
+    capacity: int = typer.Option(None, "--capacity", help="Row capacity in tokens (default: the manifest's, "
+                                 "else the tokens); sizes the packed-memory estimate."),
+    block_m: int = typer.Option(128, "--block-m", help="BLOCK_M: queries per work item (power of two, 16..256)."),
+    block_n: int = typer.Option(128, "--block-n", help="BLOCK_N: keys per tile (power of two >= 16)."),
+    merge_short: bool = typer.Option(False, "--merge-short", help="Coalesce whole short documents inside one "
+                                     "BLOCK_M window into one item."),
+    policy: str = typer.Option("auto", "--policy", help="auto (rule: causal -> dynamic; non-causal -> dynamic "
+                               "iff max_len >= 4 x mean_len), static or dynamic."),
+    gpu: str = typer.Option("H200", "--gpu", help="GPU of the calibration table."),
+    num_sms: int = typer.Option(None, "--num-sms", help="SMs / persistent CTAs (default: the GPU's, 132)."),
+    calibration: str = typer.Option(None, "--calibration", help="Calibration JSON (default: the shipped one)."),
+    rows_limit: int = typer.Option(None, "--rows", help="Packed directory: plan only the first N rows."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout."),
+) -> None:
+    """Plan an attention call: work items, policy, predicted time (static vs dynamic), memory.
+
+    Prints documents, tokens, visible pairs, FLOPs, work items and tiles, the policy and why, the predicted time under both schedules (scheduler/simulate.py; calibration estimate unless measured) and packed vs padded-to-longest memory.
+
+    For a packed directory every row is one call; totals are summed over rows. Errors in the input print one red line on stderr and exit with code 2.
+    """
+    import json
+
+    from rich.console import Console
+    from rich.text import Text
+
+    from flamia_pack.errors import FlamiaError
+
+    err = Console(stderr=True)
+
+    def fail(msg: str, code: int = 2) -> None:
+        err.print(Text(f"error: {' '.join(str(msg).split())}", style="bold red"), soft_wrap=True)
+        raise typer.Exit(code)
+
+    try:
+        import os
+
+        from flamia_pack.scheduler import TileConfig, load_calibration, lognormal_lengths, predict
+
+        use_lognormal = lognormal is not None and lognormal[0] is not None
+        if use_lognormal == (source is not None):
+            fail("give exactly one of SOURCE (lengths file or packed directory) and --lognormal MU SIGMA TOTAL_TOKENS")
+        if rows_limit is not None and rows_limit < 1:
+            fail(f"--rows must be >= 1, got {rows_limit}")
+        man_capacity = None
+        if use_lognormal:
+            mu, sigma, total = lognormal
+            rows = [lognormal_lengths(mu, sigma, total, seed)]
+            what = f"lognormal(mu={mu:g}, sigma={sigma:g}) filling {total:,} tokens, seed {seed}"
+        elif os.path.isdir(source):
+            rows, man_capacity = _plan_read_packed_dir(source, rows_limit)
+            what = f"packed dataset {source} ({len(rows):,} row(s))"
+        else:
+            rows, _ = _plan_read_lengths_file(source)
+            what = f"lengths file {source}"
+        cap = capacity if capacity is not None else man_capacity
+        config = TileConfig(block_m=block_m, block_n=block_n, causal=causal, merge_short=merge_short)
+        table = load_calibration(calibration)
+        preds = [
+            predict(lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=causal,
+                    precision=precision, capacity=cap, gpu=gpu, config=config, num_sms=num_sms, pass_=pass_,
+                    policy=policy, calibration=table, max_intervals=0)
+            for lens in rows
+        ]
+    except FlamiaError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"{e.strerror or e} ({e.filename})" if getattr(e, "filename", None) else str(e))
+
+    p0 = preds[0]
+    tot = lambda k: sum(getattr(p, k) for p in preds)  # noqa: E731
+    policies = sorted({p.policy for p in preds})
+    summary = {
+        "source": what,
+        "rows": len(preds),
+        "documents": tot("docs"),
+        "tokens": tot("tokens"),
+        "max_len": max(p.max_len for p in preds),
+        "visible_pairs": tot("pairs"),
+        "flops": float(tot("flops")),
+        "items": tot("items"),
+        "tiles_per_head": tot("tiles"),
+        "policy": policies[0] if len(policies) == 1 else "mixed",
+        "reason": p0.reason if len(preds) == 1 else "; ".join(sorted({p.reason for p in preds}))[:500],
+        "static_ms": tot("static_ms"),
+        "dynamic_ms": tot("dynamic_ms"),
+        "predicted_ms": tot("predicted_ms"),
+        "memory_packed_bytes": max(p.memory_packed_bytes for p in preds),
+        "memory_padded_bytes": max(p.memory_padded_bytes for p in preds),
+        "settings": {
+            "num_heads": p0.num_heads, "num_kv_heads": p0.num_kv_heads, "head_dim": p0.head_dim,
+            "causal": p0.causal, "precision": p0.precision, "pass": p0.pass_, "capacity": cap,
+            "block_m": p0.block_m, "block_n": p0.block_n, "merge_short": p0.merge_short, "gpu": p0.gpu,
+            "num_sms": p0.num_sms, "kernel_path": p0.kernel_path, "a_us_per_tile": p0.a_us_per_tile,
+            "b_us_per_item": p0.b_us_per_item, "calibration_version": p0.calibration_version,
+            "calibration_measured": p0.calibration_measured,
+        },
+    }
+    summary["predicted_tflops"] = summary["flops"] / (summary["predicted_ms"] * 1e-3) / 1e12 if summary["predicted_ms"] else 0.0
+    if json_out:
+        if len(preds) > 1:
+            summary["per_row"] = [p.to_dict() for p in preds]
+        typer.echo(json.dumps(summary, indent=2))
+        return
+
+    from rich.table import Table
+
+    s = summary["settings"]
+    t = Table(title="flamia plan", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("source", what)
+    t.add_row("call", f"{s['pass']} {s['precision']}, {'causal' if s['causal'] else 'non-causal'}, "
+                      f"H_q {s['num_heads']} / H_kv {s['num_kv_heads']}, D {s['head_dim']}, "
+                      f"BLOCK {s['block_m']}x{s['block_n']}{', merge_short' if s['merge_short'] else ''}, "
+                      f"{s['gpu']} ({s['num_sms']} SMs)")
+    per = " per row, summed" if len(preds) > 1 else ""
+    t.add_row("documents", f"{summary['documents']:,} (max length {summary['max_len']:,})")
+    t.add_row("tokens", f"{summary['tokens']:,}")
+    t.add_row("visible pairs", f"{summary['visible_pairs']:,}")
+    t.add_row("FLOPs", f"{summary['flops']:.4g}")
+    t.add_row("work items", f"{summary['items']:,} ({summary['tiles_per_head']:,} key tiles per head)")
+    t.add_row("policy", f"{summary['policy']}: {summary['reason']}")
+    t.add_row("predicted", f"static {summary['static_ms']:.3f} ms, dynamic {summary['dynamic_ms']:.3f} ms{per} "
+                           f"-> {summary['predicted_ms']:.3f} ms, {summary['predicted_tflops']:.0f} TFLOP/s")
+    pk, pd = summary["memory_packed_bytes"], summary["memory_padded_bytes"]
+    ratio = f" ({pd / pk:.2f}x)" if pk else ""
+    t.add_row("memory", f"packed {_plan_fmt_bytes(pk)}, padded-to-longest {_plan_fmt_bytes(pd)}{ratio}"
+                        f"{' (largest row)' if len(preds) > 1 else ''}")
+    t.add_row("calibration", f"{s['kernel_path']} a={s['a_us_per_tile']:.3g} us/tile, b={s['b_us_per_item']:.3g} "
+                             f"us/item, {s['calibration_version']}"
+                             f"{'' if s['calibration_measured'] else ' (estimate, not measured on our kernel)'}")
+    Console().print(t)
+
 
 # ---- probe-leak (issue: quantizer / leak probe) ----------------------------------------------
 # (section owned by the quantizer work)

@@ -1,0 +1,104 @@
+"""`flamia plan` (cli.py plan section): sources, options, JSON output, one-line errors (exit 2)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from flamia_pack.cli import app
+from flamia_pack.scheduler import TileConfig, attention_flops, build_work_list_host, lognormal_lengths, predict, visible_pairs
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, ["plan", *map(str, args)])
+
+
+def _json(*args):
+    r = _run(*args, "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_lengths_file_json_matches_library(tmp_path):
+    lens = [4096, 300, 1, 77]
+    f = tmp_path / "lens.txt"
+    f.write_text("# W-like mix\n" + "\n".join(map(str, lens)) + "\n\n")
+    d = _json(f, "--heads", 8, "--kv-heads", 2, "--head-dim", 64)
+    assert d["documents"] == 4 and d["tokens"] == sum(lens)
+    assert d["visible_pairs"] == visible_pairs(lens)
+    assert d["flops"] == attention_flops(lens, 8, 64, mode="fwd_bwd")
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    items = build_work_list_host(cu, TileConfig())
+    assert d["items"] == len(items) and d["tiles_per_head"] == int(items[:, 3].sum())
+    p = predict(lens, num_heads=8, num_kv_heads=2, head_dim=64)
+    assert d["static_ms"] == pytest.approx(p.static_ms) and d["dynamic_ms"] == pytest.approx(p.dynamic_ms)
+    assert d["policy"] == "dynamic" and "causal" in d["reason"]
+    assert d["memory_padded_bytes"] == p.memory_padded_bytes > d["memory_packed_bytes"]
+
+
+def test_lognormal_table_and_options():
+    r = _run("--lognormal", 6.5, 1.0, 65536, "--seed", 3, "--no-causal", "--block-m", 64, "--merge-short")
+    assert r.exit_code == 0, r.output
+    for word in ("documents", "visible pairs", "FLOPs", "work items", "policy", "static", "dynamic", "padded"):
+        assert word in r.stdout
+    d = _json("--lognormal", 6.5, 1.0, 65536, "--seed", 3, "--no-causal", "--policy", "static", "--precision", "fp8")
+    lens = lognormal_lengths(6.5, 1.0, 65536, 3)
+    assert d["documents"] == len(lens) and d["visible_pairs"] == visible_pairs(lens, causal=False)
+    assert d["policy"] == "static" and d["predicted_ms"] == d["static_ms"]
+    assert d["settings"]["kernel_path"] == "fp8_fwd_bwd"
+
+
+def test_packed_directory(tmp_path):
+    from flamia_pack import formats
+    from flamia_pack.pack import PackConfig, pack_documents
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 1000, size=int(n)) for n in rng.integers(1, 900, size=40)]
+    packed = pack_documents(docs, PackConfig(capacity=2048))
+    out = tmp_path / "packed"
+    formats.write_packed(out, packed, shard_rows=3)
+    d = _json(out)
+    rows = [np.diff(r["cu_seqlens"]) for r in formats.iter_rows(out)]
+    assert d["rows"] == len(rows) > 1
+    assert d["documents"] == sum(len(x) for x in rows) == 40
+    assert d["tokens"] == sum(int(x.sum()) for x in rows)
+    assert d["settings"]["capacity"] == 2048
+    assert len(d["per_row"]) == len(rows)
+    assert d["static_ms"] == pytest.approx(sum(predict(x, capacity=2048).static_ms for x in rows))
+    assert _json(out, "--rows", 1)["rows"] == 1
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        ((), "exactly one of"),
+        (("--lognormal", 6, 1, -5), "total_tokens"),
+        (("LENS", "--block-m", 100), "power of two"),
+        (("LENS", "--capacity", 10), "capacity"),
+        (("LENS", "--precision", "fp4"), "precision"),
+        (("LENS", "--head-dim", 96), "no calibration"),
+        (("LENS", "--policy", "fast"), "policy"),
+        (("LENS", "--kv-heads", 5), "multiple"),
+        (("BAD",), "integer"),
+        (("NEG",), ">= 1"),
+        (("MISSING",), "No such file"),
+        (("EMPTYDIR",), "manifest.json"),
+    ],
+)
+def test_bad_input_one_red_line_exit_2(tmp_path, args, needle):
+    (tmp_path / "lens.txt").write_text("100\n200\n")
+    (tmp_path / "bad.txt").write_text("100\nabc\n")
+    (tmp_path / "neg.txt").write_text("100\n0\n")
+    (tmp_path / "empty").mkdir()
+    sub = {"LENS": tmp_path / "lens.txt", "BAD": tmp_path / "bad.txt", "NEG": tmp_path / "neg.txt",
+           "MISSING": tmp_path / "nope.txt", "EMPTYDIR": tmp_path / "empty"}
+    r = _run(*[sub.get(a, a) if isinstance(a, str) else a for a in args])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.output
+    assert needle in lines[0]
+    assert "Traceback" not in r.output
