@@ -1,0 +1,462 @@
+"""Packed causal attention, the public op: ``varlen_attention`` (DESIGN.md §7, issue 5).
+
+Query ``i`` attends key ``j`` iff both lie in the same document of ``cu_seqlens`` and, when
+``causal``, ``j <= i`` (FlashAttention's varlen convention). Drawn for a row of three documents
+with ``cu_seqlens = [0, 3, 5, 8]`` (x = visible)::
+
+            keys ->  0 1 2 | 3 4 | 5 6 7
+    query 0          x     |     |
+    query 1          x x   |     |
+    query 2          x x x |     |
+    query 3                | x   |
+    query 4                | x x |
+    query 5                |     | x
+    query 6                |     | x x
+    query 7                |     | x x x
+
+Execution paths (chosen per call from the tensors' device):
+
+- CUDA + triton: the Triton kernels of ``flash_fwd.py`` / ``flash_bwd.py`` driven by the sorted work
+  list of ``flamia_pack.scheduler`` (Hopper sm_90 is the tuned target; other CUDA GPUs with
+  bf16 tensor cores run the same code untuned).
+- CPU (or no triton): the exact torch reference ``reference.packed_attention_reference``
+  (float32 compute, result cast back to the input dtype), differentiable through the same op.
+  With ``TRITON_INTERPRET=1`` set before triton is imported, CPU tensors run the Triton kernels
+  in the interpreter instead (tests; see ``interpret.py``).
+
+Both paths go through one ``torch.library`` custom op (``flamia_pack::varlen_attn_fwd`` and its
+backward ``flamia_pack::varlen_attn_bwd``) with fake (meta) implementations, so the op works
+under ``torch.compile`` without graph breaks inside it. With a prebuilt ``work_list`` the GPU path
+does no host synchronisation and can be captured in a CUDA graph for a fixed T.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from flamia_pack.errors import FlamiaError, MetadataError
+from flamia_pack.kernels.config import SCHEDULES, AttentionKernelConfig, kernel_config, work_list_tile_config
+
+__all__ = ["varlen_attention", "build_attention_work_list", "check_attention_inputs", "kernels_available"]
+
+_SUPPORTED_HEAD_DIMS = (64, 128)
+_FALLBACK_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+# ----------------------------------------------------------------------------------------------
+# path selection
+# ----------------------------------------------------------------------------------------------
+
+_TRITON_OK: Optional[bool] = None
+
+
+def _triton_importable() -> bool:
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        try:
+            import triton  # noqa: F401
+
+            _TRITON_OK = True
+        except Exception:  # pragma: no cover - depends on the install
+            _TRITON_OK = False
+    return _TRITON_OK
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+
+
+def kernels_available(device: torch.device | str) -> bool:
+    """True if tensors on ``device`` run the Triton kernels (else the torch reference).
+
+    CUDA devices need triton; CPU tensors use the kernels only under ``TRITON_INTERPRET=1``.
+    """
+    device = torch.device(device)
+    if not _triton_importable():
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and _interpreting()
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------
+
+
+def _expect_tensor(name: str, x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise FlamiaError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def check_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen,
+    *,
+    kernel_path: bool,
+) -> tuple[int, int, int, int]:
+    """Check names, shapes, dtypes, devices and strides of an attention call (no host sync).
+
+    Args:
+        q: ``(T, H_q, D)``; k, v: ``(T, H_kv, D)``; ``H_q % H_kv == 0``; last dim contiguous.
+        cu_seqlens: 1-D int32/int64 ``(n_docs + 1,)`` on q's device.
+        max_seqlen: int >= 0 (FlashAttention API parity; the values are checked with cu_seqlens).
+        kernel_path: the Triton path (bf16 and D in {64, 128} required) or the reference fallback
+            (bf16/fp16/fp32/fp64, any D).
+
+    Returns:
+        ``(T, H_q, H_kv, D)``.
+
+    Raises:
+        FlamiaError / MetadataError: with what was wrong and what is allowed.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
+        _expect_tensor(name, x)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3:
+            raise FlamiaError(f"{name} must be 3-D (total_tokens, num_heads, head_dim), got shape {tuple(x.shape)}")
+    T, H, D = q.shape
+    if k.shape != v.shape:
+        raise FlamiaError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != T or k.shape[2] != D:
+        raise FlamiaError(f"k/v must be (T={T}, num_kv_heads, head_dim={D}), got {tuple(k.shape)}")
+    Hkv = k.shape[1]
+    if H < 1 or Hkv < 1 or H % Hkv:
+        raise FlamiaError(f"num_heads ({H}) must be a positive multiple of num_kv_heads ({Hkv})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise FlamiaError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if kernel_path:
+        if q.dtype != torch.bfloat16:
+            raise FlamiaError(f"the GPU kernels take bfloat16 q/k/v (precision='bf16'), got {q.dtype}")
+        if D not in _SUPPORTED_HEAD_DIMS:
+            raise FlamiaError(f"head_dim must be one of {_SUPPORTED_HEAD_DIMS} for the GPU kernels, got {D}")
+    elif q.dtype not in _FALLBACK_DTYPES:
+        raise FlamiaError(f"q/k/v dtype must be one of {_FALLBACK_DTYPES}, got {q.dtype}")
+    devs = {x.device for x in (q, k, v, cu_seqlens)}
+    if len(devs) != 1:
+        raise FlamiaError(f"q, k, v and cu_seqlens must be on one device, got {sorted(str(d) for d in devs)}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.numel() and x.stride(2) != 1:
+            raise FlamiaError(f"{name} must be contiguous in head_dim (stride(-1) == 1), got strides {x.stride()}; call .contiguous()")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise MetadataError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise MetadataError(f"cu_seqlens must be 1-D of shape (n_docs + 1,), got shape {tuple(cu_seqlens.shape)}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise FlamiaError(f"max_seqlen must be an int >= 0, got {max_seqlen!r}")
+    if T >= 2**31 // max(1, H * D):
+        raise FlamiaError(f"T * num_heads * head_dim must be < 2**31, got {T} * {H} * {D}")
+    return T, H, Hkv, D
+
+
+def _check_cu_values(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> None:
+    """Host check of the values of cu_seqlens (one device-to-host copy)."""
+    from flamia_pack.varlen import validate_cu_seqlens
+
+    arr = validate_cu_seqlens(cu_seqlens)
+    if int(arr[-1]) > T:
+        raise MetadataError(f"cu_seqlens[-1]={int(arr[-1])} exceeds the number of tokens T={T}")
+    if len(arr) > 1:
+        longest = int((arr[1:] - arr[:-1]).max())
+        if max_seqlen < longest:
+            raise MetadataError(f"max_seqlen={max_seqlen} is smaller than the longest document ({longest})")
+
+
+# ----------------------------------------------------------------------------------------------
+# work lists
+# ----------------------------------------------------------------------------------------------
+
+
+def build_attention_work_list(
+    cu_seqlens: torch.Tensor,
+    total_tokens: int,
+    *,
+    causal: bool = True,
+    head_dim: int = 128,
+    config: AttentionKernelConfig | None = None,
+    max_items: int | None = None,
+    validate: bool = True,
+):
+    """The work list ``varlen_attention`` builds by default, for reuse across calls / CUDA graphs.
+
+    Build it once per packed row (outside graph capture, or inside with ``validate=False``) and
+    pass it as ``work_list=``; the attention call then does no host synchronisation.
+
+    Args:
+        cu_seqlens: ``(n_docs + 1,)`` int32 on the device.
+        total_tokens: T.
+        causal, head_dim: as the attention call (choose the tile configuration).
+        config: tile configuration (default :func:`kernel_config`).
+        max_items, validate: see ``flamia_pack.scheduler.worklist.build_work_list``.
+
+    Returns:
+        ``flamia_pack.scheduler.worklist.WorkList``.
+    """
+    from flamia_pack.scheduler.worklist import build_work_list
+
+    cfg = config or kernel_config(head_dim, causal)
+    return build_work_list(cu_seqlens, int(total_tokens), work_list_tile_config(cfg, causal),
+                           max_items=max_items, validate=validate)
+
+
+@torch.compiler.disable
+def _default_work_list(cu32: torch.Tensor, T: int, max_seqlen: int, causal: bool, cfg: AttentionKernelConfig):
+    _check_cu_values(cu32, T, max_seqlen)
+    wl = build_attention_work_list(cu32, T, causal=causal, config=cfg, validate=False)
+    return wl.items, wl.num_items
+
+
+def _check_work_list(work_list, causal: bool, cfg: AttentionKernelConfig, device: torch.device):
+    items = getattr(work_list, "items", None)
+    num_items = getattr(work_list, "num_items", None)
+    wcfg = getattr(work_list, "config", None)
+    if not isinstance(items, torch.Tensor) or not isinstance(num_items, torch.Tensor) or wcfg is None:
+        raise FlamiaError("work_list must be a flamia_pack.scheduler.worklist.WorkList (items, num_items, config)")
+    if items.dtype != torch.int32 or items.dim() != 2 or items.shape[1] != 4 or not items.is_contiguous():
+        raise FlamiaError(f"work_list.items must be a contiguous (max_items, 4) int32 tensor, got {tuple(items.shape)} {items.dtype}")
+    if num_items.dtype != torch.int32 or num_items.numel() != 1:
+        raise FlamiaError("work_list.num_items must be a (1,) int32 tensor")
+    if items.device != device or num_items.device != device:
+        raise FlamiaError(f"work_list must be on {device}, got {items.device}")
+    if bool(wcfg.causal) != bool(causal):
+        raise FlamiaError(f"work_list was built with causal={wcfg.causal} but the call has causal={causal}")
+    if wcfg.block_m != cfg.wl_block_m:
+        raise FlamiaError(
+            f"work_list was built with block_m={wcfg.block_m}; the kernels expect block_m={cfg.wl_block_m} "
+            "(use build_attention_work_list)")
+    return items, num_items
+
+
+# ----------------------------------------------------------------------------------------------
+# custom ops
+# ----------------------------------------------------------------------------------------------
+
+
+def _config_to_ints(cfg: AttentionKernelConfig) -> list[int]:
+    out = []
+    for x in cfg.key():
+        out.append(SCHEDULES.index(x) if isinstance(x, str) else int(x))
+    return out
+
+
+def _config_from_ints(vals) -> AttentionKernelConfig:
+    names = list(AttentionKernelConfig.__dataclass_fields__)
+    kw = {}
+    for n, x in zip(names, vals):
+        if n == "schedule":
+            kw[n] = SCHEDULES[int(x)]
+        elif n == "merge_short":
+            kw[n] = bool(x)
+        else:
+            kw[n] = int(x)
+    return AttentionKernelConfig(**kw)
+
+
+def _reference_fwd(q, k, v, cu, causal, scale):
+    from flamia_pack.kernels.reference import packed_attention_reference
+
+    o, lse = packed_attention_reference(q, k, v, cu, causal=causal, softmax_scale=scale,
+                                        compute_dtype=torch.float32, return_lse=True)
+    return o.to(q.dtype), lse.to(torch.float32)
+
+
+def _reference_bwd(do, dlse, q, k, v, o, lse, cu, causal, scale):
+    """Exact float32 backward of packed attention (the fallback path's gradient), per document.
+
+    Same formulas as flash_bwd.py: ``dS = P * (dO V^T - Delta)``, ``Delta = rowsum(dO * O) - dLSE``.
+    """
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    g = H // Hkv
+    f32 = torch.float32
+    dq = torch.zeros((T, H, D), dtype=f32, device=q.device)
+    dk = torch.zeros((T, Hkv, D), dtype=f32, device=q.device)
+    dv = torch.zeros((T, Hkv, D), dtype=f32, device=q.device)
+    bounds = cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e <= s:
+            continue
+        qs = q[s:e].to(f32).transpose(0, 1)
+        ks = k[s:e].to(f32).repeat_interleave(g, dim=1).transpose(0, 1)
+        vs = v[s:e].to(f32).repeat_interleave(g, dim=1).transpose(0, 1)
+        dos = do[s:e].to(f32).transpose(0, 1)
+        os_ = o[s:e].to(f32).transpose(0, 1)
+        p = torch.exp(torch.matmul(qs, ks.transpose(1, 2)) * scale - lse[:, s:e, None].to(f32))
+        if causal:
+            p = torch.tril(p)
+        delta = (dos * os_).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse[:, s:e].to(f32)
+        ds = p * (torch.matmul(dos, vs.transpose(1, 2)) - delta[..., None])
+        dq[s:e] = (torch.matmul(ds, ks) * scale).transpose(0, 1)
+        L = e - s
+        dk[s:e] = (torch.matmul(ds.transpose(1, 2), qs) * scale).view(Hkv, g, L, D).sum(1).transpose(0, 1)
+        dv[s:e] = torch.matmul(p.transpose(1, 2), dos).view(Hkv, g, L, D).sum(1).transpose(0, 1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@torch.library.custom_op("flamia_pack::varlen_attn_fwd", mutates_args=())
+def _varlen_attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor,
+    num_items: torch.Tensor, causal: bool, softmax_scale: float, config: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if kernels_available(q.device):
+        if q.device.type == "cpu":
+            from flamia_pack.kernels.interpret import patch_triton_interpreter
+
+            patch_triton_interpreter()
+        from flamia_pack.kernels.flash_fwd import flash_fwd
+
+        return flash_fwd(q, k, v, cu_seqlens, items, num_items, causal=causal, softmax_scale=softmax_scale,
+                         config=_config_from_ints(config))
+    return _reference_fwd(q, k, v, cu_seqlens, causal, softmax_scale)
+
+
+@_varlen_attn_fwd.register_fake
+def _varlen_attn_fwd_fake(q, k, v, cu_seqlens, items, num_items, causal, softmax_scale, config):
+    T, H, D = q.shape
+    return q.new_empty((T, H, D)), q.new_empty((H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("flamia_pack::varlen_attn_bwd", mutates_args=())
+def _varlen_attn_bwd(
+    do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    o: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
+    causal: bool, softmax_scale: float, config: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if kernels_available(q.device):
+        if q.device.type == "cpu":
+            from flamia_pack.kernels.interpret import patch_triton_interpreter
+
+            patch_triton_interpreter()
+        from flamia_pack.kernels.flash_bwd import flash_bwd
+
+        return flash_bwd(do, q, k, v, o, lse, cu_seqlens, items, num_items, causal=causal,
+                         softmax_scale=softmax_scale, config=_config_from_ints(config), dlse=dlse)
+    return _reference_bwd(do, dlse, q, k, v, o, lse, cu_seqlens, causal, softmax_scale)
+
+
+@_varlen_attn_bwd.register_fake
+def _varlen_attn_bwd_fake(do, dlse, q, k, v, o, lse, cu_seqlens, items, num_items, causal, softmax_scale, config):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, items, num_items, causal, softmax_scale, config = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, items, num_items)
+    ctx.causal = causal
+    ctx.softmax_scale = softmax_scale
+    ctx.config = config
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_seqlens, items, num_items = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = torch.ops.flamia_pack.varlen_attn_bwd(
+        do.contiguous(), None if dlse is None else dlse.contiguous(), q, k, v, o, lse, cu_seqlens, items, num_items,
+        ctx.causal, ctx.softmax_scale, ctx.config)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_varlen_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# public op
+# ----------------------------------------------------------------------------------------------
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    precision: str = "bf16",
+    work_list=None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+    config: AttentionKernelConfig | None = None,
+):
+    """Packed (document-masked) attention over one packed row, forward and backward.
+
+    Args:
+        q: ``(T, H_q, D)`` bfloat16 (the CPU reference fallback also takes fp16/fp32/fp64 and any D).
+        k, v: ``(T, H_kv, D)``, same dtype; ``H_q % H_kv == 0`` (GQA/MQA: query head ``h`` reads
+            kv head ``h // (H_q // H_kv)``); ``D`` in {64, 128}. Any token/head strides; the last
+            dim must be contiguous.
+        cu_seqlens: ``(n_docs + 1,)`` int32 (int64 is converted), row-local offsets: first 0,
+            strictly increasing, last ``<= T``. Documents may start at any offset; tokens at or past
+            ``cu_seqlens[-1]`` are row-end padding: ``o = 0``, ``lse = +inf``, zero gradients.
+        max_seqlen: longest document (int; FlashAttention API parity; checked, not needed).
+        causal: key ``j`` visible to query ``i`` only if ``j <= i`` (inside the document).
+        softmax_scale: default ``D ** -0.5``.
+        precision: ``"bf16"``; ``"fp8"`` (token-block scaled, DESIGN.md §4) is not implemented yet.
+        work_list: a prebuilt ``WorkList`` (:func:`build_attention_work_list`). Given one, the call
+            trusts ``cu_seqlens`` (validated when the list was built) and does no host sync: use it
+            for CUDA graphs and in training loops. Without one, ``cu_seqlens`` is validated on the
+            host (one sync) and a list is built on the device.
+        return_lse: also return the LSE ``(H_q, T)`` float32 (natural log; differentiable).
+        deterministic: accepted for API parity; the kernels never use atomics, so results are
+            always bitwise reproducible.
+        config: tile/launch configuration (default :func:`flamia_pack.kernels.config.kernel_config`).
+
+    Returns:
+        ``o`` ``(T, H_q, D)`` in q's dtype, or ``(o, lse)`` if ``return_lse``.
+
+    Raises:
+        NotImplementedError: ``precision="fp8"``.
+        FlamiaError / MetadataError: invalid inputs (message says what was expected).
+    """
+    if precision == "fp8":
+        raise NotImplementedError(
+            "precision='fp8' (token-block scaled FP8 attention, DESIGN.md §4) is not implemented yet; "
+            "use precision='bf16'")
+    if precision != "bf16":
+        raise FlamiaError(f"precision must be 'bf16' (or 'fp8' once implemented), got {precision!r}")
+    if not isinstance(causal, bool) or not isinstance(return_lse, bool) or not isinstance(deterministic, bool):
+        raise FlamiaError("causal, return_lse and deterministic must be bool")
+    for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
+        _expect_tensor(name, x)
+    use_kernels = kernels_available(q.device)
+    T, H, Hkv, D = check_attention_inputs(q, k, v, cu_seqlens, max_seqlen, kernel_path=use_kernels)
+    if softmax_scale is None:
+        softmax_scale = D ** -0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
+            math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise FlamiaError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
+    cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    if not cu32.is_contiguous():
+        cu32 = cu32.contiguous()
+    if use_kernels:
+        cfg = config if config is not None else kernel_config(D, causal)
+        if not isinstance(cfg, AttentionKernelConfig):
+            raise FlamiaError(f"config must be an AttentionKernelConfig, got {type(cfg).__name__}")
+        if work_list is None:
+            items, num_items = _default_work_list(cu32, T, max_seqlen, causal, cfg)
+        else:
+            items, num_items = _check_work_list(work_list, causal, cfg, q.device)
+        cfg_ints = _config_to_ints(cfg)
+    else:
+        cfg = config if config is not None else AttentionKernelConfig()
+        if work_list is None:
+            _check_cu_values(cu32, T, max_seqlen)
+        else:  # checked for the same mistakes as on the GPU, then unused by the reference
+            _check_work_list(work_list, causal, cfg, q.device)
+        items = torch.empty((0, 4), dtype=torch.int32, device=q.device)
+        num_items = torch.zeros((1,), dtype=torch.int32, device=q.device)
+        cfg_ints = _config_to_ints(cfg)
+    o, lse = torch.ops.flamia_pack.varlen_attn_fwd(q, k, v, cu32, items, num_items, causal, float(softmax_scale), cfg_ints)
+    return (o, lse) if return_lse else o

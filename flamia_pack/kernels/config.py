@@ -1,0 +1,137 @@
+"""Tile and launch configuration of the packed-attention kernels (DESIGN.md §6-7).
+
+One frozen dataclass, :class:`AttentionKernelConfig`, holds every size the kernels depend on, and
+one pure function, :func:`kernel_config`, picks it from ``(head_dim, causal, precision)``. The BF16
+path (issue 5) and the FP8 path (DESIGN.md §4) share the work list, the tile sizes and the
+masking / diagonal decisions (``kernels/tiles.py``); only the inner products differ.
+
+Vocabulary (FlashAttention's):
+
+- forward: a program owns ``BLOCK_M`` query rows and walks key tiles of ``BLOCK_N``;
+- backward dK/dV: a program owns ``bwd_block_n1`` keys and walks query tiles of ``bwd_block_m1``;
+- backward dQ: a program owns ``bwd_block_m2`` queries and walks key tiles of ``bwd_block_n2``;
+- every owner block divides the work list's ``wl_block_m`` (one work item is split into
+  ``wl_block_m // owner`` programs).
+"""
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+
+from flamia_pack.errors import FlamiaError
+
+__all__ = ["AttentionKernelConfig", "kernel_config", "work_list_tile_config", "SCHEDULES"]
+
+SCHEDULES = ("grid", "persistent")
+"""``grid``: one program per (work-list entry, head), launched in the list's decreasing-cost order
+(CTAs are dispatched in launch order, which approximates LPT); ``persistent``: one program per SM
+slot taking the next (entry, head) from a global atomic counter (the dynamic policy of DESIGN.md §6)."""
+
+
+def _pow2(x: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionKernelConfig:
+    """Tile sizes and launch parameters of the packed-attention kernels.
+
+    All block sizes are powers of two >= 16; owner blocks (``block_m``, ``bwd_block_n1``,
+    ``bwd_block_m2``) divide ``wl_block_m``; walked blocks divide their owner block where the
+    diagonal logic needs it (``bwd_block_m1 | bwd_block_n1``, ``bwd_block_n2 | bwd_block_m2``).
+    """
+
+    wl_block_m: int = 128
+    """BLOCK_M of the work list (queries per work item, TileConfig.block_m)."""
+    merge_short: bool = True
+    """Build default work lists with ``merge_short`` (tiny documents share one query tile)."""
+    block_m: int = 128
+    """Forward: query rows per program."""
+    block_n: int = 64
+    """Forward: keys per inner-loop tile (also the work list's cost unit, TileConfig.block_n)."""
+    num_warps: int = 8
+    """Forward: warps per program."""
+    num_stages: int = 3
+    """Forward: software-pipelining depth of the key loop."""
+    schedule: str = "grid"
+    """Forward program order: one of :data:`SCHEDULES`."""
+    bwd_block_n1: int = 128
+    """Backward dK/dV: keys per program."""
+    bwd_block_m1: int = 64
+    """Backward dK/dV: queries per inner-loop tile."""
+    bwd_block_m2: int = 128
+    """Backward dQ: queries per program."""
+    bwd_block_n2: int = 64
+    """Backward dQ: keys per inner-loop tile."""
+    bwd_num_warps: int = 8
+    """Backward: warps per program (one fused launch runs both program kinds)."""
+    bwd_num_stages: int = 2
+    """Backward: software-pipelining depth of the inner loops."""
+
+    def __post_init__(self) -> None:
+        for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
+            v = getattr(self, name)
+            if not _pow2(v) or v < 16 or v > 256:
+                raise FlamiaError(f"AttentionKernelConfig.{name} must be a power of two in [16, 256], got {v!r}")
+        for name in ("block_m", "bwd_block_n1", "bwd_block_m2"):
+            if self.wl_block_m % getattr(self, name):
+                raise FlamiaError(
+                    f"AttentionKernelConfig.{name}={getattr(self, name)} must divide wl_block_m={self.wl_block_m}"
+                )
+        if self.bwd_block_n1 % self.bwd_block_m1 or self.bwd_block_m2 % self.bwd_block_n2:
+            raise FlamiaError("need bwd_block_m1 | bwd_block_n1 and bwd_block_n2 | bwd_block_m2")
+        for name in ("num_warps", "bwd_num_warps"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise FlamiaError(f"AttentionKernelConfig.{name} must be 1, 2, 4, 8 or 16, got {getattr(self, name)!r}")
+        for name in ("num_stages", "bwd_num_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 8:
+                raise FlamiaError(f"AttentionKernelConfig.{name} must be an int in [1, 8], got {v!r}")
+        if self.schedule not in SCHEDULES:
+            raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not isinstance(self.merge_short, bool):
+            raise FlamiaError("AttentionKernelConfig.merge_short must be bool")
+
+    def key(self) -> tuple:
+        """The configuration as a flat tuple (compile-cache key, custom-op argument)."""
+        return astuple(self)
+
+    @classmethod
+    def from_key(cls, key) -> "AttentionKernelConfig":
+        """Inverse of :meth:`key`."""
+        names = [f for f in cls.__dataclass_fields__]
+        return cls(**dict(zip(names, key)))
+
+
+def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16") -> AttentionKernelConfig:
+    """The default configuration for a head dimension, mask type and precision (pure function).
+
+    Starting points for sm_90 (FlashAttention-2 / Triton tutorial practice for D = 128: forward
+    128 x 64 tiles, 8 warps, 3 stages; backward 128-key x 64-query dK/dV programs and 128-query x
+    64-key dQ programs, 8 warps). The choice among measured variants is recorded in
+    ``benchmarks/NOTES.md`` (section "BF16 attention kernels (issue 5)").
+
+    Args:
+        head_dim: D, 64 or 128.
+        causal: causal mask (kept for the signature; both use the same tiles today).
+        precision: ``"bf16"`` (``"fp8"`` shares the tiles; its kernels are a later issue).
+
+    Returns:
+        :class:`AttentionKernelConfig`.
+
+    Raises:
+        FlamiaError: unsupported head_dim or precision.
+    """
+    if head_dim not in (64, 128):
+        raise FlamiaError(f"head_dim must be 64 or 128, got {head_dim!r}")
+    if precision not in ("bf16", "fp8"):
+        raise FlamiaError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
+    if head_dim == 64:
+        return AttentionKernelConfig(block_n=128, num_warps=8, num_stages=3, bwd_num_warps=4, bwd_num_stages=3)
+    return AttentionKernelConfig()
+
+
+def work_list_tile_config(config: AttentionKernelConfig, causal: bool):
+    """The scheduler's :class:`~flamia_pack.scheduler.worklist.TileConfig` matching ``config``."""
+    from flamia_pack.scheduler.worklist import TileConfig
+
+    return TileConfig(block_m=config.wl_block_m, block_n=config.block_n, causal=bool(causal), merge_short=config.merge_short)

@@ -1,0 +1,247 @@
+"""Packed (document-masked) attention backward in Triton for Hopper, driven by the work list.
+
+FlashAttention-2 backward (Dao 2023, Alg. 2) with the forward's tile decisions (tiles.py)::
+
+    preprocess:  Delta_i = sum_d dO_id * O_id  - dLSE_i                       (fp32)
+    P_ij  = 2^(s_ij * log2(e) - lse_i * log2(e))      (recomputed from the saved LSE)
+    dV_j  = sum_i P_ij dO_i ;   dP_ij = dO_i . v_j ;   dS_ij = P_ij (dP_ij - Delta_i)
+    dK_j  = softmax_scale * sum_i dS_ij q_i ;   dQ_i = softmax_scale * sum_j dS_ij k_j
+
+One fused launch holds two program kinds, interleaved rank by rank of the sorted work list so
+both start with their most expensive work:
+
+- dK/dV programs own ``bwd_block_n1`` keys of one kv head and walk the query tiles after them
+  (causal) up to the end of the document; for GQA they also loop over the ``H_q / H_kv`` query
+  heads of the group, so dK/dV are summed in registers and written once (no atomics);
+- dQ programs own ``bwd_block_m2`` queries of one query head and walk the visible key tiles.
+
+No atomics anywhere: the backward is deterministic (bitwise reproducible run to run), so
+``deterministic=True`` needs no separate path. The price is recomputing QK^T and dO V^T in both
+program kinds (7 matrix products per tile pair instead of 5), as in FlashAttention-2's Triton
+kernels and FlexAttention. Padding rows (``>= cu_seqlens[-1]``) get zero gradients.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flamia_pack.kernels.config import AttentionKernelConfig
+from flamia_pack.kernels.flash_fwd import LOG2E, fill_tail
+from flamia_pack.kernels.tiles_triton import doc_boundaries, masked_tile_index, program_geometry, relative_doc, tile_visible
+
+
+@triton.jit
+def _bwd_preprocess(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh,
+                    HAS_DLSE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``Delta[h, t] = sum_d O[t, h, d] * dO[t, h, d] - dLSE[h, t]`` (fp32)."""
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < T
+    d = tl.arange(0, HEAD_DIM)
+    o = tl.load(O + rows.to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + rows.to(tl.int64)[:, None] * stride_dot + h * stride_doh + d[None, :], mask=ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + h * stride_lh + rows, mask=ok, other=0.0)
+    tl.store(DELTA + h * stride_lh + rows, delta, mask=ok)
+
+
+@triton.jit
+def _dkdv_tile(
+    Q, K, V, DO, LSE, DELTA, DK, DV, items_ptr, cu_ptr, n_docs, e, hk, group,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    F1: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
+        items_ptr, cu_ptr, e, F1, WL_BM, BLOCK_N1, BLOCK_M1, True, CAUSAL)
+    if rs < re:
+        offs_n = tl.arange(0, BLOCK_N1)
+        offs_m = tl.arange(0, BLOCK_M1)
+        offs_d = tl.arange(0, HEAD_DIM)
+        k_pos = rs + offs_n
+        k_ok = k_pos < re
+        k = tl.load(K + rs.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
+                    mask=k_ok[:, None], other=0.0)
+        v = tl.load(V + rs.to(tl.int64) * stride_vt + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
+                    mask=k_ok[:, None], other=0.0)
+        dk = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
+        dv = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
+        ends = doc_boundaries(cu_ptr, doc, n_docs, merged, WL_BM)
+        k_rel = relative_doc(k_pos, ends)
+        for g in range(0, group):
+            h = hk * group + g
+            q_ptrs = Q + o_lo.to(tl.int64) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
+            do_ptrs = DO + o_lo.to(tl.int64) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :]
+            l_ptrs = LSE + h * stride_lh + o_lo + offs_m
+            d_ptrs = DELTA + h * stride_lh + o_lo + offs_m
+            # mask-free query tiles
+            for t in range(u0, u1):
+                q = tl.load(q_ptrs + t * BLOCK_M1 * stride_qt)
+                lse2 = tl.load(l_ptrs + t * BLOCK_M1) * 1.4426950408889634
+                s_t = tl.dot(k, tl.trans(q))
+                p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
+                do = tl.load(do_ptrs + t * BLOCK_M1 * stride_dot)
+                dv = tl.dot(p_t.to(do.dtype), do, dv)
+                delta = tl.load(d_ptrs + t * BLOCK_M1)
+                dp_t = tl.dot(v, tl.trans(do))
+                ds_t = p_t * (dp_t - delta[None, :])
+                dk = tl.dot(ds_t.to(q.dtype), q, dk)
+            # masked query tiles: causal diagonal, document end, merged short documents
+            for jj in range(0, u0 + n - u1):
+                t = masked_tile_index(jj, u0, u1)
+                q_pos = o_lo + t * BLOCK_M1 + offs_m
+                q_ok = q_pos < o_hi
+                q = tl.load(q_ptrs + t * BLOCK_M1 * stride_qt, mask=q_ok[:, None], other=0.0)
+                lse2 = tl.load(l_ptrs + t * BLOCK_M1, mask=q_ok, other=0.0) * 1.4426950408889634
+                s_t = tl.dot(k, tl.trans(q))
+                vis = tile_visible(k_pos, q_pos, o_hi, merged, k_rel, ends, True, CAUSAL)
+                p_t = tl.where(vis, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
+                do = tl.load(do_ptrs + t * BLOCK_M1 * stride_dot, mask=q_ok[:, None], other=0.0)
+                dv = tl.dot(p_t.to(do.dtype), do, dv)
+                delta = tl.load(d_ptrs + t * BLOCK_M1, mask=q_ok, other=0.0)
+                dp_t = tl.dot(v, tl.trans(do))
+                ds_t = p_t * (dp_t - delta[None, :])
+                dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        dk = dk * sm_scale
+        tl.store(DK + rs.to(tl.int64) * stride_dkt + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
+                 dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
+        tl.store(DV + rs.to(tl.int64) * stride_dvt + hk * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
+                 dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+
+
+@triton.jit
+def _dq_tile(
+    Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e, h, group,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_lh,
+    qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
+        items_ptr, cu_ptr, e, F2, WL_BM, BLOCK_M2, BLOCK_N2, False, CAUSAL)
+    if rs < re:
+        hk = h // group
+        offs_m = tl.arange(0, BLOCK_M2)
+        offs_n = tl.arange(0, BLOCK_N2)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_pos = rs + offs_m
+        q_ok = q_pos < re
+        q = tl.load(Q + rs.to(tl.int64) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                    mask=q_ok[:, None], other=0.0)
+        do = tl.load(DO + rs.to(tl.int64) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
+                     mask=q_ok[:, None], other=0.0)
+        lse2 = tl.load(LSE + h * stride_lh + q_pos, mask=q_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + h * stride_lh + q_pos, mask=q_ok, other=0.0)
+        k_ptrs = K + o_lo.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = V + o_lo.to(tl.int64) * stride_vt + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
+        dq = tl.zeros([BLOCK_M2, HEAD_DIM], tl.float32)
+        for t in range(u0, u1):
+            k = tl.load(k_ptrs + t * BLOCK_N2 * stride_kt)
+            v = tl.load(v_ptrs + t * BLOCK_N2 * stride_vt)
+            s = tl.dot(q, tl.trans(k))
+            p = tl.math.exp2(s * qk_scale - lse2[:, None])
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(ds.to(k.dtype), k, dq)
+        ends = doc_boundaries(cu_ptr, doc, n_docs, merged, WL_BM)
+        q_rel = relative_doc(q_pos, ends)
+        for jj in range(0, u0 + n - u1):
+            t = masked_tile_index(jj, u0, u1)
+            k_pos = o_lo + t * BLOCK_N2 + offs_n
+            k_ok = k_pos < o_hi
+            k = tl.load(k_ptrs + t * BLOCK_N2 * stride_kt, mask=k_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs + t * BLOCK_N2 * stride_vt, mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k))
+            vis = tile_visible(q_pos, k_pos, o_hi, merged, q_rel, ends, False, CAUSAL)
+            p = tl.where(vis, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(ds.to(k.dtype), k, dq)
+        dq = dq * sm_scale
+        tl.store(DQ + rs.to(tl.int64) * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
+                 dq.to(DQ.dtype.element_ty), mask=q_ok[:, None])
+
+
+@triton.jit
+def _bwd_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, items_ptr, num_items_ptr, cu_ptr, n_docs, num_heads, num_kv_heads,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_kv = F1 * num_kv_heads
+    per_rank = n_kv + F2 * num_heads
+    r = pid // per_rank
+    rem = pid % per_rank
+    group = num_heads // num_kv_heads
+    if r < tl.load(num_items_ptr):
+        if rem < n_kv:
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, items_ptr, cu_ptr, n_docs,
+                       r * F1 + rem // num_kv_heads, rem % num_kv_heads, group,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                       stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+                       qk_scale, sm_scale, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL)
+        else:
+            rem2 = rem - n_kv
+            _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs,
+                     r * F2 + rem2 // num_heads, rem2 % num_heads, group,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                     stride_dqt, stride_dqh, stride_lh,
+                     qk_scale, sm_scale, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL)
+
+
+def flash_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor, *, causal: bool,
+    softmax_scale: float, config: AttentionKernelConfig, dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward (no host sync). Shapes as :func:`flash_fwd.flash_fwd`.
+
+    Args:
+        do: ``(T, H_q, D)`` gradient of the output (last dim contiguous).
+        q, k, v, o, lse: the forward's inputs and outputs.
+        cu_seqlens, items, num_items: as the forward.
+        dlse: optional ``(H_q, T)`` float32 gradient of the LSE output.
+
+    Returns:
+        ``(dq, dk, dv)`` in q/k/v's dtype and shapes; zero on padding rows.
+    """
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    delta = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    if T > 0:
+        blk = 64
+        has_dlse = dlse is not None
+        _bwd_preprocess[(triton.cdiv(T, blk), H)](
+            o, do, dlse if has_dlse else lse, delta, T, o.stride(0), o.stride(1), do.stride(0), do.stride(1),
+            delta.stride(0), HAS_DLSE=has_dlse, BLOCK=blk, HEAD_DIM=D, num_warps=4)
+    f1 = config.wl_block_m // config.bwd_block_n1
+    f2 = config.wl_block_m // config.bwd_block_m2
+    n_prog = items.shape[0] * (f1 * Hkv + f2 * H)
+    if n_prog > 0:
+        _bwd_kernel[(n_prog,)](
+            q, k, v, do, lse, delta, dq, dk, dv, items, num_items, cu_seqlens, cu_seqlens.numel() - 1, H, Hkv,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+            dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), delta.stride(0),
+            float(softmax_scale) * LOG2E, float(softmax_scale),
+            HEAD_DIM=D, BLOCK_M1=config.bwd_block_m1, BLOCK_N1=config.bwd_block_n1,
+            BLOCK_M2=config.bwd_block_m2, BLOCK_N2=config.bwd_block_n2,
+            F1=f1, F2=f2, WL_BM=config.wl_block_m, CAUSAL=bool(causal),
+            num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages,
+        )
+    fill_tail(dq, cu_seqlens, 0.0)
+    fill_tail(dk, cu_seqlens, 0.0)
+    fill_tail(dv, cu_seqlens, 0.0)
+    return dq, dk, dv

@@ -1,0 +1,224 @@
+"""Packed (document-masked) attention forward in Triton for Hopper, driven by the work list.
+
+FlashAttention-2 forward (Dao 2023, Alg. 1) over the sorted work list of DESIGN.md §6: a program
+owns ``BLOCK_M`` queries of one work item (tiles.py) and one query head, keeps Q in registers and
+walks the visible key tiles with an online softmax in base 2::
+
+    s_ij = (q_i . k_j) * softmax_scale * log2(e)
+    m_i  = max_j s_ij ;  l_i = sum_j 2^(s_ij - m_i) ;  o_i = sum_j 2^(s_ij - m_i) v_j / l_i
+    lse_i = (m_i + log2 l_i) * ln 2          (natural log, saved for the backward)
+
+Mask-free key tiles run without any mask arithmetic; only tiles that cut a document boundary or
+the causal diagonal (tiles.py) build a mask. GQA: query head h reads kv head ``h // (H_q // H_kv)``.
+Rows past ``cu_seqlens[-1]`` (row-end padding) get ``o = 0`` and ``lse = +inf`` from a small fill
+kernel that only touches those rows.
+
+Launch orders (``AttentionKernelConfig.schedule``): ``grid`` = one program per (entry, head) in
+the list's decreasing-cost order, the head index fastest (heads of one GQA group run side by side
+and share K/V in L2); ``persistent`` = one program per SM slot taking the next (entry, head) from a
+global atomic counter (the dynamic policy).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from flamia_pack.kernels.config import AttentionKernelConfig
+from flamia_pack.kernels.tiles_triton import doc_boundaries, masked_tile_index, program_geometry, relative_doc, tile_visible
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_MASK_BIAS = -1.0e6  # added to masked scores (base-2 units); a row's first visible key clears it
+
+
+@triton.jit
+def _fwd_tile(
+    Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, h, group,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+    qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    F: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
+        items_ptr, cu_ptr, e, F, WL_BM, BLOCK_M, BLOCK_N, False, CAUSAL)
+    if rs < re:
+        hk = h // group
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_pos = rs + offs_m
+        row_ok = q_pos < re
+        q_base = Q + rs.to(tl.int64) * stride_qt + h * stride_qh
+        q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        k_base = K + o_lo.to(tl.int64) * stride_kt + hk * stride_kh
+        v_base = V + o_lo.to(tl.int64) * stride_vt + hk * stride_vh
+        k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        # mask-free key tiles: every (query, key) pair visible
+        for t in range(u0, u1):
+            k = tl.load(k_ptrs + t * BLOCK_N * stride_kt)
+            s = tl.dot(q, tl.trans(k))
+            m_ij = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            s = s * qk_scale - m_ij[:, None]
+            p = tl.math.exp2(s)
+            alpha = tl.math.exp2(m_i - m_ij)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = tl.load(v_ptrs + t * BLOCK_N * stride_vt)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_ij
+        # masked key tiles: document edge / causal diagonal / merged short documents
+        ends = doc_boundaries(cu_ptr, doc, n_docs, merged, WL_BM)
+        r_rel = relative_doc(q_pos, ends)
+        for jj in range(0, u0 + n - u1):
+            t = masked_tile_index(jj, u0, u1)
+            k_pos = o_lo + t * BLOCK_N + offs_n
+            k_ok = k_pos < o_hi
+            k = tl.load(k_ptrs + t * BLOCK_N * stride_kt, mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k))
+            vis = tile_visible(q_pos, k_pos, o_hi, merged, r_rel, ends, False, CAUSAL)
+            s = s * qk_scale + tl.where(vis, 0.0, -1.0e6)
+            m_ij = tl.maximum(m_i, tl.max(s, 1))
+            s = s - m_ij[:, None]
+            p = tl.math.exp2(s)
+            alpha = tl.math.exp2(m_i - m_ij)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = tl.load(v_ptrs + t * BLOCK_N * stride_vt, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_ij
+        acc = acc / l_i[:, None]
+        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        o_base = O + rs.to(tl.int64) * stride_ot + h * stride_oh
+        tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + h * stride_lh + q_pos, lse, mask=row_ok)
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, O, LSE, items_ptr, num_items_ptr, cu_ptr, counter_ptr, n_docs, num_heads, group,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+    qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    F: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    total = tl.load(num_items_ptr) * F * num_heads
+    if PERSISTENT:
+        tile = tl.atomic_add(counter_ptr, 1)
+        while tile < total:
+            nxt = tl.atomic_add(counter_ptr, 1)
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
+            tile = nxt
+    else:
+        tile = tl.program_id(0)
+        if tile < total:
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
+
+
+@triton.jit
+def _fill_tail_kernel(X, stride_row, stride_col, n_cols, cu_ptr, n_docs, total_rows, value,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``X[row, col] = value`` for rows ``cu_seqlens[-1] <= row < total_rows`` (row-end padding)."""
+    first = tl.load(cu_ptr + n_docs)
+    r0 = tl.program_id(0) * BLOCK_R
+    if r0 + BLOCK_R > first:
+        rows = r0 + tl.arange(0, BLOCK_R)
+        rmask = (rows >= first) & (rows < total_rows)
+        cols = tl.arange(0, BLOCK_C)
+        val = (tl.zeros([BLOCK_R, BLOCK_C], tl.float32) + value).to(X.dtype.element_ty)
+        for c0 in range(0, n_cols, BLOCK_C):
+            c = c0 + cols
+            ptrs = X + rows.to(tl.int64)[:, None] * stride_row + c[None, :] * stride_col
+            tl.store(ptrs, val, mask=rmask[:, None] & (c < n_cols)[None, :])
+
+
+def fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float, *, token_dim: int = 0) -> None:
+    """Fill the row-end padding tokens (``>= cu_seqlens[-1]``) of ``x`` with ``value`` in place.
+
+    ``x`` is ``(T, ...)`` (``token_dim=0``, trailing dims flattened, must be contiguous in them) or
+    ``(H, T)`` (``token_dim=1``). No host sync: the kernel reads ``cu_seqlens[-1]`` on the device.
+    """
+    if token_dim == 0:
+        t = x.shape[0]
+        x2 = x.reshape(t, -1)
+        stride_row, stride_col, n_cols = x2.stride(0), x2.stride(1), x2.shape[1]
+    else:
+        t = x.shape[1]
+        x2 = x
+        stride_row, stride_col, n_cols = x.stride(1), x.stride(0), x.shape[0]
+    if t == 0 or n_cols == 0:
+        return
+    block_r = 64
+    block_c = min(triton.next_power_of_2(n_cols), 256)
+    _fill_tail_kernel[(triton.cdiv(t, block_r),)](
+        x2, stride_row, stride_col, n_cols, cu_seqlens, cu_seqlens.numel() - 1, t, value,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+
+
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def flash_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+    items: torch.Tensor, num_items: torch.Tensor, *, causal: bool, softmax_scale: float,
+    config: AttentionKernelConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward (inputs already validated by ``attention.py``; no host sync).
+
+    Args:
+        q: ``(T, H_q, D)`` bf16, last dim contiguous. k, v: ``(T, H_kv, D)``.
+        cu_seqlens: ``(n_docs + 1,)`` int32, same device.
+        items, num_items: the work list (``(max_items, 4)`` int32, ``(1,)`` int32) built with
+            ``TileConfig(block_m=config.wl_block_m, causal=causal)``.
+        causal, softmax_scale: as in ``varlen_attention``.
+        config: tile/launch configuration.
+
+    Returns:
+        ``(o, lse)``: ``(T, H_q, D)`` in q's dtype and ``(H_q, T)`` float32 (natural log).
+    """
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    o = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    f = config.wl_block_m // config.block_m
+    n_entries = items.shape[0] * f * H
+    n_docs = cu_seqlens.numel() - 1
+    persistent = config.schedule == "persistent"
+    if persistent:
+        counter = torch.zeros((1,), dtype=torch.int32, device=q.device)
+        grid = (max(1, min(n_entries, 2 * _num_sms(q.device))),)
+    else:
+        counter = num_items  # unused
+        grid = (max(1, n_entries),)
+    if n_entries > 0:
+        _fwd_kernel[grid](
+            q, k, v, o, lse, items, num_items, cu_seqlens, counter, n_docs, H, H // Hkv,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            o.stride(0), o.stride(1), lse.stride(0),
+            float(softmax_scale) * LOG2E,
+            HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, F=f, WL_BM=config.wl_block_m,
+            CAUSAL=bool(causal), PERSISTENT=persistent,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    fill_tail(o, cu_seqlens, 0.0, token_dim=0)
+    fill_tail(lse, cu_seqlens, math.inf, token_dim=1)
+    return o, lse

@@ -1,0 +1,58 @@
+"""Run the Triton kernels on the CPU with ``TRITON_INTERPRET=1`` (development and CI tests).
+
+Triton picks the interpreter when ``@triton.jit`` runs, so ``TRITON_INTERPRET=1`` must be set
+before ``triton`` is first imported (the CPU tests start a fresh interpreter process for this).
+Two defects of the interpreter in triton 3.6 with numpy >= 2 and a CPU build of torch are
+patched here, in the interpreter only (nothing changes for compiled kernels):
+
+- ``tl.dot`` on bfloat16 operands multiplies their raw uint16 storage: we widen to float32
+  first (exact, and what the tensor cores do: bf16 products accumulated in fp32);
+- a loaded scalar used as a ``range`` bound fails ``__index__`` (a 1-element array is no longer
+  convertible to int).
+"""
+from __future__ import annotations
+
+import os
+
+_PATCHED = False
+
+
+def patch_triton_interpreter() -> bool:
+    """Apply the interpreter patches once. Returns True if the interpreter is active.
+
+    Raises:
+        RuntimeError: ``TRITON_INTERPRET`` is not set (patching a compiled setup is pointless).
+    """
+    global _PATCHED
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+        raise RuntimeError("set TRITON_INTERPRET=1 before importing triton to use the interpreter")
+    if _PATCHED:
+        return True
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    orig_patch = interp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interp._patch_lang_tensor = _patch_lang_tensor
+
+    orig_dot = interp.InterpreterBuilder.create_dot
+
+    def _widen(h):
+        if h.dtype == tl.bfloat16:
+            return (h.data.astype(np.uint32) << 16).view(np.float32)
+        return h.data.astype(np.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16:
+            out = np.matmul(_widen(a), _widen(b), dtype=np.float32).astype(d.data.dtype) + d.data
+            return interp.TensorHandle(out, d.dtype.scalar)
+        return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+    _PATCHED = True
+    return True
