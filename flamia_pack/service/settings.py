@@ -20,7 +20,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLAMIA_", extra="ignore", frozen=True)
 
     db_path: Path = Field(
-        Path("flamia_runs.sqlite3"),
+        Path("flamia_runs.db"),
         description="SQLite file holding recorded runs and refitted calibration tables (created on start).",
     )
     calibration_path: Path | None = Field(
