@@ -17,6 +17,7 @@ from flamia_pack.scheduler.worklist import (
     ITEM_COLUMNS,
     TileConfig,
     WorkList,
+    WorkListBuilder,
     build_work_list,
     build_work_list_host,
     build_work_list_numba,
@@ -259,6 +260,32 @@ def test_padded_cu_buffer_and_out_reuse():
             assert bool((wl.items[len(ref):] == -1).all())
 
 
+def _check_builder(builder: WorkListBuilder, rng, rows: int, device: str) -> None:
+    t, n_max = builder.total_tokens, builder.max_docs
+    for i in range(rows):
+        n = [0, 1, n_max][i] if i < 3 else int(rng.integers(1, n_max + 1))
+        lens = rng.integers(1, t // max(n, 1) + 1, size=n)
+        cu = _cu(lens)
+        dtype = torch.int64 if i % 2 else torch.int32
+        builder.work_list.items.fill_(99)
+        wl = builder(torch.tensor(cu, dtype=dtype, device=device), validate=bool(i % 3 == 0))
+        ref = build_work_list_host(cu, builder.config)
+        assert np.array_equal(wl.to_numpy(), ref)
+        assert bool((wl.items[len(ref):] == -1).all())
+
+
+def test_work_list_builder_cpu():
+    rng = np.random.default_rng(8)
+    for merge in (False, True):
+        builder = WorkListBuilder(50, 3000, TileConfig(block_m=64, merge_short=merge), device="cpu")
+        assert not builder.use_graph
+        _check_builder(builder, rng, 8, "cpu")
+    with pytest.raises(FlamiaError, match="max_docs"):
+        builder(torch.arange(52, dtype=torch.int32))
+    with pytest.raises(MetadataError):
+        builder(torch.tensor([0, 5, 3], dtype=torch.int32), validate=True)
+
+
 def test_static_assignment_snake():
     m, p = 23, 5
     items = torch.zeros((m, 4), dtype=torch.int32)
@@ -352,3 +379,13 @@ def test_gpu_builder_cuda_graph_replay(backend):
             g.replay()
             torch.cuda.synchronize()
             assert np.array_equal(out.to_numpy(), build_work_list_host(cu, cfg))
+
+
+@pytest.mark.gpu
+def test_work_list_builder_cuda_graph():
+    rng = np.random.default_rng(9)
+    for merge in (False, True):
+        builder = WorkListBuilder(1024, 65536, TileConfig(merge_short=merge), device="cuda")
+        assert builder.use_graph
+        _check_builder(builder, rng, 8, "cuda")
+        assert builder._graph is not None

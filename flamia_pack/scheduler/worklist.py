@@ -49,8 +49,10 @@ Builders
 - :func:`build_work_list_numba`: the same result from a numba host loop;
 - :func:`build_work_list`: torch ops with fixed output sizes (no host sync when
   ``validate=False``, CUDA-graph capturable); the same code runs on CPU tensors, so CPU tests
-  compare it to the reference; on CUDA tensors an optional fused Triton path
-  (``backend="triton"``) does the expansion in one kernel.
+  compare it to the reference; on CUDA tensors a fused Triton path (``backend="triton"``, the
+  default there) does the expansion in one kernel;
+- :class:`WorkListBuilder`: fixed buffers + a CUDA graph captured once, for eager callers that
+  build one list per packed row (launch overhead, not GPU work, dominates an eager build).
 """
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ __all__ = [
     "ITEM_COLUMNS",
     "TileConfig",
     "WorkList",
+    "WorkListBuilder",
     "build_work_list",
     "build_work_list_host",
     "build_work_list_numba",
@@ -508,6 +511,103 @@ def _triton_available() -> bool:
         except Exception:  # pragma: no cover - depends on the install
             _TRITON_OK = False
     return _TRITON_OK
+
+
+class WorkListBuilder:
+    """Reusable builder with fixed buffers, captured once in a CUDA graph (eager calls at graph speed).
+
+    For the loop "new packed row -> work list" outside any user CUDA graph. The first call on a
+    CUDA device runs the build once (compiles), then captures :func:`build_work_list` into a CUDA
+    graph over the builder's own fixed buffers; every call then costs one gather (the input
+    ``cu_seqlens`` copied into the fixed ``(max_docs + 1,)`` buffer, padded with its last value:
+    empty trailing segments make no item) and one graph replay. On CPU, or while the current
+    stream is being captured by the caller, it runs the ops directly on the same buffers.
+
+    The returned :class:`WorkList` is the builder's buffer, overwritten by the next call (like a
+    CUDA graph's static outputs): clone ``items`` / ``num_items`` to keep one.
+
+    Args:
+        max_docs: largest document count per row (the buffer size).
+        total_tokens: T, the row length / capacity (``cu_seqlens[-1] <= T``).
+        config: :class:`TileConfig`.
+        device: where the buffers live.
+        backend: as :func:`build_work_list`.
+        use_graph: capture a CUDA graph (default: True on CUDA).
+
+    Raises:
+        FlamiaError: ``max_docs < 1``, or (per call) more documents than ``max_docs``.
+    """
+
+    _PAD_CACHE = 64
+
+    def __init__(self, max_docs: int, total_tokens: int, config: TileConfig = TileConfig(), *,
+                 device: str | torch.device = "cuda", backend: str = "auto", use_graph: bool | None = None):
+        if int(max_docs) < 1:
+            raise FlamiaError(f"max_docs must be >= 1, got {max_docs}")
+        self.max_docs = int(max_docs)
+        self.total_tokens = int(total_tokens)
+        self.config = config
+        self.backend = backend
+        self.device = torch.device(device)
+        m = max_work_items(self.total_tokens, self.max_docs, config)
+        self.cu_seqlens = torch.zeros(self.max_docs + 1, dtype=torch.int32, device=self.device)
+        self.work_list = WorkList(
+            items=torch.full((m, 4), -1, dtype=torch.int32, device=self.device),
+            num_items=torch.zeros(1, dtype=torch.int32, device=self.device),
+            max_items=m,
+            config=config,
+        )
+        self.use_graph = (self.device.type == "cuda") if use_graph is None else bool(use_graph)
+        self._graph = None
+        self._pad_index: dict[int, torch.Tensor] = {}
+
+    def _index(self, n: int) -> torch.Tensor:
+        idx = self._pad_index.get(n)
+        if idx is None:
+            idx = torch.arange(self.max_docs + 1, device=self.device).clamp_(max=n)
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if not capturing:
+                if len(self._pad_index) >= self._PAD_CACHE:
+                    self._pad_index.pop(next(iter(self._pad_index)))
+                self._pad_index[n] = idx
+        return idx
+
+    def _run(self) -> None:
+        build_work_list(self.cu_seqlens, self.total_tokens, self.config, max_items=self.work_list.max_items,
+                        validate=False, out=self.work_list, backend=self.backend)
+
+    def __call__(self, cu_seqlens: torch.Tensor, *, validate: bool = False) -> WorkList:
+        """Build the list of ``cu_seqlens`` (``(n_docs + 1,)``, n_docs <= max_docs) into the buffers.
+
+        ``validate=True`` checks ``cu_seqlens`` first (one host sync). No host sync otherwise.
+        """
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+            raise MetadataError("cu_seqlens must be a 1-D torch.Tensor of shape (n_docs + 1,)")
+        n = cu_seqlens.numel() - 1
+        if n > self.max_docs:
+            raise FlamiaError(f"{n} documents exceed the builder's max_docs={self.max_docs}")
+        if n < 0:
+            raise MetadataError("cu_seqlens must have at least one element (0)")
+        if validate:
+            _validate_device_cu(cu_seqlens, self.total_tokens)
+        src = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+        torch.index_select(src, 0, self._index(n), out=self.cu_seqlens)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not self.use_graph or capturing:
+            self._run()
+            return self.work_list
+        if self._graph is None:
+            side = torch.cuda.Stream(device=self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._run()  # compile + warm up outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._run()
+            self._graph = graph
+        self._graph.replay()
+        return self.work_list
 
 
 # ----------------------------------------------------------------------------------------------
