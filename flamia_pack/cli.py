@@ -58,20 +58,20 @@ def _pack_summary_table(summary: dict):
 
 @app.command("pack")
 def pack_cmd(
-    source: str = typer.Argument(None, help="Dataset to pack: a saved HF dataset dir, parquet/jsonl/arrow "
+    source: str = typer.Argument(None, metavar="SOURCE", show_default=False, help="Dataset to pack: a saved HF dataset dir, parquet/jsonl/arrow "
                                  "file or dir, or a folder of text files. Default: the bundled sample."),
-    out: str = typer.Option(..., "--out", help="Output directory (parquet shards + manifest.json)."),
-    capacity: int = typer.Option(..., "--capacity", help="Tokens per packed row (>= 1), e.g. 65536."),
-    algorithm: str = typer.Option("bfd", "--algorithm", help="bfd (best-fit-decreasing) or concat."),
-    text_column: str = typer.Option(None, "--text-column", help="Column to read (default: input_ids if "
+    out: str = typer.Option(..., "--out", metavar="DIR", help="Output directory (parquet shards + manifest.json)."),
+    capacity: int = typer.Option(..., "--capacity", metavar="N", help="Tokens per packed row (>= 1), e.g. 65536."),
+    algorithm: str = typer.Option("bfd", "--algorithm", metavar="bfd|concat", help="bfd (best-fit-decreasing) or concat."),
+    text_column: str = typer.Option(None, "--text-column", metavar="NAME", help="Column to read (default: input_ids if "
                                     "present, else text); text is tokenized, integer lists are used as ids."),
-    tokenizer: str = typer.Option("bytes", "--tokenizer", help="'bytes' (UTF-8 bytes, ids 0..255) or a "
+    tokenizer: str = typer.Option("bytes", "--tokenizer", metavar="bytes|PATH", help="'bytes' (UTF-8 bytes, ids 0..255) or a "
                                   "path to a tokenizer.json."),
-    long_docs: str = typer.Option("split", "--long-docs", help="Documents longer than capacity: split, "
+    long_docs: str = typer.Option("split", "--long-docs", metavar="split|truncate|drop", help="Documents longer than capacity: split, "
                                   "truncate or drop."),
-    shard_rows: int = typer.Option(None, "--shard-rows", help="Packed rows per parquet shard "
+    shard_rows: int = typer.Option(None, "--shard-rows", metavar="N", help="Packed rows per parquet shard "
                                    "(default: ~128 MiB uncompressed per shard)."),
-    pad_id: int = typer.Option(0, "--pad-id", help="Token id written past the last document of a row."),
+    pad_id: int = typer.Option(0, "--pad-id", metavar="N", help="Token id written past the last document of a row."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout (no table)."),
 ) -> None:
     """Pack documents into fixed-capacity rows and write parquet shards + manifest.json.
@@ -388,7 +388,60 @@ def plan_cmd(
 # (section owned by the kernel work)
 
 # ---- serve (issue: service) -------------------------------------------------------------------
-# (section owned by the service work)
+# `flamia serve`: uvicorn + flamia_pack.service.app.create_app. FastAPI/uvicorn imported inside.
+
+
+@app.command("serve")
+def serve_cmd(
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0 = any free port)."),
+    db: str = typer.Option(None, "--db", help="SQLite file of recorded runs (default: $FLAMIA_DB_PATH or "
+                           "./flamia_runs.db)."),
+    calibration: str = typer.Option(None, "--calibration", help="Calibration JSON to start from (default: "
+                                    "$FLAMIA_CALIBRATION_PATH or the shipped table; never written)."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level (critical, error, warning, "
+                                  "info, debug)."),
+) -> None:
+    """Run the cost-prediction service (FastAPI): POST /v1/cost:predict, /v1/runs, the HTML page at /.
+
+    Settings come from FLAMIA_* environment variables (see flamia_pack/service/settings.py); --db and
+    --calibration override theirs. OpenAPI docs at /docs. Needs the `service` extra (fastapi, uvicorn).
+    """
+    from rich.console import Console
+    from rich.text import Text
+
+    err = Console(stderr=True)
+
+    def fail(msg: str) -> None:
+        err.print(Text(f"error: {' '.join(str(msg).split())}", style="bold red"), soft_wrap=True)
+        raise typer.Exit(2)
+
+    try:
+        import uvicorn
+        from pydantic import ValidationError
+
+        from flamia_pack.errors import FlamiaError
+        from flamia_pack.service.app import create_app
+        from flamia_pack.service.settings import Settings
+    except ImportError as exc:
+        fail(f"the service needs its extra: pip install 'flamia-pack[service]' ({exc})")
+    if log_level not in ("critical", "error", "warning", "info", "debug"):
+        fail(f"--log-level must be one of critical, error, warning, info, debug; got {log_level!r}")
+    overrides: dict = {}
+    if db is not None:
+        overrides["db_path"] = db
+    if calibration is not None:
+        overrides["calibration_path"] = calibration
+    try:
+        settings = Settings(**overrides)
+        if settings.calibration_path is not None and not settings.calibration_path.is_file():
+            fail(f"calibration file not found: {settings.calibration_path}")
+        application = create_app(settings)
+        uvicorn.run(application, host=host, port=port, log_level=log_level, lifespan="on")
+    except ValidationError as exc:
+        fail(f"invalid FLAMIA_* setting: {exc.errors()[0].get('loc')}: {exc.errors()[0].get('msg')}")
+    except (FlamiaError, OSError) as exc:
+        fail(str(exc))
 
 
 def main() -> None:

@@ -134,6 +134,18 @@ def test_predict_multi_row_uses_packed_segments(client):
     assert b["policy"] == ref.policy
 
 
+def test_one_row_mix_keeps_the_given_order_like_flamia_plan(client):
+    w6 = workload_lengths("W6")
+    b = client_predict(client, {"lengths": w6.tolist()})
+    ref = predict(w6, num_heads=16, head_dim=128)  # what `flamia plan` computes for W6
+    assert (b["work_items"], b["tiles"]) == (ref.items, ref.tiles)
+    assert b["predicted_ms"]["dynamic"] == pytest.approx(ref.dynamic_ms, rel=1e-12)
+    rev = client_predict(client, {"lengths": w6[::-1].tolist()})
+    assert rev["visible_pairs"] == b["visible_pairs"] and rev["packing"] == b["packing"]
+    shifted = predict(w6[::-1], num_heads=16, head_dim=128)
+    assert (rev["work_items"], rev["tiles"]) == (shifted.items, shifted.tiles)
+
+
 def test_predict_histogram_equals_lengths(client):
     hist = [[8192, 1], [256, 224]]
     a = client.post("/v1/cost:predict", json={"histogram": hist}).json()
@@ -389,3 +401,29 @@ def test_page_bad_form_is_400_with_reason_on_the_page(client, form, reason):
 def test_page_rejects_other_encodings(client):
     r = client.post("/", content=b'{"mix": "preset"}', headers={"content-type": "application/json"})
     assert r.status_code == 400
+
+
+# ---------------------------------------------------------------------------------------------
+# `flamia serve`
+# ---------------------------------------------------------------------------------------------
+def test_serve_cli_errors_are_one_line_exit_2(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from flamia_pack.cli import app as cli_app
+
+    runner = CliRunner()
+    r = runner.invoke(cli_app, ["serve", "--calibration", str(tmp_path / "missing.json")])
+    assert r.exit_code == 2 and "calibration file not found" in r.output
+    monkeypatch.setenv("FLAMIA_MAX_DOCUMENTS", "lots")
+    r = runner.invoke(cli_app, ["serve", "--db", str(tmp_path / "x.db")])
+    assert r.exit_code == 2 and "max_documents" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_cli_import_does_not_pull_the_web_stack():
+    import subprocess
+    import sys
+
+    code = "import sys, flamia_pack.cli; print(any(m in sys.modules for m in ('fastapi', 'uvicorn', 'matplotlib')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -5,12 +5,17 @@ re-implements the cost model: rows and fill come from :func:`flamia_pack.pack.pl
 work list, policy, both simulated schedules, FLOPs and memory from
 :func:`flamia_pack.scheduler.simulate.predict` -- the code behind ``flamia plan``.
 
-Layout of the predicted (and dispatched) call: the mix is packed with best-fit-decreasing into rows
-of ``capacity`` tokens (``long_docs`` decides what happens to documents longer than a row), and the
-attention call runs over the packed *segments* of all rows, in row order, as one varlen batch
-(``cu_seqlens`` of the rows' used tokens laid end to end; row padding is not part of the call). A mix
-that fits one row is therefore predicted in BFD order (longest document first), which is the order
-the packer would hand to the kernel.
+Layout of the predicted (and dispatched) call:
+
+- a mix that fits ONE row (all documents together at most ``capacity`` tokens, nothing split or
+  dropped) is that row, documents in the order given -- exactly what ``flamia plan`` predicts for
+  the same lengths, and the row order WORKLOADS.md defines its mixes in;
+- otherwise the mix is packed with best-fit-decreasing into rows of ``capacity`` tokens
+  (``long_docs`` decides what happens to documents longer than a row) and the call runs over the
+  packed *segments* of all rows, in row order, as one varlen batch (``cu_seqlens`` of the rows' used
+  tokens laid end to end; row padding is not part of the call).
+
+Rows needed and fill always come from the best-fit-decreasing plan.
 """
 from __future__ import annotations
 
@@ -81,7 +86,8 @@ class MixPrediction:
     lengths: np.ndarray
     """int64 ``(n_docs,)``: the mix as given (including empty documents)."""
     seqlens: np.ndarray
-    """int64 ``(n_segs,)``: segment lengths of the call, in packed row order (all >= 1)."""
+    """int64 ``(n_segs,)``: segment lengths of the call (all >= 1): the given order for a one-row mix,
+    else the packed segments in row order (see the module docstring)."""
     pack: PackStats
     """Rows, fill, splits, drops (:func:`flamia_pack.pack.plan_packing`)."""
     prediction: Prediction
@@ -132,7 +138,11 @@ def predict_mix(
             f"nothing left to attend to: long_docs={long_docs!r} dropped all {plan.stats.tokens_dropped} tokens "
             f"(every document is longer than capacity {cap})"
         )
-    seqlens = plan.seg_len.astype(np.int64)
+    st = plan.stats
+    if st.rows == 1 and st.docs_split == 0 and st.tokens_dropped == 0:
+        seqlens = lengths[lengths > 0]  # one row: keep the given order
+    else:
+        seqlens = plan.seg_len.astype(np.int64)
     pred = predict(
         seqlens,
         num_heads=int(params.num_heads),
