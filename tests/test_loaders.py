@@ -230,10 +230,13 @@ def test_streaming_buffer_is_bounded_and_trades_memory_for_fill(docs):
     fills = {}
     for b in (1, 8, 128):
         ds = StreamingPackedDataset(docs, capacity=CAP, buffer_docs=b)
-        peak = 0
+        peak = held = 0
         for _ in ds:
             peak = max(peak, ds.stats["buffered_docs"])
+            held = max(held, ds.stats["held_docs"])
         assert peak <= b
+        assert held <= b + 3  # tokens kept only for buffered pieces (+ a split document's rows)
+        assert ds.stats["held_docs"] == 0
         fills[b] = ds.stats["fill"]
     assert fills[1] < fills[8] <= fills[128] + 1e-9
     # the offline best-fit-decreasing packer over everything is an upper reference for the fill

@@ -37,6 +37,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 from flamia_pack.errors import FlamiaError, MetadataError
 from flamia_pack.varlen import validate_cu_seqlens
@@ -48,6 +49,18 @@ def _np(x: Any) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy()
     return np.asarray(x)
+
+
+def _alloc(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised 1-D tensor; in a DataLoader worker it lives in shared memory from the start
+    (as ``default_collate`` does), so sending the batch to the main process copies nothing."""
+    if get_worker_info() is not None:
+        try:
+            storage = torch.UntypedStorage._new_shared(n * torch.empty(0, dtype=dtype).element_size())
+            return torch.empty(0, dtype=dtype).set_(storage, 0, (n,), (1,))
+        except (AttributeError, RuntimeError):  # pragma: no cover - private API moved
+            pass
+    return torch.empty(n, dtype=dtype)
 
 
 def cu_seqlens_from_position_ids(position_ids: Any, num_tokens: Optional[int] = None) -> np.ndarray:
@@ -181,8 +194,8 @@ class PackedCollator:
             parsed.append(p)
         B, C = len(parsed), int(cap)
         T = B * C
-        ids = np.full(T, self.pad_id, dtype=np.int64)
-        pos = np.zeros(T, dtype=np.int64)
+        ids_t, labels_t, pos_t = _alloc(T, torch.int64), _alloc(T, torch.int64), _alloc(T, torch.int64)
+        ids, labels, pos = ids_t.numpy(), labels_t.numpy(), pos_t.numpy()
         cu_parts = [np.zeros(1, np.int64)]
         row_offsets = np.zeros(B + 1, dtype=np.int32)
         num_tokens = np.zeros(B, dtype=np.int32)
@@ -194,18 +207,20 @@ class PackedCollator:
             off += n
             row_offsets[b + 1] = off
             num_tokens[b] = n
+        ids[off:] = self.pad_id
+        pos[off:] = 0
         cu_flat = np.concatenate(cu_parts)
-        labels = np.full(T, self.ignore_index, dtype=np.int64)
         if off > 1:
             labels[:off - 1] = ids[1:off]
+        labels[max(off - 1, 0):] = self.ignore_index
         if cu_flat.shape[0] > 1:
             labels[cu_flat[1:] - 1] = self.ignore_index  # last token of every segment
         lens = np.diff(cu_flat)
         cu_t = torch.from_numpy(cu_flat.astype(np.int32))
         batch: dict[str, Any] = {
-            "input_ids": torch.from_numpy(ids).view(B, C),
-            "labels": torch.from_numpy(labels).view(B, C),
-            "position_ids": torch.from_numpy(pos).view(B, C),
+            "input_ids": ids_t.view(B, C),
+            "labels": labels_t.view(B, C),
+            "position_ids": pos_t.view(B, C),
             "cu_seqlens": cu_t,
             "max_seqlen": int(lens.max()) if lens.size else 0,
             "num_real_tokens": int(off),

@@ -593,7 +593,8 @@ class StreamingPackedDataset(IterableDataset):
         this shard), ``docs_packed``, ``docs_empty``, ``docs_split``, ``docs_truncated``,
         ``docs_dropped``, ``tokens_packed`` (in emitted rows), ``tokens_dropped``, ``rows``
         (emitted); ``capacity``; ``fill`` = tokens_packed / (rows * capacity) (0.0 before the
-        first row); ``buffered_docs`` (pieces in open rows), ``open_rows``, ``buffer_docs``.
+        first row); ``buffered_docs`` (pieces in open rows), ``held_docs`` (documents whose tokens
+        are held: buffered, shuffled or in rows not yet emitted), ``open_rows``, ``buffer_docs``.
         """
         c = dict(self._counters)
         rows = c["rows"]
@@ -601,6 +602,7 @@ class StreamingPackedDataset(IterableDataset):
             capacity=self.capacity,
             fill=(c["tokens_packed"] / (rows * self.capacity)) if rows else 0.0,
             buffered_docs=self._buffered,
+            held_docs=len(self._tokens),
             open_rows=len(self._open),
             buffer_docs=self.buffer_docs,
         )
