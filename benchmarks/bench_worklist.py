@@ -146,9 +146,10 @@ def main() -> None:
     except ImportError:
         backends, triton_version = ["torch"], None
     try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        commit = "unknown"
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                         stderr=subprocess.DEVNULL).strip()
+    except Exception:  # the device machine's copy has no git history
+        commit = os.environ.get("FLAMIA_COMMIT", "unknown")
     meta = {"gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)", "torch": torch.__version__, "triton": triton_version,
             "python": platform.python_version(), "commit": commit, "date": time.strftime("%Y-%m-%d")}
     print(meta)
