@@ -244,6 +244,10 @@ class Manifest:
 # small file-system helpers
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
 def _fsync_dir(d: pathlib.Path) -> None:
     try:
         fd = os.open(d, os.O_RDONLY)
@@ -683,11 +687,9 @@ def iter_rows(
         batch_rows: rows per parquet read batch (memory: ``batch_rows * capacity * 8`` bytes).
 
     Raises:
-        FormatError: bad manifest, missing shard (or any :func:`verify` error when
-            ``verify_checksums``), unknown column.
+        FormatError: bad manifest, missing or unreadable/corrupt shard (or any :func:`verify`
+            error when ``verify_checksums``), unknown column.
     """
-    import pyarrow.parquet as pq
-
     out = pathlib.Path(out_dir)
     m = verify(out) if verify_checksums else read_manifest(out)
     cols = list(COLUMNS) if columns is None else list(columns)
@@ -695,27 +697,40 @@ def iter_rows(
     if unknown:
         raise FormatError(f"unknown column(s) {', '.join(unknown)}; available: {', '.join(COLUMNS)}")
     for s in m.shards:
-        p = out / s.file
+        yield from _iter_shard_rows(out, s, cols, batch_rows)
+
+
+def _iter_shard_rows(out: pathlib.Path, s: ShardInfo, cols: list[str], batch_rows: int) -> Iterator[dict[str, np.ndarray]]:
+    import pyarrow.parquet as pq
+
+    p = out / s.file
+    try:
+        pf = pq.ParquetFile(p)
+        batches = pf.iter_batches(batch_size=batch_rows, columns=cols)
+    except FileNotFoundError:
+        raise FormatError(f"shard {s.file} listed in {out / MANIFEST_NAME} is missing") from None
+    except (pa.ArrowException, OSError) as e:
+        raise FormatError(f"shard {p} is not readable parquet: {_one_line(e)}") from None
+    while True:
         try:
-            pf = pq.ParquetFile(p)
-        except FileNotFoundError:
-            raise FormatError(f"shard {s.file} listed in {out / MANIFEST_NAME} is missing") from None
+            batch = next(batches, None)
         except (pa.ArrowException, OSError) as e:
-            raise FormatError(f"shard {p} is not readable parquet: {e}") from None
-        for batch in pf.iter_batches(batch_size=batch_rows, columns=cols):
-            parts = {}
+            raise FormatError(f"shard {p} is corrupt: {_one_line(e)} (run verify() / re-run flamia pack)") from None
+        if batch is None:
+            return
+        parts = {}
+        for c in cols:
+            col = batch.column(c)
+            if c == "num_tokens":
+                parts[c] = (None, col.to_numpy(zero_copy_only=False).astype(np.int32, copy=False))
+            else:
+                parts[c] = _list_parts(col)
+        for i in range(batch.num_rows):
+            row = {}
             for c in cols:
-                col = batch.column(c)
-                if c == "num_tokens":
-                    parts[c] = (None, col.to_numpy(zero_copy_only=False).astype(np.int32, copy=False))
-                else:
-                    parts[c] = _list_parts(col)
-            for i in range(batch.num_rows):
-                row = {}
-                for c in cols:
-                    off, v = parts[c]
-                    row[c] = np.asarray(v[i], dtype=np.int32) if off is None else v[off[i] : off[i + 1]]
-                yield row
+                off, v = parts[c]
+                row[c] = np.asarray(v[i], dtype=np.int32) if off is None else v[off[i] : off[i + 1]]
+            yield row
 
 
 def load_packed(out_dir: str | os.PathLike[str], *, verify_checksums: bool = True):
@@ -732,7 +747,14 @@ def load_packed(out_dir: str | os.PathLike[str], *, verify_checksums: bool = Tru
 
     out = pathlib.Path(out_dir)
     m = verify(out) if verify_checksums else read_manifest(out)
-    tables = [pq.read_table(out / s.file) for s in m.shards]
+    tables = []
+    for s in m.shards:
+        try:
+            tables.append(pq.read_table(out / s.file))
+        except FileNotFoundError:
+            raise FormatError(f"shard {s.file} listed in {out / MANIFEST_NAME} is missing") from None
+        except (pa.ArrowException, OSError) as e:
+            raise FormatError(f"shard {out / s.file} is corrupt: {_one_line(e)}") from None
     table = pa.concat_tables(tables) if tables else None
     cap, n = m.capacity, m.rows
 

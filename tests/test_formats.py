@@ -172,6 +172,21 @@ def test_verify_checksum_mismatch(written):
         formats.verify(out)
 
 
+def test_corrupt_shard_read_without_verify(written):
+    """Readers that skip the checksum still fail with one FormatError, not an arrow error."""
+    out, _ = written
+    shard = out / "train-00001.parquet"
+    raw = bytearray(shard.read_bytes())
+    raw[4 : len(raw) // 2] = b"\xff" * (len(raw) // 2 - 4)  # data pages garbage, footer intact
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="train-00001.parquet"):
+        list(formats.iter_rows(out))
+    with pytest.raises(FormatError, match="train-00001.parquet"):
+        formats.load_packed(out, verify_checksums=False)
+    with pytest.raises(FormatError, match="checksum"):
+        formats.load_packed(out)
+
+
 def test_verify_missing_and_extra_shard(written):
     out, _ = written
     (out / "train-00002.parquet").rename(out / "train-99999.parquet")
