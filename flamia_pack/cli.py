@@ -106,6 +106,7 @@ def pack_cmd(
         if shard_rows is not None and shard_rows < 1:
             fail(f"--shard-rows must be >= 1, got {shard_rows}")
         config = PackConfig(capacity=capacity, algorithm=algorithm, long_docs=long_docs, pad_id=pad_id)
+        formats.check_output_dir(out)  # fail before reading the input, not after
         path = source if source is not None else str(resources.files("flamia_pack") / "data" / "python-stdlib.parquet")
         t0 = time.perf_counter()
         src = open_source(path, text_column=text_column, tokenizer=tokenizer)

@@ -81,6 +81,7 @@ __all__ = [
     "Manifest",
     "ShardInfo",
     "default_shard_rows",
+    "check_output_dir",
     "write_packed",
     "read_manifest",
     "verify",
@@ -414,16 +415,30 @@ def _is_ours(name: str) -> bool:
     return name in (MANIFEST_NAME, PROGRESS_NAME) or bool(_SHARD_RE.match(name)) or bool(_TMP_RE.match(name))
 
 
-def _prepare_dir(out: pathlib.Path) -> None:
-    if out.exists() and not out.is_dir():
+def check_output_dir(out_dir: str | os.PathLike[str]) -> None:
+    """Check, without creating or changing anything, that ``write_packed`` may write to ``out_dir``:
+    it is missing, or a directory holding only files this module writes (hidden files ignored).
+
+    Raises:
+        FormatError: ``out_dir`` is a file, or holds other (non-hidden) files; those are never
+            deleted or overwritten.
+    """
+    out = pathlib.Path(out_dir)
+    if not out.exists():
+        return
+    if not out.is_dir():
         raise FormatError(f"output path {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
     foreign = sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and not _is_ours(p.name))
     if foreign:
         raise FormatError(
             f"output directory {out} holds files that flamia pack did not write ({', '.join(foreign[:3])}"
             f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new directory"
         )
+
+
+def _prepare_dir(out: pathlib.Path) -> None:
+    check_output_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def _reuse_candidates(out: pathlib.Path) -> dict[str, ShardInfo]:

@@ -131,7 +131,18 @@ def test_bad_input_one_line_exit_2(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
     assert needle in lines[0]
     assert "Traceback" not in res.output and res.stdout == ""
-    assert not (out / "manifest.json").exists()
+    assert not out.exists()  # nothing written, not even an empty directory
+
+
+def test_foreign_output_directory_refused_before_reading(tmp_path, text_parquet):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("do not delete")
+    res = run_cli(str(tmp_path / "missing.parquet"), "--out", str(out), "--capacity", "64")
+    assert res.exit_code == 2 and "did not write" in res.stderr  # reported before the missing input
+    res = run_cli(str(text_parquet), "--out", str(out), "--capacity", "64")
+    assert res.exit_code == 2 and "thesis.tex" in res.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["thesis.tex"]
 
 
 def test_bad_input_real_process_no_traceback(tmp_path):
