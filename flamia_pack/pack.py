@@ -13,6 +13,8 @@ Two stages, both numba host loops (no per-token or per-document Python loop on t
 2. :func:`pack_documents` / :func:`pack_flat` copy tokens into ``(n_rows, capacity)`` buffers
    following a plan and return :class:`PackedRows`, with FlashAttention-style varlen metadata
    per row (``cu_seqlens`` int32, row-local; ``position_ids`` restarting at 0 in every segment).
+   :func:`fill_rows` does the copy for a block of rows (optionally into reused buffers), so a
+   writer or loader can stream a large plan shard by shard.
 
 Algorithms
 ----------
@@ -55,6 +57,7 @@ __all__ = [
     "PackPlan",
     "PackStats",
     "PackedRows",
+    "fill_rows",
     "pack_documents",
     "pack_flat",
     "plan_packing",
@@ -671,31 +674,41 @@ def plan_packing(lengths: np.ndarray, config: PackConfig) -> PackPlan:
 # ---------------------------------------------------------------------------------------------
 @numba.njit(cache=True, nogil=True)
 def _fill_rows(tokens, doc_starts, seg_doc, seg_src, seg_len, seg_row_start, row_offsets, row_used,
-               capacity, pad_id, input_ids, position_ids):  # pragma: no cover - compiled
-    """Copy every segment's tokens into its row, write positions 0..len-1 and the row-end padding.
+               capacity, pad_id, r0, r1, input_ids, position_ids, check):  # pragma: no cover - compiled
+    """Copy the segments of rows ``[r0, r1)`` into ``input_ids[r - r0]``, write positions 0..len-1
+    and the row-end padding. With ``check``, returns the flat index of the first source token
+    outside ``[0, 2**31)`` (rows are then incomplete), else -1.
 
     The inner loops run over 1-D slices with a non-negative loop index, so LLVM vectorises them
-    (indexing the 2-D arrays directly with a computed offset was about 4x slower: wraparound checks).
+    (indexing the 2-D arrays with a computed offset was about 4x slower: wraparound checks).
     """
-    n_rows = row_used.shape[0]
-    for r in range(n_rows):
+    for r in range(r0, r1):
+        o = r - r0
         for s in range(row_offsets[r], row_offsets[r + 1]):
             src = doc_starts[seg_doc[s]] + seg_src[s]
             dst = np.int64(seg_row_start[s])
             L = np.int64(seg_len[s])
-            out_ids = input_ids[r, dst:dst + L]
-            out_pos = position_ids[r, dst:dst + L]
+            out_ids = input_ids[o, dst:dst + L]
+            out_pos = position_ids[o, dst:dst + L]
             inp = tokens[src:src + L]
+            if check:
+                lo = inp.min()
+                hi = inp.max()
+                if lo < 0 or hi >= 2147483648:
+                    for j in range(L):
+                        if inp[j] < 0 or inp[j] >= 2147483648:
+                            return src + j
             for j in range(L):
                 out_ids[j] = inp[j]
             for j in range(L):
                 out_pos[j] = j
         u = np.int64(row_used[r])
-        out_ids = input_ids[r, u:]
-        out_pos = position_ids[r, u:]
+        out_ids = input_ids[o, u:]
+        out_pos = position_ids[o, u:]
         for j in range(capacity - u):
             out_ids[j] = pad_id
             out_pos[j] = 0
+    return -1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -708,23 +721,92 @@ def _first_bad_token(tokens):  # pragma: no cover - compiled
     return -1
 
 
-def _rows_from_plan(tokens: np.ndarray, doc_starts: np.ndarray, plan: PackPlan, config: PackConfig) -> PackedRows:
-    n_rows = plan.n_rows
+def _bad_token_error(tokens: np.ndarray, doc_offsets: np.ndarray, bad: int) -> SourceError:
+    doc = int(np.searchsorted(doc_offsets, bad, side="right")) - 1
+    return SourceError(
+        f"document {doc}: token id {int(tokens[bad])} at position {bad - int(doc_offsets[doc])} "
+        f"is out of range; token ids must be integers in [0, 2**31)"
+    )
+
+
+def _out_buffer(buf: np.ndarray | None, n: int, capacity: int, name: str) -> np.ndarray:
+    if buf is None:
+        return np.empty((n, capacity), dtype=np.int32)
+    if (not isinstance(buf, np.ndarray) or buf.dtype != np.int32 or buf.ndim != 2 or buf.shape[1] != capacity
+            or buf.shape[0] < n or not buf.flags.c_contiguous or not buf.flags.writeable):
+        got = f"{buf.dtype} {buf.shape}" if isinstance(buf, np.ndarray) else type(buf).__name__
+        raise FlamiaError(f"{name} must be a writeable C-contiguous int32 array of shape (>= {n}, {capacity}), got {got}")
+    return buf[:n]
+
+
+def fill_rows(
+    plan: PackPlan,
+    tokens: np.ndarray,
+    doc_offsets: np.ndarray,
+    config: PackConfig,
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    input_ids: np.ndarray | None = None,
+    position_ids: np.ndarray | None = None,
+    validate: bool = True,
+) -> PackedRows:
+    """Copy the tokens of rows ``[start, stop)`` of a plan into row buffers (DESIGN.md §3).
+
+    The streaming half of packing: plan once from lengths (:func:`plan_packing`), then materialise
+    rows block by block (e.g. one parquet shard or one training batch at a time), optionally into
+    reused buffers, so memory stays at one block instead of ``rows * capacity``.
+
+    Args:
+        plan: from :func:`plan_packing` on ``np.diff(doc_offsets)`` with the same ``config``.
+        tokens: 1-D integer array holding every document: document ``i`` is
+            ``tokens[doc_offsets[i]:doc_offsets[i + 1]]`` (Arrow ``ListArray`` layout).
+        doc_offsets: int ``(n_docs + 1,)``, as given to :func:`pack_flat`.
+        config: the :class:`PackConfig` the plan was made with (``capacity``, ``pad_id``).
+        start, stop: row range (``stop`` defaults to ``plan.n_rows``).
+        input_ids, position_ids: optional C-contiguous int32 buffers of shape
+            ``(>= stop - start, capacity)`` to write into (the first ``stop - start`` rows are used).
+        validate: check that every *copied* token id is in ``[0, 2**31)`` (fused with the copy).
+
+    Returns:
+        :class:`PackedRows` for those rows: ``doc_offsets`` rebased to 0; ``stats`` is the whole
+        plan's (``stats.rows`` counts every row of the plan, not only this block).
+
+    Raises:
+        SourceError: a copied token id out of range (names the document), when ``validate``.
+        FlamiaError: bad row range, buffers, or a plan/config capacity mismatch.
+    """
     cap = config.capacity
-    input_ids = np.empty((n_rows, cap), dtype=np.int32)
-    position_ids = np.empty((n_rows, cap), dtype=np.int32)
-    _fill_rows(tokens, doc_starts, plan.seg_doc, plan.seg_src_start, plan.seg_len, plan.seg_row_start,
-               plan.row_offsets, plan.row_used, cap, np.int32(config.pad_id), input_ids, position_ids)
+    if plan.stats.capacity != cap:
+        raise FlamiaError(f"plan was made for capacity {plan.stats.capacity}, config has {cap}")
+    n_rows = plan.n_rows
+    stop = n_rows if stop is None else operator.index(stop)
+    start = operator.index(start)
+    if not 0 <= start <= stop <= n_rows:
+        raise FlamiaError(f"row range [{start}, {stop}) is not inside [0, {n_rows})")
+    tokens = np.ascontiguousarray(tokens)
+    offsets = np.asarray(doc_offsets, dtype=np.int64)
+    n = stop - start
+    ids = _out_buffer(input_ids, n, cap, "input_ids")
+    pos = _out_buffer(position_ids, n, cap, "position_ids")
+    if tokens.size == 0:
+        tokens = np.zeros(0, dtype=np.int32)
+    bad = _fill_rows(tokens, offsets[:-1], plan.seg_doc, plan.seg_src_start, plan.seg_len, plan.seg_row_start,
+                     plan.row_offsets, plan.row_used, cap, np.int32(config.pad_id), start, stop, ids, pos,
+                     bool(validate))
+    if bad >= 0:
+        raise _bad_token_error(tokens, offsets, int(bad))
+    a, b = int(plan.row_offsets[start]), int(plan.row_offsets[stop])
     return PackedRows(
         capacity=cap,
         pad_id=config.pad_id,
-        input_ids=input_ids,
-        position_ids=position_ids,
-        num_tokens=plan.row_used,
-        doc_offsets=plan.row_offsets,
-        seg_lengths=plan.seg_len,
-        doc_ids=plan.seg_doc,
-        chunk_ids=plan.seg_chunk,
+        input_ids=ids,
+        position_ids=pos,
+        num_tokens=plan.row_used[start:stop],
+        doc_offsets=plan.row_offsets[start:stop + 1] - a,
+        seg_lengths=plan.seg_len[a:b],
+        doc_ids=plan.seg_doc[a:b],
+        chunk_ids=plan.seg_chunk[a:b],
         stats=plan.stats,
     )
 
@@ -739,11 +821,7 @@ def _validate_flat_tokens(tokens: np.ndarray, doc_offsets: np.ndarray) -> None:
         return
     bad = int(_first_bad_token(tokens))
     if bad >= 0:
-        doc = int(np.searchsorted(doc_offsets, bad, side="right")) - 1
-        raise SourceError(
-            f"document {doc}: token id {int(tokens[bad])} at position {bad - int(doc_offsets[doc])} "
-            f"is out of range; token ids must be integers in [0, 2**31)"
-        )
+        raise _bad_token_error(tokens, doc_offsets, bad)
 
 
 def pack_flat(tokens: np.ndarray, doc_offsets: np.ndarray, config: PackConfig) -> PackedRows:
@@ -785,7 +863,7 @@ def pack_flat(tokens: np.ndarray, doc_offsets: np.ndarray, config: PackConfig) -
     span = tokens[lo:hi]
     _validate_flat_tokens(span, offsets - lo)
     plan = plan_packing(lengths, config)
-    return _rows_from_plan(np.ascontiguousarray(tokens), offsets[:-1].copy(), plan, config)
+    return fill_rows(plan, tokens, offsets, config, validate=False)
 
 
 def _materialise(docs: object) -> list[np.ndarray]:
@@ -863,4 +941,4 @@ def pack_documents(docs: Sequence[np.ndarray] | Iterable[Sequence[int]], config:
         flat = np.zeros(0, dtype=np.int32)
     _validate_flat_tokens(flat, offsets)
     plan = plan_packing(lengths, config)
-    return _rows_from_plan(flat, offsets[:-1].copy(), plan, config)
+    return fill_rows(plan, flat, offsets, config, validate=False)

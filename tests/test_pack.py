@@ -11,7 +11,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flamia_pack.errors import FlamiaError, SourceError
-from flamia_pack.pack import PackConfig, PackedRows, PackStats, pack_documents, pack_flat, plan_packing
+from flamia_pack.pack import (
+    PackConfig,
+    PackedRows,
+    PackStats,
+    fill_rows,
+    pack_documents,
+    pack_flat,
+    plan_packing,
+)
 from flamia_pack.varlen import validate_cu_seqlens
 
 
@@ -183,6 +191,22 @@ def test_pack_flat_equals_pack_documents(cfg: PackConfig, data) -> None:
     b = pack_documents(docs, cfg)
     for name in ("input_ids", "position_ids", "num_tokens", "doc_offsets", "seg_lengths", "doc_ids", "chunk_ids"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    # streaming: the same rows block by block, written into one reused (poisoned) buffer pair
+    block = data.draw(st.integers(1, 4), label="block")
+    plan = plan_packing(np.diff(offsets), cfg)
+    ids_buf = np.full((block, cfg.capacity), -77, dtype=np.int32)
+    pos_buf = np.full((block, cfg.capacity), -77, dtype=np.int32)
+    for r0 in range(0, plan.n_rows, block):
+        r1 = min(r0 + block, plan.n_rows)
+        ids_buf.fill(-77)
+        pos_buf.fill(-77)
+        part = fill_rows(plan, flat, offsets, cfg, r0, r1, input_ids=ids_buf, position_ids=pos_buf)
+        assert len(part) == r1 - r0 and np.shares_memory(part.input_ids, ids_buf)
+        np.testing.assert_array_equal(part.input_ids, a.input_ids[r0:r1])
+        np.testing.assert_array_equal(part.position_ids, a.position_ids[r0:r1])
+        for r in range(r1 - r0):
+            np.testing.assert_array_equal(part.cu_seqlens(r), a.cu_seqlens(r0 + r))
+            np.testing.assert_array_equal(part.row(r)["doc_ids"], a.row(r0 + r)["doc_ids"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,3 +366,22 @@ def test_bad_lengths_and_offsets() -> None:
         pack_flat(np.arange(4), np.array([0, 5]), cfg)
     with pytest.raises(SourceError, match="document 1"):
         pack_flat(np.array([1, 2, -5]), np.array([0, 2, 3]), cfg)
+
+
+def test_fill_rows_checks_copied_tokens_and_arguments() -> None:
+    cfg = PackConfig(capacity=4)
+    tokens = np.array([1, 2, 3, 4, -9, 6], dtype=np.int64)
+    offsets = np.array([0, 3, 6])
+    plan = plan_packing(np.diff(offsets), cfg)
+    with pytest.raises(SourceError, match="document 1"):
+        fill_rows(plan, tokens, offsets, cfg)
+    with pytest.raises(FlamiaError):
+        fill_rows(plan, tokens, offsets, cfg, 1, 0)
+    with pytest.raises(FlamiaError):
+        fill_rows(plan, tokens, offsets, cfg, 0, plan.n_rows + 1)
+    with pytest.raises(FlamiaError):
+        fill_rows(plan, tokens, offsets, PackConfig(capacity=5))
+    with pytest.raises(FlamiaError):
+        fill_rows(plan, tokens, offsets, cfg, input_ids=np.zeros((1, 4), dtype=np.int64))
+    with pytest.raises(FlamiaError):
+        fill_rows(plan, tokens, offsets, cfg, position_ids=np.zeros((2, 8), dtype=np.int32)[:, ::2])
