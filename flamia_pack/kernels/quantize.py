@@ -1,0 +1,472 @@
+"""Fused token-block FP8 quantizer (Triton): one pass over x -> E4M3 codes + UE8M0 exponents.
+
+DESIGN.md §4 (paper §3.1-3.5). Bitwise equal to the torch reference
+:func:`flamia_pack.quant.quantize_token_blocks` (same exact exponent rule, same round-to-nearest-even
+codes); see that module for the numerics. What this file adds is speed and layout:
+
+* **one launch for Q, K and V** (:func:`quantize_qkv`), GQA head counts allowed;
+* **metadata on device, no host sync**: every program finds its tokens' documents by a binary
+  search over ``cu_seqlens`` (``ceil(log2(n_docs + 1))`` steps, the array stays in L1/L2), or
+  reads a precomputed ``group_start`` (:func:`flamia_pack.quant.scale_groups`);
+* optionally the **feature-major copy** of the codes, ``codes_t`` of shape ``(H, D, T)``, written in
+  the same pass (DESIGN.md §4 "Hopper operand layouts": FP8 wgmma needs K-major operands, so
+  ``P @ V``, ``dS^T @ Q`` and ``dS @ K`` want the transposed payload; because a scale covers whole
+  token rows the transposed codes are the same codes).
+
+Tiling. A program handles one head of one tensor and ``BLOCK_R`` consecutive rows (tokens) starting
+at a multiple of ``BLOCK_R``, so every store (codes, exponents, and the transposed copy) is aligned
+and unmasked except at T. Group maxima inside the tile are two segmented max-scans over the
+per-row maxima (keys = group start; the combine functions are commutative, so scan-direction
+conventions do not matter). A document-local group can straddle the tile edge: the first group
+may start up to 31 rows before the tile and the last may end up to 31 rows after it, so the
+program also reads those rows of those two groups only (a "halo", reduced to one max each; masked
+lanes move no bytes). With documents aligned to the tile the halo is empty; with unaligned ones it
+re-reads on average about 32 rows per tile edge, mostly from L2 (neighbouring tiles run at the same
+time). ``"token"`` granularity (GROUP = 1) needs neither metadata nor halo.
+
+Addressing: x is read as ``((t * row_stride + h) * D + d)`` with ``D`` a compile-time constant, so
+the compiler can prove 16-byte alignment (a runtime head stride selected per tensor defeated the
+vectorizer: scalar 2-byte halo loads and 170 registers; see benchmarks/NOTES.md). Inputs need
+feature stride 1, head stride D and a row stride that is a multiple of D -- contiguous tensors and
+views into a fused ``(T, 3, H, D)`` QKV buffer qualify; anything else is copied first.
+
+Amax is the integer max of the float32 bit patterns with the sign cleared (exact, and NaN/Inf sort
+above every finite value); the exponent comes from integer ops on those bits. Codes use the
+hardware ``cvt.rn.satfinite.e4m3x2.f32`` on GPU; on CPU the kernel runs in Triton's interpreter,
+whose float8 cast does not round to nearest even, so there (and optionally on GPU, ``hw_cvt=False``)
+an integer RNE encoder is used (:func:`flamia_pack.quant.e4m3_rne_bits`, same bits).
+
+CPU tensors run through ``triton.runtime.interpreter`` (slow; meant for tests). Without triton
+installed, CPU calls fall back to the torch reference (bitwise the same by definition).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from flamia_pack.errors import FlamiaError, MetadataError
+from flamia_pack.quant import (
+    GROUP_SIZE,
+    _as_device_cu,
+    _check_finite,
+    _maybe_validate,
+    group_size_of,
+    quantize_token_blocks,
+)
+
+try:  # triton ships with CUDA builds of torch; the CPU build gets it from the dev extra
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+class QuantizedOperand(NamedTuple):
+    """Output of the fused quantizer for one tensor.
+
+    Fields:
+        codes: ``(T, H, D)`` ``torch.float8_e4m3fn``.
+        exponents: ``(T, H)`` uint8 UE8M0 (``e + 127``), dense per token; 255 = non-finite group.
+        codes_t: ``(H, D, T)`` ``torch.float8_e4m3fn`` feature-major copy of ``codes``
+            (``codes_t[h, d, t] == codes[t, h, d]``), or None unless ``transposed=True``.
+    """
+
+    codes: torch.Tensor
+    exponents: torch.Tensor
+    codes_t: Optional[torch.Tensor] = None
+
+
+class LaunchConfig(NamedTuple):
+    """Tile shape of the quantizer: ``block_rows`` rows (power of two) per program, ``num_warps``."""
+
+    block_rows: int
+    num_warps: int
+
+
+def launch_config(group: int, head_dim: int) -> LaunchConfig:
+    """Default tile for a token-group size and head dim.
+
+    128 rows x D=128 in 8 warps: 64 bf16 values per thread, 80 registers for "block" (128 with the
+    transposed copy), 16-byte loads and stores, no spills (ptxas for sm_90, triton 3.9), so two
+    to three programs fit on an SM. Timed against other tiles in benchmarks/bench_quant.py
+    (benchmarks/RESULTS.md, "Quantizer (issue 3)").
+    """
+    if head_dim > 128:
+        return LaunchConfig(64, 8)
+    return LaunchConfig(128, 8 if head_dim >= 128 else 4)
+
+
+if HAS_TRITON:
+
+    # Only core builtins and our own combine functions are used in the kernel (no triton.language
+    # standard-library @jit helpers such as tl.max / tl.zeros), so the same source also runs in
+    # Triton's interpreter without TRITON_INTERPRET being set at import time.
+    @triton.jit
+    def _max_combine(a, b):
+        return tl.maximum(a, b)
+
+    # tl.max's own combine: the interpreter recognises it and reduces with numpy (fast)
+    _MAX = getattr(tl.standard, "_elementwise_max", _max_combine)
+
+    @triton.jit
+    def _min_combine(a, b):
+        return tl.minimum(a, b)
+
+    _MIN = getattr(tl.standard, "_elementwise_min", _min_combine)
+
+    @triton.jit
+    def _segmax_fwd(ka, va, kb, vb):
+        # result = max of the values carrying the largest key (commutative, associative); with
+        # non-decreasing keys a forward scan gives the within-group prefix max.
+        k = tl.maximum(ka, kb)
+        v = tl.where(ka == kb, tl.maximum(va, vb), tl.where(ka > kb, va, vb))
+        return k, v
+
+    @triton.jit
+    def _segmax_bwd(ka, va, kb, vb):
+        # mirror image: values carrying the smallest key; a reverse scan gives the suffix max.
+        k = tl.minimum(ka, kb)
+        v = tl.where(ka == kb, tl.maximum(va, vb), tl.where(ka < kb, va, vb))
+        return k, v
+
+    @triton.jit
+    def _quantize_kernel(
+        x0, x1, x2,  # inputs (same dtype), last dim contiguous
+        c0, c1, c2,  # codes, uint8 views of (T, H, D) contiguous
+        e0, e1, e2,  # exponents, uint8 (T, H) contiguous
+        t0, t1, t2,  # transposed codes, uint8 (H, D, T) contiguous (unused unless TRANSPOSED)
+        cu_ptr, gs_ptr,
+        T, n_docs,
+        H0, H1, H2,
+        sx0, sx1, sx2,  # row strides of the inputs in units of D (head stride == D)
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        HAS_GS: tl.constexpr,
+        TRANSPOSED: tl.constexpr,
+        HW_CVT: tl.constexpr,
+        N_ITER: tl.constexpr,
+        X_BF16: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        NH = H0 + H1 + H2
+        tile = pid // NH
+        hh = pid % NH
+        if hh < H0:
+            x_ptr = x0
+            c_ptr = c0
+            e_ptr = e0
+            t_ptr = t0
+            h = hh
+            H = H0
+            sxt = sx0
+        elif hh < H0 + H1:
+            x_ptr = x1
+            c_ptr = c1
+            e_ptr = e1
+            t_ptr = t1
+            h = hh - H0
+            H = H1
+            sxt = sx1
+        else:
+            x_ptr = x2
+            c_ptr = c2
+            e_ptr = e2
+            t_ptr = t2
+            h = hh - H0 - H1
+            H = H2
+            sxt = sx2
+
+        start = tile * BLOCK_R
+        rows = start + tl.arange(0, BLOCK_R)
+        in_t = rows < T
+        rows64 = rows.to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        if BLOCK_D == D:
+            mask = in_t[:, None]
+        else:
+            mask = in_t[:, None] & (offs_d < D)[None, :]
+        x = tl.load(x_ptr + (rows64[:, None] * sxt + h) * D + offs_d[None, :], mask=mask, other=0.0)
+        if X_BF16:
+            # |x| as float32 bits straight from the bf16 bits: x stays packed (half the registers)
+            bits = (x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF) << 16
+        else:
+            bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        amax = tl.reduce(bits, 1, _MAX)  # (BLOCK_R,) row max of |x| as float32 bits
+
+        if GROUP > 1:
+            # group start (and, for the halo below, the end of the tile's last group) per row
+            if HAS_GS:
+                gs = tl.load(gs_ptr + rows, mask=in_t, other=0)
+                gs = tl.where(in_t, gs, rows)
+            else:
+                # document of each row: largest i with cu[i] <= row (binary search, cu[0] == 0)
+                lo = rows * 0
+                hi = lo + n_docs
+                for _ in tl.static_range(N_ITER):
+                    mid = (lo + hi + 1) // 2
+                    ok = tl.load(cu_ptr + mid).to(tl.int32) <= rows
+                    lo = tl.where(ok, mid, lo)
+                    hi = tl.where(ok, hi, mid - 1)
+                doc_start = tl.load(cu_ptr + lo).to(tl.int32)
+                doc_end = tl.load(cu_ptr + lo + 1, mask=lo < n_docs, other=0).to(tl.int32)
+                in_doc = rows < tl.load(cu_ptr + n_docs).to(tl.int32)
+                gs = tl.where(in_doc, doc_start + ((rows - doc_start) // GROUP) * GROUP, rows)
+                g_end = tl.where(in_doc, tl.minimum(gs + GROUP, doc_end), rows + 1)
+            _, fwd = tl.associative_scan((gs, amax), 0, _segmax_fwd)
+            _, bwd = tl.associative_scan((gs, amax), 0, _segmax_bwd, reverse=True)
+            amax = tl.maximum(fwd, bwd)
+
+            # halo: the tile's first group may start up to GROUP-1 rows before the tile and its
+            # last group may end up to GROUP-1 rows after it. Only the rows of those two groups
+            # are loaded (masked lanes move no bytes; they are the neighbours' rows, mostly L2
+            # hits), reduced to one max each and folded in. Aligned documents load nothing.
+            g_first = tl.reduce(gs, 0, _MIN)
+            g_last = tl.reduce(gs, 0, _MAX)
+            # the halo tiles are addressed as flat (GROUP * BLOCK_D,) vectors so that the compiler
+            # sees D-contiguous runs with a row-constant mask and issues 16-byte loads
+            offs_f = tl.arange(0, GROUP * BLOCK_D)
+            f_row = offs_f // BLOCK_D
+            f_d = offs_f % BLOCK_D
+            hb = start - GROUP + f_row
+            hb_mask = (hb >= g_first) & (hb >= 0)
+            if BLOCK_D != D:
+                hb_mask = hb_mask & (f_d < D)
+            xb = tl.load(x_ptr + (hb.to(tl.int64) * sxt + h) * D + f_d, mask=hb_mask, other=0.0)
+            mb = tl.reduce(xb.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0, _MAX)
+            ha = start + BLOCK_R + f_row
+            if HAS_GS:
+                ha_mask = ha < T
+                ha_mask = ha_mask & (tl.load(gs_ptr + ha, mask=ha_mask, other=-1) == g_last)
+            else:
+                ha_mask = (ha < T) & (ha < tl.reduce(g_end, 0, _MAX))
+            if BLOCK_D != D:
+                ha_mask = ha_mask & (f_d < D)
+            xa = tl.load(x_ptr + (ha.to(tl.int64) * sxt + h) * D + f_d, mask=ha_mask, other=0.0)
+            ma = tl.reduce(xa.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0, _MAX)
+            amax = tl.where(gs == g_first, tl.maximum(amax, mb), amax)
+            amax = tl.where(gs == g_last, tl.maximum(amax, ma), amax)
+
+        # exact e = ceil(log2(amax / 448)) from the bits (see flamia_pack.quant)
+        big_e = amax >> 23
+        e = big_e - 135 + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
+        e = tl.where(big_e == 0, -127, e)
+        e = tl.maximum(e, -127)
+        nonfinite = amax >= 0x7F800000
+        e = tl.where((amax == 0) | nonfinite, 0, e)
+        ebyte = tl.where(nonfinite, 255, e + 127)
+        scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, a normal float32
+        y = x.to(tl.float32) * scale[:, None]
+        if HW_CVT:
+            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            yb = y.to(tl.int32, bitcast=True)
+            sign = (yb >> 24) & 0x80
+            a = yb & 0x7FFFFFFF
+            r = a + 0x7FFFF + ((a >> 20) & 1)
+            normal = (r >> 20) - 960
+            sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+            code = (tl.where(a < 0x3C800000, sub, normal) | sign).to(tl.uint8)
+
+        tl.store(c_ptr + rows64[:, None] * (H * D) + h * D + offs_d[None, :], code, mask=mask)
+        tl.store(e_ptr + rows64 * H + h, ebyte.to(tl.uint8), mask=in_t)
+        if TRANSPOSED:
+            col = (h * D + offs_d).to(tl.int64) * T
+            tl.store(t_ptr + col[None, :] + rows64[:, None], code, mask=mask)
+
+    _interp_kernel = None
+
+    def _kernel_for(device: torch.device):
+        """The compiled kernel for CUDA; Triton's interpreter for CPU tensors."""
+        global _interp_kernel
+        if device.type == "cuda":
+            return _quantize_kernel
+        if _interp_kernel is None:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _interp_kernel = InterpretedFunction(_quantize_kernel.fn)
+        return _interp_kernel
+
+
+def _search_steps(n_docs: int) -> int:
+    """Binary-search steps over ``n_docs + 1`` boundaries, rounded up to a multiple of 4 so that
+    only a handful of kernel variants get compiled (extra steps are no-ops once lo == hi)."""
+    need = int(n_docs).bit_length()
+    return -(-need // 4) * 4
+
+
+def _check_inputs(xs: list[torch.Tensor]) -> None:
+    x0 = xs[0]
+    for i, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise FlamiaError(f"input {i} must be a bfloat16/float16/float32 tensor, got {getattr(x, 'dtype', type(x))}")
+        if x.dim() != 3:
+            raise FlamiaError(f"input {i} must be (T, H, D), got shape {tuple(x.shape)}")
+        if x.dtype != x0.dtype or x.device != x0.device:
+            raise FlamiaError(f"inputs must share dtype and device; input {i} is {x.dtype} on {x.device}, "
+                              f"input 0 is {x0.dtype} on {x0.device}")
+        if x.shape[0] != x0.shape[0] or x.shape[2] != x0.shape[2]:
+            raise FlamiaError(f"inputs must share T and D; input {i} has shape {tuple(x.shape)}, "
+                              f"input 0 has {tuple(x0.shape)}")
+
+
+def _quantize_many(
+    xs: list[torch.Tensor],
+    cu_seqlens,
+    granularity: str,
+    *,
+    transposed: bool,
+    group_start: torch.Tensor | None,
+    check_finite: bool,
+    validate: bool | None,
+    block_rows: int | None,
+    num_warps: int | None,
+    hw_cvt: bool | None,
+    group_size: int = GROUP_SIZE,
+) -> list[QuantizedOperand]:
+    _check_inputs(xs)
+    group = group_size_of(granularity, group_size)
+    x0 = xs[0]
+    T, _, D = x0.shape
+    dev = x0.device
+    cu = _as_device_cu(cu_seqlens, dev)
+    _maybe_validate(cu, T, validate)
+    if group_start is not None:
+        group_start = group_start.to(device=dev, dtype=torch.int32).contiguous()
+        if group_start.shape != (T,):
+            raise MetadataError(f"group_start must have shape (T={T},), got {tuple(group_start.shape)}")
+
+    if not HAS_TRITON:  # CPU build without triton: the reference is the same function
+        if dev.type != "cpu":
+            raise FlamiaError("the fused quantizer needs triton for CUDA tensors (pip install triton)")
+        outs = []
+        for x in xs:
+            qz = quantize_token_blocks(x, cu, granularity, group_size=group_size, group_start=group_start,
+                                       check_finite=check_finite, validate=False)
+            ct = qz.codes.permute(1, 2, 0).contiguous() if transposed else None
+            outs.append(QuantizedOperand(qz.codes, qz.exponents, ct))
+        return outs
+
+    # the kernel addresses x as ((t * row_stride + h) * D + d): head stride D, feature stride 1,
+    # row stride a multiple of D (true for contiguous tensors and for views into a fused QKV
+    # projection); with D a compile-time constant the compiler can prove 16-byte alignment.
+    xs = [x if (x.stride(2) == 1 and x.stride(1) == D and x.stride(0) % D == 0) else x.contiguous() for x in xs]
+    cfg = launch_config(group, D)
+    block_r = int(block_rows or cfg.block_rows)
+    if block_r & (block_r - 1) or block_r < 16:
+        raise FlamiaError(f"block_rows must be a power of two >= 16, got {block_r}")
+    warps = int(num_warps or cfg.num_warps)
+    if hw_cvt is None:
+        hw_cvt = dev.type == "cuda"
+    n_docs = cu.numel() - 1
+
+    codes = [torch.empty(x.shape, dtype=torch.uint8, device=dev) for x in xs]
+    exps = [torch.empty(x.shape[:2], dtype=torch.uint8, device=dev) for x in xs]
+    codes_t = [torch.empty((x.shape[1], D, T), dtype=torch.uint8, device=dev) for x in xs] if transposed else codes
+    pad = 3 - len(xs)
+    xa = xs + [xs[0]] * pad
+    ca = codes + [codes[0]] * pad
+    ea = exps + [exps[0]] * pad
+    ta = list(codes_t) + [codes_t[0]] * pad
+    hs = [x.shape[1] for x in xs] + [0] * pad
+    strides = [x.stride(0) // D for x in xa]
+    n_tiles = triton.cdiv(T, block_r) if T else 0
+    grid = (n_tiles * sum(hs),)
+    if grid[0] > 0:
+        _kernel_for(dev)[grid](
+            *xa, *ca, *ea, *ta,
+            cu, group_start if group_start is not None else cu,
+            T, n_docs,
+            *hs, *strides,
+            D=D, BLOCK_D=triton.next_power_of_2(D), GROUP=group, BLOCK_R=block_r,
+            HAS_GS=group_start is not None, TRANSPOSED=bool(transposed), HW_CVT=bool(hw_cvt),
+            N_ITER=_search_steps(n_docs),
+            X_BF16=x0.dtype == torch.bfloat16,
+            num_warps=warps,
+        )
+    outs = []
+    for i in range(len(xs)):
+        ct = codes_t[i].view(torch.float8_e4m3fn) if transposed else None
+        outs.append(QuantizedOperand(codes[i].view(torch.float8_e4m3fn), exps[i], ct))
+    if check_finite:
+        if len(outs) == 1:
+            _check_finite(outs[0].exponents, "quantize")
+        else:
+            _check_finite(torch.cat([o.exponents.reshape(-1) for o in outs]), "quantize_qkv")
+    return outs
+
+
+def quantize(
+    x: torch.Tensor,
+    cu_seqlens,
+    granularity: str = "block",
+    *,
+    transposed: bool = False,
+    group_start: torch.Tensor | None = None,
+    check_finite: bool = True,
+    validate: bool | None = None,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+    hw_cvt: bool | None = None,
+) -> QuantizedOperand:
+    """Fused token-block quantization of one packed tensor (DESIGN.md §4).
+
+    Args:
+        x: ``(T, H, D)`` bfloat16/float16/float32, CUDA (compiled) or CPU (Triton interpreter),
+            last dim contiguous.
+        cu_seqlens: ``(n_docs + 1,)`` int32/int64 on any device (moved to x's device);
+            ``cu_seqlens[-1] <= T``, tokens after it are padding (singleton groups).
+        granularity: ``"block"`` (32-token groups) or ``"token"`` (strict mode, no metadata read).
+        transposed: also write ``codes_t`` ``(H, D, T)`` in the same pass.
+        group_start: optional precomputed ``(T,)`` int32 group starts (skips the binary search).
+        check_finite: raise :class:`FlamiaError` on NaN/Inf (reads back one flag: one sync).
+        validate: full ``cu_seqlens`` check; default only for CPU metadata (free). On CUDA the
+            default does no host sync, so a malformed ``cu_seqlens`` gives unspecified output.
+        block_rows, num_warps: tile override (default :func:`launch_config`).
+        hw_cvt: use the hardware float8 cast (default on CUDA) or the integer RNE encoder.
+
+    Returns:
+        :class:`QuantizedOperand`; bitwise equal to ``quant.quantize_token_blocks``.
+
+    Raises:
+        FlamiaError: bad dtype/shape/tile, non-finite input; MetadataError: bad ``cu_seqlens``.
+    """
+    return _quantize_many([x], cu_seqlens, granularity, transposed=transposed, group_start=group_start,
+                          check_finite=check_finite, validate=validate, block_rows=block_rows,
+                          num_warps=num_warps, hw_cvt=hw_cvt)[0]
+
+
+def quantize_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens,
+    granularity: str = "block",
+    *,
+    transposed: bool = False,
+    group_start: torch.Tensor | None = None,
+    check_finite: bool = True,
+    validate: bool | None = None,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+    hw_cvt: bool | None = None,
+) -> tuple[QuantizedOperand, QuantizedOperand, QuantizedOperand]:
+    """Quantize Q, K and V in ONE launch (DESIGN.md §4); arguments as in :func:`quantize`.
+
+    ``q`` is ``(T, H_q, D)``, ``k`` and ``v`` are ``(T, H_kv, D)`` (any head counts, GQA included);
+    all three share T, D, dtype and device. ``transposed`` writes the ``(H, D, T)`` copy for all
+    three (the FP8 backward needs Q^T and K^T, the forward V^T).
+
+    Returns:
+        ``(q_quant, k_quant, v_quant)`` :class:`QuantizedOperand` each.
+    """
+    qq, kq, vq = _quantize_many([q, k, v], cu_seqlens, granularity, transposed=transposed,
+                                group_start=group_start, check_finite=check_finite, validate=validate,
+                                block_rows=block_rows, num_warps=num_warps, hw_cvt=hw_cvt)
+    return qq, kq, vq
