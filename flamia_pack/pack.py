@@ -487,6 +487,75 @@ def _bfd_assign(piece_len, order, capacity, table):  # pragma: no cover - compil
 # numba kernels: concat
 # ---------------------------------------------------------------------------------------------
 @numba.njit(cache=True, nogil=True)
+def _bfd_assign_scan(piece_len, order, capacity):  # pragma: no cover - compiled
+    """Best-fit-decreasing by scanning the open rows: O(n * open rows) time, O(n) memory.
+
+    Used for very large capacities, where the number of rows (tokens / capacity) is small and an
+    O(capacity) bucket index would be wasteful. Ties: the lowest row index. Same return as
+    :func:`_bfd_assign`.
+    """
+    n = piece_len.shape[0]
+    piece_row = np.empty(n, dtype=np.int64)
+    piece_row_start = np.empty(n, dtype=np.int32)
+    row_used = np.empty(n, dtype=np.int32)
+    open_row = np.empty(n, dtype=np.int64)  # rows that can still take the smallest piece
+    open_free = np.empty(n, dtype=np.int64)
+    n_open = 0
+    min_len = capacity
+    for k in range(n):
+        if piece_len[k] < min_len:
+            min_len = piece_len[k]
+    n_rows = 0
+    for t in range(n):
+        k = order[t]
+        L = piece_len[k]
+        best = -1
+        for i in range(n_open):
+            f = open_free[i]
+            if f >= L and (best < 0 or f < open_free[best] or (f == open_free[best] and open_row[i] < open_row[best])):
+                best = i
+        if best < 0:
+            r = n_rows
+            n_rows += 1
+            free = capacity
+            if capacity - L >= min_len:
+                open_row[n_open] = r
+                open_free[n_open] = capacity - L
+                n_open += 1
+        else:
+            r = open_row[best]
+            free = open_free[best]
+            if free - L >= min_len:
+                open_free[best] = free - L
+            else:  # swap-remove: the row can take nothing more
+                n_open -= 1
+                open_row[best] = open_row[n_open]
+                open_free[best] = open_free[n_open]
+        piece_row[k] = r
+        piece_row_start[k] = capacity - free
+        row_used[r] = capacity - free + L
+    return piece_row, piece_row_start, row_used[:n_rows].copy()
+
+
+# Above this capacity bfd sorts with numpy and scans open rows instead of a bucket index of
+# O(capacity) memory (2**24 tokens: 128 MiB of bucket heads, at most; rows are then few).
+_BUCKET_INDEX_MAX_CAPACITY = 2**24
+
+
+def _bfd(piece_len: np.ndarray, capacity: int, bucket_index: bool | None = None):
+    """Best-fit-decreasing over pieces: (order, piece_row, piece_row_start, row_used)."""
+    if bucket_index is None:
+        bucket_index = capacity <= _BUCKET_INDEX_MAX_CAPACITY
+    if bucket_index:
+        order = _sort_desc(piece_len, capacity)
+        row, start, used = _bfd_assign(piece_len, order, capacity, _DEBRUIJN_TABLE)
+    else:
+        order = np.argsort(-piece_len.astype(np.int64), kind="stable")
+        row, start, used = _bfd_assign_scan(piece_len, order, capacity)
+    return order, row, start, used
+
+
+@numba.njit(cache=True, nogil=True)
 def _concat_assign(piece_doc, piece_len, capacity):  # pragma: no cover - compiled
     """Concatenate pieces in order and cut at row ends.
 
@@ -606,8 +675,7 @@ def plan_packing(lengths: np.ndarray, config: PackConfig) -> PackPlan:
     docs_empty, docs_dropped, docs_truncated, _, tok_drop, tok_trunc = (int(c) for c in counters)
 
     if config.algorithm == "bfd":
-        order = _sort_desc(piece_len, cap)
-        piece_row, piece_row_start, row_used = _bfd_assign(piece_len, order, cap, _DEBRUIJN_TABLE)
+        order, piece_row, piece_row_start, row_used = _bfd(piece_len, cap)
         n_rows = int(row_used.shape[0])
         perm, row_offsets = _group_by_row(piece_row, order, n_rows)
         seg_doc = piece_doc[perm]

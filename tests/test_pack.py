@@ -15,6 +15,7 @@ from flamia_pack.pack import (
     PackConfig,
     PackedRows,
     PackStats,
+    _bfd,
     fill_rows,
     pack_documents,
     pack_flat,
@@ -177,6 +178,32 @@ def test_bfd_matches_reference_fill(cfg: PackConfig, data) -> None:
     lengths = data.draw(st.lists(st.integers(0, 2 * cfg.capacity), max_size=60), label="lengths")
     plan = plan_packing(np.array(lengths, dtype=np.int64), cfg)
     assert sorted(plan.row_used.tolist()) == _reference_bfd_used(lengths, cfg)
+
+
+@settings(max_examples=100, deadline=None)
+@given(cap=st.integers(1, 40), data=st.data())
+def test_bfd_bucket_index_and_scan_agree(cap: int, data) -> None:
+    """The two best-fit-decreasing implementations (bucket bitmap; open-row scan used above
+    2**24 tokens of capacity) place pieces in the same order and give identical row fills."""
+    piece_len = np.array(data.draw(st.lists(st.integers(1, cap), max_size=80), label="pieces"), dtype=np.int32)
+    o1, row1, start1, used1 = _bfd(piece_len, cap, bucket_index=True)
+    o2, row2, start2, used2 = _bfd(piece_len, cap, bucket_index=False)
+    np.testing.assert_array_equal(o1, o2)
+    assert sorted(used1.tolist()) == sorted(used2.tolist())
+    for row, start, used in ((row1, start1, used1), (row2, start2, used2)):
+        # pieces of a row tile it from 0 without gaps or overlap
+        for r in range(used.size):
+            sel = np.flatnonzero(row == r)
+            spans = sorted(zip(start[sel].tolist(), piece_len[sel].tolist()))
+            assert spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+            assert spans[-1][0] + spans[-1][1] == used[r] <= cap
+
+
+def test_bfd_huge_capacity_uses_scan() -> None:
+    cfg = PackConfig(capacity=2**31 - 1)
+    plan = plan_packing(np.array([5, 0, 2**31 - 1, 7, 2**30]), cfg)
+    assert plan.stats.rows == 2 and plan.stats.tokens_packed == 2**31 - 1 + 2**30 + 12
+    assert sorted(plan.row_used.tolist()) == [2**30 + 12, 2**31 - 1]
 
 
 @settings(max_examples=100, deadline=None)
