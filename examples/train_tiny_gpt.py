@@ -152,7 +152,7 @@ def make_loader(args: argparse.Namespace, cuda: bool):
     loader = torch.utils.data.DataLoader(
         ds, batch_size=args.batch_rows, collate_fn=PackedCollator(pad_id=0, scale_groups=None),
         num_workers=args.workers, pin_memory=cuda, prefetch_factor=4 if args.workers else None,
-        persistent_workers=False, drop_last=False,
+        persistent_workers=args.workers > 0, drop_last=False,  # persistent workers move to the next epoch themselves
     )
     return ds, loader, capacity
 
@@ -206,7 +206,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             try:
                 cpu_batch = next(it)
-            except StopIteration:  # next epoch: a new shuffle
+            except StopIteration:  # next epoch: a new shuffle (set_epoch reaches non-persistent workers)
                 epoch += 1
                 ds.set_epoch(epoch)
                 it = iter(loader)

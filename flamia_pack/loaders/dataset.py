@@ -27,8 +27,8 @@ included: each DataLoader worker holds its own copy of the dataset, and its ``st
 position of THAT worker's stream. The state is a small dict of plain ints/lists (JSON- and
 ``torch.save``-able). ``load_state_dict`` followed by ``iter()`` continues exactly where the saved
 stream stopped; repeated save -> load -> advance cycles continue from the latest state (never
-from the start of the epoch). The next ``iter()`` after that resumed one starts the epoch from
-the beginning again, as an un-resumed dataset does. Resuming needs the same data, seed, shuffle
+from the start of the epoch). A state saved after the stream ran to its end resumes at the start
+of the next epoch. Resuming needs the same data, seed, shuffle
 flag, rank/world size and number of DataLoader workers; a mismatch raises ``FlamiaError``.
 
 Sharding and epochs
@@ -37,9 +37,13 @@ A *shard* is one (rank, worker) pair: ``shard = rank * num_workers + worker_id``
 ``world_size * num_workers``. The rank and world size are given, else taken from
 ``torch.distributed`` when it is initialised, else (0, 1); the worker from
 ``torch.utils.data.get_worker_info()``. Every row (PackedDataset) or document
-(StreamingPackedDataset) goes to exactly one shard per epoch. Epochs change only through
-``set_epoch(epoch)`` (as with ``DistributedSampler``): call it before iterating each epoch (with
-non-persistent workers it reaches the workers, which are re-created by every ``iter()``).
+(StreamingPackedDataset) goes to exactly one shard per epoch.
+
+Epochs: ``set_epoch(epoch)`` selects an epoch (as with ``DistributedSampler``), and a dataset copy
+whose iteration runs to the end moves itself to the next epoch (position 0), so the next
+``iter()`` gives a new shuffle. Call ``set_epoch`` before each epoch when DataLoader workers are
+not persistent (each ``iter()`` then re-creates the workers from the main process's copy, which
+only ``set_epoch`` advances); with ``persistent_workers=True`` the workers advance on their own.
 """
 from __future__ import annotations
 
@@ -410,6 +414,8 @@ class PackedDataset(IterableDataset):
             item = self._rows.row(int(idx[j]))
             self._position = j + 1  # before yielding: a state_dict taken now resumes after this row
             yield item
+        self.epoch += 1  # ran to the end: the next iter() is the next epoch
+        self._position = 0
 
     def _config(self) -> dict[str, Any]:
         ident = _shard_identity(self._rank, self._world_size)
@@ -566,6 +572,7 @@ class StreamingPackedDataset(IterableDataset):
         self._tokens: dict[int, np.ndarray] = {}
         self._refs: dict[int, int] = {}
         self._rng: Optional[np.random.Generator] = None
+        self._epoch_complete = False  # the stream ran to its end; ``epoch`` is already the next one
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -587,7 +594,8 @@ class StreamingPackedDataset(IterableDataset):
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Counts so far in this process's stream (this epoch), plus the buffer state.
+        """Counts so far in this process's stream (this epoch; after the stream ran to its end,
+        those of the finished epoch until the next ``iter()``), plus the buffer state.
 
         Keys: the counters ``docs_read`` (source documents read, all shards), ``docs_mine`` (of
         this shard), ``docs_packed``, ``docs_empty``, ``docs_split``, ``docs_truncated``,
@@ -621,6 +629,10 @@ class StreamingPackedDataset(IterableDataset):
         Buffered documents are stored as references ``[doc, chunk, src_start, length]``; the
         tokens are re-read from the source on resume.
         """
+        if self._epoch_complete:  # the next epoch, not started
+            return {"kind": "StreamingPackedDataset", "version": _STATE_VERSION, "epoch": self.epoch,
+                    "counters": {k: 0 for k in _COUNTERS}, "open_rows": [], "ready": [], "shuffle_buffer": [],
+                    "rng": None, "next_rid": 0, "finished": False, **self._config()}
         if self._rng is not None:
             self._rng_state = self._rng.bit_generator.state
         return {
@@ -830,6 +842,9 @@ class StreamingPackedDataset(IterableDataset):
                 item = self._materialise(self._ready.popleft())
                 yield item
             if self._finished:
+                # ran to the end: the next iter() is the next epoch (stats stay readable until then)
+                self.epoch += 1
+                self._epoch_complete = True
                 return
             doc = next(docs, None)
             if doc is None:
