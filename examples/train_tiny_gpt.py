@@ -133,6 +133,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--warmup-steps", type=int, default=5, help="steps excluded from the throughput figures")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop early after this many seconds of training")
     p.add_argument("--json", type=pathlib.Path, default=None, help="write the run summary as JSON here")
     p.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
     args = p.parse_args(argv)
@@ -197,6 +198,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     loss_values: list[float] = []
     waits, h2ds, step_times, tokens = [], [], [], []
     t_start = t_window = time.perf_counter()
+    t_steady = None
+    k = min(args.warmup_steps, args.steps - 1)  # steps excluded from the throughput figures
     tok_window = 0
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=console, disable=args.no_progress)
@@ -230,7 +233,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             n_tok = int(cpu_batch["num_real_tokens"])
             tokens.append(n_tok)
             tok_window += n_tok
-            last = step == args.steps - 1
+            if step == k - 1:  # end of warm-up (triton compilation, first batches)
+                if cuda:
+                    torch.cuda.synchronize()
+                t_steady = time.perf_counter()
+            out_of_time = args.max_seconds is not None and t3 - t_start > args.max_seconds
+            last = step == args.steps - 1 or out_of_time
             if (step + 1) % args.log_every == 0 or last:
                 vals = torch.stack(losses).float().cpu().tolist()  # one sync per log window
                 losses.clear()
@@ -244,16 +252,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                     console.log(f"step {step + 1:5d}  {info}  h2d {sum(h2ds[-len(vals):]) / len(vals) * 1e3:.2f} ms")
                 t_window, tok_window = now, 0
             progress.advance(task)
+            if out_of_time:
+                console.log(f"--max-seconds {args.max_seconds} reached after {step + 1} steps")
+                break
     if cuda:
         torch.cuda.synchronize()
-    total = time.perf_counter() - t_start
-    k = min(args.warmup_steps, max(len(step_times) - 1, 0))
-    steady_time = sum(step_times[k:])
+    t_end = time.perf_counter()
+    total = t_end - t_start
+    n_steps = len(step_times)
+    k = min(k, n_steps - 1)
+    steady_time = (t_end - t_steady) if (t_steady is not None and k > 0) else total
     summary = {
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if cuda else None,
         "attention": "varlen_attention (triton)" if cuda else "varlen_attention (torch reference)",
-        "steps": args.steps,
+        "steps": n_steps,
         "capacity": capacity,
         "batch_rows": args.batch_rows,
         "workers": args.workers,
@@ -264,7 +277,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "tokens": sum(tokens),
         "wall_s": total,
         "tokens_per_s": sum(tokens[k:]) / steady_time if steady_time > 0 else 0.0,
-        "step_ms_mean": 1e3 * steady_time / max(len(step_times) - k, 1),
+        "step_ms_mean": 1e3 * steady_time / max(n_steps - k, 1),
         "data_wait_ms_mean": 1e3 * sum(waits[k:]) / max(len(waits) - k, 1),
         "data_wait_ms_p50": 1e3 * _pct(waits[k:], 0.5),
         "data_wait_ms_p99": 1e3 * _pct(waits[k:], 0.99),
