@@ -383,7 +383,62 @@ def plan_cmd(
 
 
 # ---- probe-leak (issue: quantizer / leak probe) ----------------------------------------------
-# (section owned by the quantizer work)
+# `flamia probe-leak`: kernels/leak.py on the built-in quantize->dequantize->exact-attention paths.
+
+
+@app.command("probe-leak")
+def probe_leak_cmd(
+    path: str = typer.Option("block", "--path", metavar="reference|token|block|tensor|mx",
+                             help="Built-in attention path to probe (ignored with --all)."),
+    all_paths: bool = typer.Option(False, "--all", help="Probe every built-in path, one column each."),
+    device: str = typer.Option("cpu", "--device", metavar="cpu|cuda", help="Where to run."),
+    json_out: bool = typer.Option(False, "--json", help="Print the reports as JSON on stdout (no table)."),
+    cu_seqlens: str = typer.Option("0,77,300,333,512", "--cu-seqlens", metavar="0,N1,N2,..",
+                                   help="Document boundaries (comma separated, start at 0)."),
+    num_heads: int = typer.Option(4, "--num-heads", metavar="H", help="Query heads."),
+    num_kv_heads: int = typer.Option(None, "--num-kv-heads", metavar="H_KV", help="Key/value heads (default H)."),
+    head_dim: int = typer.Option(64, "--head-dim", metavar="D", help="Head dimension."),
+    doc: int = typer.Option(None, "--doc", metavar="I", help="Document of the cut (default: the longest)."),
+    cut: int = typer.Option(None, "--cut", metavar="C", help="Last unperturbed token (default: mid-document, "
+                            "13 tokens into a 32-token group)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of inputs and perturbations."),
+    magnitude: float = typer.Option(64.0, "--magnitude", help="Perturbation scale (inputs are N(0, 1))."),
+) -> None:
+    """Causal leak probe (DESIGN.md §5): perturb q/k/v/dO after a cut inside one document and report
+    how much O and dQ before the cut change (positive control), and whether anything outside a
+    second perturbed document changes (negative control, must be 0).
+
+    Verdicts: exact, within-group (only the cut's 32-token scale group moves), prefix-leak,
+    cross-document, nondeterministic. Bad options print one red line and exit with code 2.
+    """
+    import json
+
+    from rich.console import Console
+    from rich.text import Text
+
+    from flamia_pack.errors import FlamiaError
+
+    err = Console(stderr=True)
+    try:
+        from flamia_pack.kernels.leak import PATHS, leak_table, probe_paths
+
+        try:
+            cu = [int(t) for t in cu_seqlens.replace(" ", "").split(",") if t != ""]
+        except ValueError:
+            raise FlamiaError(f"--cu-seqlens must be comma-separated integers, got {cu_seqlens!r}") from None
+        if device not in ("cpu", "cuda"):
+            raise FlamiaError(f"--device must be cpu or cuda, got {device!r}")
+        names = list(PATHS) if all_paths else [path]
+        reports = probe_paths(names, cu_seqlens=cu, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                              head_dim=head_dim, doc=doc, cut=cut, seed=seed, device=device,
+                              magnitude=magnitude)
+    except FlamiaError as e:
+        err.print(Text(f"error: {' '.join(str(e).split())}", style="bold red"), soft_wrap=True)
+        raise typer.Exit(2)
+    if json_out:
+        typer.echo(json.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        Console().print(leak_table(reports))
 
 # ---- bench (issue: kernels) -------------------------------------------------------------------
 # (section owned by the kernel work)
