@@ -427,3 +427,21 @@ def test_cli_import_does_not_pull_the_web_stack():
     code = "import sys, flamia_pack.cli; print(any(m in sys.modules for m in ('fastapi', 'uvicorn', 'matplotlib')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------------------------------
+# the scheduler's interval-free fast path the service relies on (issue 7 latency target)
+# ---------------------------------------------------------------------------------------------
+@hsettings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=400), heads=st.sampled_from([(16, 16), (8, 2), (3, 1)]),
+       causal=st.booleans(), num_sms=st.integers(1, 160))
+def test_predict_without_intervals_equals_full_simulation(lengths, heads, causal, num_sms):
+    lens = np.asarray(lengths)
+    fast = predict(lens, num_heads=heads[0], num_kv_heads=heads[1], causal=causal, num_sms=num_sms, max_intervals=0)
+    full = predict(lens, num_heads=heads[0], num_kv_heads=heads[1], causal=causal, num_sms=num_sms)
+    assert fast.schedules["static"].sm is None and full.schedules["static"].sm is not None
+    for pol in ("static", "dynamic"):  # same float additions in the same order: bit-identical
+        assert fast.schedules[pol].makespan_us == full.schedules[pol].makespan_us
+        np.testing.assert_array_equal(fast.schedules[pol].per_sm_busy_us, full.schedules[pol].per_sm_busy_us)
+    assert (fast.static_ms, fast.dynamic_ms, fast.policy) == (full.static_ms, full.dynamic_ms, full.policy)
+

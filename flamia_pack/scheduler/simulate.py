@@ -250,6 +250,138 @@ def _get_dynamic_kernel():
     return _dyn_kernel
 
 
+_fast_kernels = None
+
+
+def _get_fast_kernels():
+    """Interval-free simulators on the ITEM table (issue 7 service fast path): the same per-SM
+    busy times as :func:`simulate_schedule` on ``np.repeat(item_costs, h)``, bit for bit (the
+    same float additions in the same order per SM), without building the unit arrays.
+
+    - static: the queue in runs of equal unit time; a whole round of P units gives every SM one
+      unit (either direction), so rounds are applied as one addition per SM; partial rounds unit
+      by unit with the snake position;
+    - dynamic: units come in runs of equal time (equal item cost, sorted queue). While the spread
+      of SM free times is below the unit time t (``fmin + t > fmax``) the greedy rule gives every
+      SM exactly one unit per round of P units, whatever the order inside the round, so whole
+      rounds are applied as repeated additions per SM; the rest (``< P`` units of a run, or while
+      the spread is large) goes through the same min-heap as ``_dynamic``. Heap ties (equal free
+      times) are broken by SM id, as there; the heap is rebuilt after each block of rounds.
+    """
+    global _fast_kernels
+    if _fast_kernels is None:
+        import numba
+
+        @numba.njit(cache=True, nogil=True, inline="always")
+        def _sift(ht, hs, i, p):  # pragma: no cover - compiled
+            t = ht[i]
+            s = hs[i]
+            while True:
+                l = 2 * i + 1
+                if l >= p:
+                    break
+                c = l
+                r = l + 1
+                if r < p and (ht[r] < ht[l] or (ht[r] == ht[l] and hs[r] < hs[l])):
+                    c = r
+                if ht[c] < t or (ht[c] == t and hs[c] < s):
+                    ht[i] = ht[c]
+                    hs[i] = hs[c]
+                    i = c
+                else:
+                    break
+            ht[i] = t
+            hs[i] = s
+
+        @numba.njit(cache=True, nogil=True)
+        def _static_items(costs, h, p, a, b):  # pragma: no cover - compiled
+            busy = np.zeros(p, np.float64)
+            pos = 0  # snake position of the next unit inside its round
+            odd = False  # direction of the current round
+            n = costs.shape[0]
+            i = 0
+            while i < n:
+                j = i
+                while j < n and costs[j] == costs[i]:
+                    j += 1
+                t = a * costs[i] + b
+                k = (j - i) * h
+                i = j
+                while k > 0 and pos != 0:  # finish the current round unit by unit
+                    busy[p - 1 - pos if odd else pos] += t
+                    k -= 1
+                    pos += 1
+                    if pos == p:
+                        pos = 0
+                        odd = not odd
+                q = k // p  # whole rounds: one unit per SM each, in either direction
+                for _ in range(q):
+                    for m in range(p):
+                        busy[m] += t
+                if q % 2 == 1:
+                    odd = not odd
+                k -= q * p
+                while k > 0:  # start of the next round
+                    busy[p - 1 - pos if odd else pos] += t
+                    k -= 1
+                    pos += 1
+            return busy
+
+        @numba.njit(cache=True, nogil=True)
+        def _dynamic_items(costs, h, p, a, b):  # pragma: no cover - compiled
+            ht = np.zeros(p, np.float64)
+            hs = np.arange(p).astype(np.int64)
+            fmax = 0.0
+            n = costs.shape[0]
+            i = 0
+            while i < n:
+                j = i
+                while j < n and costs[j] == costs[i]:
+                    j += 1
+                t = a * costs[i] + b
+                k = (j - i) * h
+                i = j
+                while k > 0:
+                    if k >= p and ht[0] + t > fmax:
+                        fmin = ht[0]
+                        q = 0
+                        while k >= p and fmin + t > fmax:
+                            fmin = fmin + t
+                            fmax = fmax + t
+                            q += 1
+                            k -= p
+                        for _ in range(q):  # per SM: q additions of t, in order (vectorises over SMs)
+                            for m in range(p):
+                                ht[m] += t
+                        for m in range(p // 2 - 1, -1, -1):
+                            _sift(ht, hs, m, p)
+                    else:
+                        t1 = ht[0] + t
+                        if t1 > fmax:
+                            fmax = t1
+                        ht[0] = t1
+                        _sift(ht, hs, 0, p)
+                        k -= 1
+            busy = np.zeros(p, np.float64)
+            for m in range(p):
+                busy[hs[m]] = ht[m]
+            return busy
+
+        _fast_kernels = (_static_items, _dynamic_items)
+    return _fast_kernels
+
+
+def _simulate_items(item_costs: np.ndarray, h: int, p: int, a: float, b: float, policy: str) -> Schedule:
+    """:func:`simulate_schedule` of ``np.repeat(item_costs, h)`` without intervals (fast path)."""
+    static_k, dynamic_k = _get_fast_kernels()
+    c = np.ascontiguousarray(item_costs, dtype=np.float64)
+    busy = (static_k if policy == "static" else dynamic_k)(c, int(h), int(p), float(a), float(b))
+    makespan = float(busy.max()) if c.size else 0.0
+    total = float(busy.sum())
+    return Schedule(policy=policy, num_sms=p, makespan_us=makespan,
+                    busy_fraction=total / (p * makespan) if makespan > 0 else 0.0, per_sm_busy_us=busy)
+
+
 def _snake(n: int, p: int) -> np.ndarray:
     k = np.arange(n, dtype=np.int64)
     r = k // p
@@ -487,8 +619,11 @@ def predict(
 
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     items = build_work_list_numba(cu, cfg)
-    unit_costs = np.repeat(items[:, 3].astype(np.float64), h)
-    scheds = {pol: simulate_schedule(unit_costs, p, a, b, pol, max_intervals=max_intervals) for pol in POLICIES}
+    if items.shape[0] * h > max_intervals:  # no intervals wanted: item-level fast path, same numbers
+        scheds = {pol: _simulate_items(items[:, 3], h, p, a, b, pol) for pol in POLICIES}
+    else:
+        unit_costs = np.repeat(items[:, 3].astype(np.float64), h)
+        scheds = {pol: simulate_schedule(unit_costs, p, a, b, pol, max_intervals=max_intervals) for pol in POLICIES}
     chosen, reason = choose_policy(lens, bool(causal), policy)
     flops = attention_flops(lens, h, int(head_dim), bool(causal), mode=pass_)
     pred_ms = scheds[chosen].makespan_us / 1e3

@@ -224,9 +224,27 @@ def _get_numba_kernel():
                         k += 1
                         q = q_end
                 d += 1
-            # items are generated in (doc, q_start) order: a stable sort on -cost gives the order
-            order = np.argsort(-out[:, 3], kind="mergesort")
-            return out[order]
+            # items are generated in (doc, q_start) order: a stable sort on -cost gives the order.
+            # Counting sort (costs are small ints): O(items + max cost), ~40x faster than numba's
+            # mergesort on 172k items (service fast path, issue 7); same order as the stable sort.
+            mx = 0
+            for i in range(cnt):
+                if out[i, 3] > mx:
+                    mx = out[i, 3]
+            start = np.zeros(mx + 2, np.int64)
+            for i in range(cnt):
+                start[mx - out[i, 3] + 1] += 1
+            for v in range(1, mx + 2):
+                start[v] += start[v - 1]
+            res = np.empty((cnt, 4), np.int32)
+            for i in range(cnt):
+                j = start[mx - out[i, 3]]
+                start[mx - out[i, 3]] += 1
+                res[j, 0] = out[i, 0]
+                res[j, 1] = out[i, 1]
+                res[j, 2] = out[i, 2]
+                res[j, 3] = out[i, 3]
+            return res
 
         _numba_kernel = _expand
     return _numba_kernel
