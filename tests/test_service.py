@@ -445,3 +445,48 @@ def test_predict_without_intervals_equals_full_simulation(lengths, heads, causal
         np.testing.assert_array_equal(fast.schedules[pol].per_sm_busy_us, full.schedules[pol].per_sm_busy_us)
     assert (fast.static_ms, fast.dynamic_ms, fast.policy) == (full.static_ms, full.dynamic_ms, full.policy)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch without the web stack
+# ---------------------------------------------------------------------------------------------
+def test_dispatch_module_has_no_web_imports():
+    import subprocess
+    import sys
+
+    code = ("import sys, flamia_pack.service.dispatch, flamia_pack.service.engine, flamia_pack.service.calibration;"
+            "print(sorted(m for m in ('fastapi', 'pydantic', 'starlette', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("kw, msg", [({"seqlens": np.array([3, 0])}, "lengths >= 1"),
+                                     ({"num_kv_heads": 3}, "multiple"), ({"head_dim": 96}, "head_dim"),
+                                     ({"precision": "fp16"}, "precision"), ({"repeats": 0}, "repeats")])
+def test_run_spec_validation(kw, msg):
+    base = dict(seqlens=np.array([5, 7]), num_heads=8, num_kv_heads=2, head_dim=64)
+    with pytest.raises(FlamiaError, match=msg):
+        RunSpec(**{**base, **kw})
+
+
+def test_unimplemented_kernel_path_is_501(tmp_path):
+    class NoFp8(FakeDispatcher):
+        def run(self, spec):
+            raise NotImplementedError("fp8 path not built")
+
+    with make_client(tmp_path, dispatcher=NoFp8()) as c:
+        r = c.post("/v1/runs", json={"lengths": [256] * 4, "precision": "fp8"})
+        assert r.status_code == 501 and "fp8" in r.json()["detail"]
+        assert c.get("/v1/runs").json()["total"] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_dispatcher_times_a_training_call():
+    from flamia_pack.service.dispatch import GpuDispatcher
+
+    d = GpuDispatcher()
+    ok, detail = d.availability()
+    assert ok, detail
+    m = d.run(RunSpec(seqlens=np.array([1000, 24, 3000]), num_heads=4, num_kv_heads=2, head_dim=64, warmup=1, repeats=3))
+    assert len(m.times_ms) == 3 and m.measured_ms > 0 and m.peak_bytes > 0
+    assert m.measured_ms == sorted(m.times_ms)[1]

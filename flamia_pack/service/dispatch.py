@@ -184,3 +184,87 @@ class GpuDispatcher:
             device_name=detail,
             peak_bytes=int(torch.cuda.max_memory_allocated(dev)),
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """GPU script: predict and time WORKLOADS.md mixes without the web stack.
+
+    ``python -m flamia_pack.service.dispatch [W1,W2,...] [--repeats N] [--warmup N] [--json PATH]
+    [--refit]`` prints, per workload, the predicted ms (static, dynamic, chosen policy) from the
+    same code as ``POST /v1/runs`` and the measured median of one training call (forward +
+    backward), with the error in percent; ``--json`` writes every run (with its segment lengths) to
+    a file; ``--refit`` also fits (a, b) to these runs (:func:`flamia_pack.service.calibration.refit`)
+    and prints the refitted table and the in-sample errors.
+    """
+    import argparse
+    import json
+
+    from flamia_pack.scheduler.simulate import load_calibration
+    from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
+    from flamia_pack.service.engine import MixParams, critical_load, predict_mix
+
+    ap = argparse.ArgumentParser(prog="python -m flamia_pack.service.dispatch", description=main.__doc__)
+    ap.add_argument("workloads", nargs="?", default="W1,W2,W3,W4,W5,W6,W7,W8,W9")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--calibration", default=None, help="calibration JSON (default: the shipped one)")
+    ap.add_argument("--json", default=None, help="write the runs here (JSON list)")
+    ap.add_argument("--refit", action="store_true", help="refit (a, b) to these runs and print the table")
+    args = ap.parse_args(argv)
+
+    table = load_calibration(args.calibration)
+    disp = GpuDispatcher()
+    ok, detail = disp.availability()
+    if not ok:
+        print(f"no GPU: {detail}")
+        return 2
+    print(f"device: {detail}; calibration {table.version}; {args.warmup} warm-up + median of {args.repeats}")
+    print(f"| wl | docs | T | items | policy | static ms | dynamic ms | predicted ms | measured ms | error % | peak GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    runs = []
+    for name in [w.strip().upper() for w in args.workloads.split(",") if w.strip()]:
+        w = WORKLOADS[name]
+        lengths = workload_lengths(name)
+        params = MixParams(num_heads=w["num_heads"], num_kv_heads=w["num_kv_heads"], head_dim=128, causal=True,
+                           precision=args.precision, capacity=max(65_536, int(lengths.sum())))
+        mp = predict_mix(lengths, params, calibration=table, max_intervals=2**62)
+        p = mp.prediction
+        spec = RunSpec(seqlens=mp.seqlens, num_heads=p.num_heads, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
+                       causal=p.causal, precision=p.precision, warmup=args.warmup, repeats=args.repeats)
+        try:
+            m = disp.run(spec)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next workload
+            print(f"| {name} | run failed: {type(exc).__name__}: {exc} |")
+            continue
+        err = 100.0 * (p.predicted_ms - m.measured_ms) / m.measured_ms
+        print(f"| {name} | {mp.lengths.size} | {p.tokens} | {p.items} | {p.policy} | {p.static_ms:.3f} | "
+              f"{p.dynamic_ms:.3f} | {p.predicted_ms:.3f} | {m.measured_ms:.3f} | {err:+.1f} | {m.peak_bytes / 1e9:.2f} |",
+              flush=True)
+        tiles, units = critical_load(mp.seqlens, p)
+        runs.append({"workload": name, "gpu": "H200", "device_name": m.device_name, "precision": p.precision,
+                     "head_dim": p.head_dim, "causal": p.causal, "num_heads": p.num_heads,
+                     "num_kv_heads": p.num_kv_heads, "predicted_ms": p.predicted_ms, "static_ms": p.static_ms,
+                     "dynamic_ms": p.dynamic_ms, "measured_ms": m.measured_ms, "times_ms": list(m.times_ms),
+                     "error_pct": err, "crit_tiles": tiles, "crit_units": units, "peak_bytes": m.peak_bytes,
+                     "calibration_version": p.calibration_version, "seqlens": mp.seqlens.tolist()})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs, f)
+    if args.refit and runs:
+        from flamia_pack.service.calibration import FitRun, refit, table_to_json
+
+        fits_in = [FitRun(gpu=r["gpu"], precision=r["precision"], head_dim=r["head_dim"], causal=r["causal"],
+                          num_heads=r["num_heads"], num_kv_heads=r["num_kv_heads"],
+                          seqlens=np.asarray(r["seqlens"], dtype=np.int64), measured_ms=r["measured_ms"])
+                   for r in runs]
+        new, fits = refit(fits_in, table, version=f"{table.version}+refit-gpu")
+        for f_ in fits:
+            print(f"refit {f_.kernel_path} D{f_.head_dim} {f_.gpu}: a={f_.a_us_per_tile:.4f} us/tile, "
+                  f"b={f_.b_us_per_item:.4f} us/unit, {f_.runs} runs, in-sample RMS error {f_.rms_error_pct:.1f} %")
+        print(json.dumps(table_to_json(new), indent=1))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

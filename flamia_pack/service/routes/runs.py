@@ -17,6 +17,7 @@ router = APIRouter(prefix="/v1", tags=["runs"])
 _RUN_ERRORS = {
     **ERRORS,
     409: {"model": ErrorBody, "description": "Another run is in progress (one at a time)."},
+    501: {"model": ErrorBody, "description": "The requested kernel path is not implemented in this build."},
     503: {"model": ErrorBody, "description": "No usable GPU / attention op on this machine."},
 }
 
@@ -79,6 +80,8 @@ async def create_run(
         raise HTTPException(status_code=503, detail=f"no GPU to run on: {exc}") from None
     except (HTTPException, FlamiaError):
         raise
+    except NotImplementedError as exc:  # e.g. a kernel path (fp8) not built yet
+        raise HTTPException(status_code=501, detail=f"not available on this build: {exc}") from None
     except Exception as exc:  # a device failure is the server's problem, reported as such
         raise HTTPException(
             status_code=500, detail=f"the run failed on the device: {type(exc).__name__}: {exc}"
