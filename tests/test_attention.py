@@ -123,15 +123,18 @@ def test_fallback_matches_reference_fwd_bwd(causal, h, hkv):
     assert all((x.grad[used:] == 0).all() for x in xs)
 
 
-def test_fallback_under_torch_compile():
+@pytest.mark.parametrize("prebuilt", [False, True])
+def test_fallback_under_torch_compile(prebuilt):
     q, k, v, cu = _inputs([17, 5, 30], h=4, hkv=2, d=64, dtype=torch.float32)
+    wl = build_attention_work_list(cu, q.shape[0], head_dim=64) if prebuilt else None
 
     def f(q, k, v):
-        return varlen_attention(q, k, v, cu, 30, causal=True).square().sum()
+        return varlen_attention(q, k, v, cu, 30, causal=True, work_list=wl).square().sum()
 
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     ys = [x.clone().requires_grad_() for x in (q, k, v)]
-    compiled = torch.compile(f, backend="aot_eager")
+    # with a prebuilt work list the whole call traces into one graph (no host sync, no break)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=prebuilt)
     out_c = compiled(*xs)
     out_e = f(*ys)
     out_c.backward()

@@ -54,9 +54,9 @@ class AttentionKernelConfig:
     """Forward: software-pipelining depth of the key loop."""
     schedule: str = "grid"
     """Forward program order: one of :data:`SCHEDULES`."""
-    bwd_block_n1: int = 128
+    bwd_block_n1: int = 64
     """Backward dK/dV: keys per program."""
-    bwd_block_m1: int = 64
+    bwd_block_m1: int = 32
     """Backward dK/dV: queries per inner-loop tile."""
     bwd_block_m2: int = 128
     """Backward dQ: queries per program."""
@@ -105,10 +105,12 @@ class AttentionKernelConfig:
 def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16") -> AttentionKernelConfig:
     """The default configuration for a head dimension, mask type and precision (pure function).
 
-    Starting points for sm_90 (FlashAttention-2 / Triton tutorial practice for D = 128: forward
-    128 x 64 tiles, 8 warps, 3 stages; backward 128-key x 64-query dK/dV programs and 128-query x
-    64-key dQ programs, 8 warps). The choice among measured variants is recorded in
-    ``benchmarks/NOTES.md`` (section "BF16 attention kernels (issue 5)").
+    Chosen for sm_90 from the compiler's resource report (sm_90a ptxas, no GPU needed, see
+    ``benchmarks/NOTES.md`` "BF16 attention kernels (issue 5)"): the forward 128 x 64 tiles, 8 warps,
+    3 stages compile spill-free at D = 128 (226 registers, cp.async pipelined, wgmma); the
+    backward's dK/dV programs hold two fp32 (keys x D) accumulators plus K and V as wgmma
+    operands, so 128-key programs spill at D = 128 (~700 B) while 64-key x 32-query programs
+    do not (~30 B). Timings of the variants on the H200 are in NOTES.md / RESULTS.md.
 
     Args:
         head_dim: D, 64 or 128.
@@ -126,7 +128,7 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16") -
     if precision not in ("bf16", "fp8"):
         raise FlamiaError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
     if head_dim == 64:
-        return AttentionKernelConfig(block_n=128, num_warps=8, num_stages=3, bwd_num_warps=4, bwd_num_stages=3)
+        return AttentionKernelConfig(block_n=128, num_warps=8, num_stages=3)
     return AttentionKernelConfig()
 
 

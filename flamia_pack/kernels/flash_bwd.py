@@ -28,10 +28,10 @@ import triton.language as tl
 
 from flamia_pack.kernels.config import AttentionKernelConfig
 from flamia_pack.kernels.flash_fwd import LOG2E, fill_tail
-from flamia_pack.kernels.tiles_triton import doc_boundaries, masked_tile_index, program_geometry, relative_doc, tile_visible
+from flamia_pack.kernels.tiles_triton import masked_tile_index, program_geometry, relative_doc, tile_visible
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _bwd_preprocess(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh,
                     HAS_DLSE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
     """``Delta[h, t] = sum_d O[t, h, d] * dO[t, h, d] - dLSE[h, t]`` (fp32)."""
@@ -70,8 +70,7 @@ def _dkdv_tile(
                     mask=k_ok[:, None], other=0.0)
         dk = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
         dv = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
-        ends = doc_boundaries(cu_ptr, doc, n_docs, merged, WL_BM)
-        k_rel = relative_doc(k_pos, ends)
+        r_rel = relative_doc(k_pos, cu_ptr, doc, tl.maximum(re, o_hi), merged)
         for g in range(0, group):
             h = hk * group + g
             q_ptrs = Q + o_lo.to(tl.int64) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
@@ -98,7 +97,7 @@ def _dkdv_tile(
                 q = tl.load(q_ptrs + t * BLOCK_M1 * stride_qt, mask=q_ok[:, None], other=0.0)
                 lse2 = tl.load(l_ptrs + t * BLOCK_M1, mask=q_ok, other=0.0) * 1.4426950408889634
                 s_t = tl.dot(k, tl.trans(q))
-                vis = tile_visible(k_pos, q_pos, o_hi, merged, k_rel, ends, True, CAUSAL)
+                vis = tile_visible(k_pos, q_pos, o_hi, r_rel, cu_ptr, doc, merged, True, CAUSAL)
                 p_t = tl.where(vis, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
                 do = tl.load(do_ptrs + t * BLOCK_M1 * stride_dot, mask=q_ok[:, None], other=0.0)
                 dv = tl.dot(p_t.to(do.dtype), do, dv)
@@ -148,8 +147,7 @@ def _dq_tile(
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(k.dtype), k, dq)
-        ends = doc_boundaries(cu_ptr, doc, n_docs, merged, WL_BM)
-        q_rel = relative_doc(q_pos, ends)
+        r_rel = relative_doc(q_pos, cu_ptr, doc, tl.maximum(re, o_hi), merged)
         for jj in range(0, u0 + n - u1):
             t = masked_tile_index(jj, u0, u1)
             k_pos = o_lo + t * BLOCK_N2 + offs_n
@@ -157,7 +155,7 @@ def _dq_tile(
             k = tl.load(k_ptrs + t * BLOCK_N2 * stride_kt, mask=k_ok[:, None], other=0.0)
             v = tl.load(v_ptrs + t * BLOCK_N2 * stride_vt, mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k))
-            vis = tile_visible(q_pos, k_pos, o_hi, merged, q_rel, ends, False, CAUSAL)
+            vis = tile_visible(q_pos, k_pos, o_hi, r_rel, cu_ptr, doc, merged, False, CAUSAL)
             p = tl.where(vis, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
@@ -167,7 +165,7 @@ def _dq_tile(
                  dq.to(DQ.dtype.element_ty), mask=q_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_docs"])
 def _bwd_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, DK, DV, items_ptr, num_items_ptr, cu_ptr, n_docs, num_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,

@@ -27,11 +27,10 @@ import triton
 import triton.language as tl
 
 from flamia_pack.kernels.config import AttentionKernelConfig
-from flamia_pack.kernels.tiles_triton import doc_boundaries, masked_tile_index, program_geometry, relative_doc, tile_visible
+from flamia_pack.kernels.tiles_triton import masked_tile_index, program_geometry, relative_doc, tile_visible
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-_MASK_BIAS = -1.0e6  # added to masked scores (base-2 units); a row's first visible key clears it
 
 
 @triton.jit
@@ -74,15 +73,14 @@ def _fwd_tile(
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_ij
         # masked key tiles: document edge / causal diagonal / merged short documents
-        ends = doc_boundaries(cu_ptr, doc, n_docs, merged, WL_BM)
-        r_rel = relative_doc(q_pos, ends)
+        r_rel = relative_doc(q_pos, cu_ptr, doc, tl.maximum(re, o_hi), merged)
         for jj in range(0, u0 + n - u1):
             t = masked_tile_index(jj, u0, u1)
             k_pos = o_lo + t * BLOCK_N + offs_n
             k_ok = k_pos < o_hi
             k = tl.load(k_ptrs + t * BLOCK_N * stride_kt, mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k))
-            vis = tile_visible(q_pos, k_pos, o_hi, merged, r_rel, ends, False, CAUSAL)
+            vis = tile_visible(q_pos, k_pos, o_hi, r_rel, cu_ptr, doc, merged, False, CAUSAL)
             s = s * qk_scale + tl.where(vis, 0.0, -1.0e6)
             m_ij = tl.maximum(m_i, tl.max(s, 1))
             s = s - m_ij[:, None]
@@ -100,7 +98,7 @@ def _fwd_tile(
         tl.store(LSE + h * stride_lh + q_pos, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_docs"])
 def _fwd_kernel(
     Q, K, V, O, LSE, items_ptr, num_items_ptr, cu_ptr, counter_ptr, n_docs, num_heads, group,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
@@ -125,7 +123,7 @@ def _fwd_kernel(
                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_docs", "total_rows", "value"])
 def _fill_tail_kernel(X, stride_row, stride_col, n_cols, cu_ptr, n_docs, total_rows, value,
                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """``X[row, col] = value`` for rows ``cu_seqlens[-1] <= row < total_rows`` (row-end padding)."""

@@ -9,9 +9,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-INT32_MAX = 2147483647
-
-
 @triton.jit
 def program_geometry(
     items_ptr, cu_ptr, e,
@@ -65,26 +62,30 @@ def program_geometry(
 
 
 @triton.jit
-def doc_boundaries(cu_ptr, doc, n_docs, merged, WL_BM: tl.constexpr):
-    """Document ends ``cu[doc+1 .. doc+WL_BM]`` of a merged item (INT32_MAX elsewhere / if not merged).
+def relative_doc(pos, cu_ptr, doc, span_hi, merged):
+    """Document of each token position relative to the item's first document (0, 1, ...).
 
-    The relative document of token ``p`` inside the item's span is ``#{ends <= p}``.
+    Only merged items (several whole short documents) have more than one document: for them the
+    index is ``#{d > doc : cu[d] <= pos}``, counted over the item's own boundaries (at most WL_BM,
+    scalar loads from L1); for every other item it is 0 without touching memory.
     """
-    offs = tl.arange(0, WL_BM)
-    idx = doc + 1 + offs
-    ends = tl.load(cu_ptr + idx, mask=(idx <= n_docs) & merged, other=INT32_MAX)
-    return ends
+    rel = tl.zeros_like(pos)
+    if merged:
+        d = doc + 1
+        e = tl.load(cu_ptr + d)
+        while e < span_hi:
+            rel += (pos >= e).to(tl.int32)
+            d += 1
+            e = tl.load(cu_ptr + d)
+    return rel
 
 
 @triton.jit
-def relative_doc(pos, ends):
-    """Relative document index of each token position in ``pos`` (see :func:`doc_boundaries`)."""
-    return tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), axis=1)
+def tile_visible(r_pos, o_pos, o_hi, r_rel, cu_ptr, doc, merged, ROWS_ARE_KEYS: tl.constexpr, CAUSAL: tl.constexpr):
+    """Visibility of a masked tile: ``(rows, others)`` boolean block (tiles.py: masked tiles).
 
-
-@triton.jit
-def tile_visible(r_pos, o_pos, o_hi, merged, r_rel, ends, ROWS_ARE_KEYS: tl.constexpr, CAUSAL: tl.constexpr):
-    """Visibility of a masked tile: ``(rows, others)`` boolean block (tiles.py: masked tiles)."""
+    ``r_rel`` is :func:`relative_doc` of the rows; only merged items compare documents.
+    """
     vis = (r_pos[:, None] >= 0) & (o_pos[None, :] < o_hi)
     if CAUSAL:
         if ROWS_ARE_KEYS:
@@ -92,7 +93,7 @@ def tile_visible(r_pos, o_pos, o_hi, merged, r_rel, ends, ROWS_ARE_KEYS: tl.cons
         else:
             vis = vis & (o_pos[None, :] <= r_pos[:, None])
     if merged:
-        o_rel = relative_doc(o_pos, ends)
+        o_rel = relative_doc(o_pos, cu_ptr, doc, o_hi, merged)
         vis = vis & (r_rel[:, None] == o_rel[None, :])
     return vis
 

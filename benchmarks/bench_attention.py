@@ -1,0 +1,409 @@
+"""BF16 packed attention (issue 5): our kernels vs FlexAttention, varlen_attn and padded SDPA.
+
+Run on the GPU machine:
+    PYTHONPATH=. python3 benchmarks/bench_attention.py [--workloads W1,W2,...] [--no-peers] [--out DIR]
+Offline calibration fit from a saved run (CPU is enough):
+    python benchmarks/bench_attention.py --fit DIR/bench_attention.json
+
+Workloads: WORKLOADS.md W1-W9, S1, S2 (one packed row, causal, H_q = 16, D = 128, bf16 N(0, 1)
+drawn fresh per workload). For each: forward and training-call (forward + backward) time, median
+of ``triton.testing.do_bench`` (CUDA events, L2 flushed before each run), TFLOP/s on visible pairs
+(``flamia_pack.scheduler.cost.attention_flops``), and the ratio of the fastest *packed* peer's time
+to ours (> 1 means we are faster) and of padded SDPA's time to ours. Our calls use a work list built
+once per row (as a training loop does: built with the batch, reused by forward and backward); its
+build time is reported separately. S2: peak memory of one training call vs the bytes of the call's
+own tensors (q, k, v, o, dO, dq, dk, dv, lse).
+
+Peers: FlexAttention (``torch.compile``d ``flex_attention`` + ``create_block_mask`` from document ids
+and causal), ``torch.nn.attention.varlen.varlen_attn`` (``window_size=(-1, 0)`` = causal; signature
+read at run time), ``scaled_dot_product_attention`` on the dense (B, H, L, D) view where all
+documents have one length. Failures (out of memory, invalid argument) are reported as such.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from flamia_pack.scheduler.cost import attention_flops
+from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
+
+HEAD_DIM = 128
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs and timing
+# ----------------------------------------------------------------------------------------------
+
+
+def make_inputs(lengths, num_heads, num_kv_heads, head_dim=HEAD_DIM, seed=0, device="cuda"):
+    """Fresh N(0, 1) bf16 q, k, v, dO of one packed row and its int32 cu_seqlens."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    T = int(np.sum(lengths))
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
+
+    def r(h):
+        return torch.randn((T, h, head_dim), device=device, generator=g, dtype=torch.bfloat16)
+
+    return {"q": r(num_heads), "k": r(num_kv_heads), "v": r(num_kv_heads), "do": r(num_heads), "cu": cu, "T": T,
+            "max_seqlen": int(np.max(lengths)), "lengths": np.asarray(lengths)}
+
+
+def time_ms(fn, grad_to_none=None, rep=200, warmup=50) -> float:
+    """Median milliseconds of ``fn`` (triton.testing.do_bench: CUDA events, L2 flushed each run)."""
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def _leaves(inp, layout=None):
+    xs = [inp[n].detach() if layout is None else layout(inp[n].detach()) for n in ("q", "k", "v")]
+    return [x.clone().requires_grad_(True) for x in xs]
+
+
+def _fwd_bwd_fns(call, inp, layout=None, out_layout=None):
+    """(forward-only fn, training-call fn, grad leaves) for ``call(q, k, v) -> o``."""
+    qf, kf, vf = (inp[n] if layout is None else layout(inp[n]).contiguous() for n in ("q", "k", "v"))
+    leaves = _leaves(inp, layout=(None if layout is None else (lambda x: layout(x).contiguous())))
+    do = inp["do"] if layout is None else layout(inp["do"]).contiguous()
+
+    def fwd():
+        with torch.no_grad():
+            return call(qf, kf, vf)
+
+    def train():
+        o = call(*leaves)
+        o.backward(do)
+
+    return fwd, train, leaves
+
+
+# ----------------------------------------------------------------------------------------------
+# implementations
+# ----------------------------------------------------------------------------------------------
+
+
+def ours(inp, config=None):
+    """Our op with a work list built once for the row."""
+    from flamia_pack.kernels import varlen_attention
+    from flamia_pack.kernels.attention import build_attention_work_list
+
+    wl = build_attention_work_list(inp["cu"], inp["T"], causal=True, head_dim=HEAD_DIM, config=config)
+
+    def call(q, k, v):
+        return varlen_attention(q, k, v, inp["cu"], inp["max_seqlen"], causal=True, work_list=wl, config=config)
+
+    return _fwd_bwd_fns(call, inp)
+
+
+def flex(inp):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not hasattr(flex, "_compiled"):
+        flex._compiled = torch.compile(flex_attention, dynamic=False)
+    T = inp["T"]
+    doc = torch.repeat_interleave(torch.arange(len(inp["lengths"]), device="cuda", dtype=torch.int32),
+                                  torch.as_tensor(inp["lengths"], device="cuda"))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    bm = create_block_mask(mask_mod, None, None, T, T, device="cuda")
+    gqa = inp["q"].shape[1] != inp["k"].shape[1]
+
+    def call(q, k, v):
+        return flex._compiled(q, k, v, block_mask=bm, enable_gqa=gqa)
+
+    return _fwd_bwd_fns(call, inp, layout=lambda x: x.transpose(0, 1).unsqueeze(0))
+
+
+def varlen(inp):
+    from torch.nn.attention import varlen as vmod
+
+    fn = vmod.varlen_attn
+    params = inspect.signature(fn).parameters
+    cu, m = inp["cu"], inp["max_seqlen"]
+    kw = {}
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0)
+    elif "is_causal" in params:
+        kw["is_causal"] = True
+    expand = inp["q"].shape[1] // inp["k"].shape[1]
+
+    def call(q, k, v):
+        if expand > 1 and getattr(varlen, "_expand", False):
+            k, v = k.repeat_interleave(expand, 1), v.repeat_interleave(expand, 1)
+        return fn(q, k, v, cu, cu, m, m, **kw)
+
+    return _fwd_bwd_fns(call, inp)
+
+
+def sdpa_padded(inp):
+    lens = inp["lengths"]
+    if len(set(lens.tolist())) != 1:
+        return None
+    B, L = len(lens), int(lens[0])
+    gqa = inp["q"].shape[1] != inp["k"].shape[1]
+    F = torch.nn.functional
+
+    def view(x):
+        return x.view(B, L, x.shape[1], x.shape[2]).transpose(1, 2)
+
+    def call(q, k, v):
+        return F.scaled_dot_product_attention(view(q), view(k), view(v), is_causal=True, enable_gqa=gqa).transpose(1, 2)
+
+    return _fwd_bwd_fns(call, inp)
+
+
+PEERS = {"flex": flex, "varlen": varlen, "sdpa": sdpa_padded}
+
+
+def _short_error(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, torch.OutOfMemoryError) or "out of memory" in msg.lower():
+        return "out of memory"
+    return (type(e).__name__ + ": " + msg)[:120]
+
+
+def measure(name, make, inp, *, fwd=True, train=True, rep=200):
+    """Time one implementation; returns dict with fwd_ms / train_ms or error."""
+    res = {}
+    try:
+        fns = make(inp)
+        if fns is None:
+            return {"error": "n/a (documents of unequal length)"}
+        f, t, leaves = fns
+        if fwd:
+            f()
+            torch.cuda.synchronize()
+            res["fwd_ms"] = time_ms(f, rep=rep)
+        if train:
+            t()
+            torch.cuda.synchronize()
+            res["train_ms"] = time_ms(t, grad_to_none=leaves, rep=rep)
+    except Exception as e:  # noqa: BLE001 - a peer failing is a result
+        res["error"] = _short_error(e)
+        torch.cuda.synchronize()
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+    return res
+
+
+def peak_memory(make, inp) -> dict:
+    """Peak bytes allocated by one training call beyond its inputs, plus the own-tensor bytes."""
+    q, k, do = inp["q"], inp["k"], inp["do"]
+    T, H, D = q.shape
+    own = 2 * (4 * q.numel() + 4 * k.numel()) + 4 * H * T  # bf16 q,o,dO,dq + k,v,dk,dv; fp32 lse
+    try:
+        fns = make(inp)
+        _, t, leaves = fns
+        t()
+        for x in leaves:
+            x.grad = None
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        inputs = sum(x.numel() * x.element_size() for x in leaves) + do.numel() * do.element_size()
+        return {"peak_bytes": int(peak + inputs), "own_bytes": int(own)}
+    except Exception as e:  # noqa: BLE001
+        return {"error": _short_error(e), "own_bytes": int(own)}
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# table
+# ----------------------------------------------------------------------------------------------
+
+
+def _fmt_ms(r, key):
+    if "error" in r and key not in r:
+        return r["error"]
+    return f"{r[key]:.2f}" if key in r else "-"
+
+
+def markdown(rows) -> str:
+    out = []
+    for key, label in (("fwd_ms", "forward"), ("train_ms", "training call (fwd+bwd)")):
+        out.append(f"\n### {label}: ms (TFLOP/s); ratio = peer time / our time (> 1: we are faster)\n")
+        out.append("| wl | ours | TFLOP/s | FlexAttention | varlen_attn | padded SDPA | vs best packed | vs padded SDPA |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            o = r["impl"].get("ours", {})
+            flops = r["flops_fwd"] * (3.5 if key == "train_ms" else 1.0)
+            t = o.get(key)
+            tf = f"{flops / (t * 1e-3) / 1e12:.0f}" if t else "-"
+            peers = {p: r["impl"].get(p, {}) for p in ("flex", "varlen", "sdpa")}
+            packed = [peers[p][key] for p in ("flex", "varlen") if key in peers[p]]
+            best = min(packed) if packed else None
+            rb = f"{best / t:.2f}x" if (t and best) else "-"
+            rs = f"{peers['sdpa'][key] / t:.2f}x" if (t and key in peers["sdpa"]) else "-"
+            out.append(f"| {r['name']} | {_fmt_ms(o, key)} | {tf} | {_fmt_ms(peers['flex'], key)} | "
+                       f"{_fmt_ms(peers['varlen'], key)} | {_fmt_ms(peers['sdpa'], key)} | {rb} | {rs} |")
+    mem = [r for r in rows if "memory" in r]
+    if mem:
+        out.append("\n### peak memory of one training call (GB; own tensors = q,k,v,o,dO,dq,dk,dv,lse)\n")
+        out.append("| wl | own tensors | ours peak | ratio | varlen_attn peak | ratio | padded-to-longest tokens |")
+        out.append("|---|---|---|---|---|---|---|")
+        for r in mem:
+            m = r["memory"]
+            own = m["ours"]["own_bytes"]
+
+            def cell(x):
+                if "peak_bytes" not in x:
+                    return x.get("error", "-"), "-"
+                return f"{x['peak_bytes'] / 1e9:.2f}", f"{x['peak_bytes'] / own:.2f}x"
+
+            a, ar = cell(m["ours"])
+            b, br = cell(m.get("varlen", {}))
+            out.append(f"| {r['name']} | {own / 1e9:.2f} | {a} | {ar} | {b} | {br} | {r['pad_factor']:.1f}x |")
+    wlb = [r for r in rows if "worklist_ms" in r]
+    if wlb:
+        out.append("\nwork-list build (GPU, validate=False, per row): " +
+                   ", ".join(f"{r['name']} {r['worklist_ms'] * 1e3:.0f} us" for r in wlb))
+    return "\n".join(out)
+
+
+def run(workloads, peers, rep, out_dir, memory_for=("S2",), config=None):
+    rows = []
+    for name in workloads:
+        spec = WORKLOADS[name]
+        lengths = workload_lengths(name)
+        H, Hkv = spec["num_heads"], spec["num_kv_heads"]
+        inp = make_inputs(lengths, H, Hkv, seed=hash(name) % 10000)
+        row = {"name": name, "T": inp["T"], "n_docs": len(lengths), "H": H, "Hkv": Hkv,
+               "flops_fwd": attention_flops(lengths, H, HEAD_DIM, True, mode="fwd"), "impl": {},
+               "pad_factor": float(len(lengths) * lengths.max() / lengths.sum())}
+        t0 = time.time()
+        mk = (lambda i: ours(i, config))
+        row["impl"]["ours"] = measure("ours", mk, inp, rep=rep)
+        from flamia_pack.kernels.attention import build_attention_work_list
+
+        try:
+            cu, T = inp["cu"], inp["T"]
+            row["worklist_ms"] = time_ms(lambda: build_attention_work_list(cu, T, head_dim=HEAD_DIM, validate=False),
+                                         rep=50, warmup=10)
+        except Exception as e:  # noqa: BLE001
+            row["worklist_error"] = _short_error(e)
+        for p in peers:
+            row["impl"][p] = measure(p, PEERS[p], inp, rep=rep)
+        if name in memory_for:
+            row["memory"] = {"ours": peak_memory(mk, inp)}
+            if "varlen" in peers:
+                row["memory"]["varlen"] = peak_memory(varlen, inp)
+        row["seconds"] = time.time() - t0
+        print(f"[{name}] {json.dumps(row['impl'])} ({row['seconds']:.0f} s)", flush=True)
+        rows.append(row)
+        with open(os.path.join(out_dir, "bench_attention.partial.json"), "w") as f:
+            json.dump(rows, f, default=float)
+        del inp
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _header() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        commit = "?"
+    import triton
+
+    return (f"date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+            f"triton {triton.__version__}, commit {commit or '(tree copy)'}, "
+            f"command `PYTHONPATH=. python3 benchmarks/bench_attention.py {' '.join(sys.argv[1:])}`")
+
+
+# ----------------------------------------------------------------------------------------------
+# calibration (item time = a * tiles + b, scheduler cost model)
+# ----------------------------------------------------------------------------------------------
+
+
+def fit_and_report(rows) -> str:
+    """Fit (a, b) for bf16_fwd and bf16_fwd_bwd at D = 128 from the W rows and report the error."""
+    from flamia_pack.scheduler.simulate import Calibration, fit_calibration, predict
+    from flamia_pack.scheduler.worklist import TileConfig
+
+    cfg = TileConfig(block_m=128, block_n=128, causal=True)
+    lines = ["| wl | pass | measured ms | predicted ms | error % |", "|---|---|---|---|---|"]
+    fits = {}
+    for key, path in (("fwd_ms", "bf16_fwd"), ("train_ms", "bf16_fwd_bwd")):
+        samples = [(workload_lengths(r["name"]), r["H"], r["impl"]["ours"][key] * 1e3) for r in rows
+                   if r["name"].startswith("W") and key in r["impl"].get("ours", {})]
+        if not samples:
+            continue
+        a, b = fit_calibration(samples, num_sms=132, config=cfg)
+        fits[path] = (a, b)
+        cal = Calibration(kernel_path=path, head_dim=HEAD_DIM, gpu="H200", a_us_per_tile=a, b_us_per_item=b,
+                          block_m=128, block_n=128, measured=True, source="fit (bench_attention.py)")
+        for r in rows:
+            if not r["name"].startswith("W") or key not in r["impl"].get("ours", {}):
+                continue
+            # our launch order (decreasing cost, CTAs dispatched in order) is the greedy list
+            # schedule the simulator calls "dynamic"
+            p = predict(workload_lengths(r["name"]), num_heads=r["H"], num_kv_heads=r["Hkv"], head_dim=HEAD_DIM,
+                        causal=True, pass_=path.split("_", 1)[1], policy="dynamic", calibration=cal, config=cfg)
+            pred_ms = p.dynamic_ms
+            meas = r["impl"]["ours"][key]
+            lines.append(f"| {r['name']} | {path} | {meas:.2f} | {pred_ms:.2f} | {100 * (pred_ms - meas) / meas:+.1f} |")
+    head = "\n".join(f"- {k}: a = {v[0]:.4f} us/tile, b = {v[1]:.4f} us/item" for k, v in fits.items())
+    return head + "\n\n" + "\n".join(lines), fits
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="W1,W2,W3,W4,W5,W6,W7,W8,W9,S1,S2")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--peers", default="flex,varlen,sdpa")
+    ap.add_argument("--rep", type=int, default=200, help="do_bench rep (ms of timed runs per measurement)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--config", default=None, help="JSON dict of AttentionKernelConfig overrides for our kernels")
+    ap.add_argument("--fit", default=None, help="fit calibration from a saved bench_attention.json (no GPU)")
+    args = ap.parse_args(argv)
+    if args.fit:
+        with open(args.fit) as f:
+            data = json.load(f)
+        text, _ = fit_and_report(data["rows"])
+        print(text)
+        return 0
+    peers = [] if args.no_peers else [p for p in args.peers.split(",") if p]
+    wls = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
+    header = _header()
+    print(header, flush=True)
+    config = None
+    if args.config:
+        import dataclasses
+
+        from flamia_pack.kernels.config import kernel_config
+
+        config = dataclasses.replace(kernel_config(HEAD_DIM, True), **json.loads(args.config))
+        header += f", config {config}"
+    rows = run(wls, peers, args.rep, args.out, config=config)
+    table = markdown(rows)
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
+        f.write(header + "\n" + table + "\n")
+    with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
+        json.dump({"header": header, "rows": rows}, f, indent=1, default=float)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
