@@ -8,12 +8,16 @@ Variants, all measured in this process and run (tokens = real tokens, padding ex
 
 - ``PackedDataset`` rows, main process (no DataLoader), sequential and block-shuffled;
 - the issue's configuration: ``DataLoader(PackedDataset, num_workers=1, batch_size=1,
-  collate_fn=PackedCollator)``, without and with scale-group metadata (``scale_groups="block"``);
-  steady state (first batch excluded: worker start-up is reported separately) and end to end;
+  collate_fn=PackedCollator)`` (default: no scale-group metadata on the CPU; ``to_device`` derives
+  it on the GPU), and with ``scale_groups="block"`` computed on the CPU in the worker; steady
+  state (first batch excluded: worker start-up is reported separately) and end to end;
+- ``DataLoader`` with one worker yielding raw rows (no collation: the same work as the HF peer);
 - ``StreamingPackedDataset`` packing the sample source on the fly (main process);
 - peers: ``flamia_pack.formats.iter_rows`` (the sequential reader of the format) and Hugging Face
   ``datasets`` (``Dataset.from_parquet`` + ``with_format("torch")`` in a ``DataLoader`` with one
-  worker), when installed.
+  worker, rows only: int32 ``input_ids``/``position_ids`` as stored, no labels, no flattening),
+  when installed. The collated batch moves 24 bytes per token (int64 input_ids, labels,
+  position_ids) from the worker to the main process, the raw rows 8.
 
 Each variant runs ``--repeat`` times; the table shows the median tokens/s and the ratio to the
 ``datasets`` peer. Run: ``.venv/bin/python benchmarks/bench_loader.py``.
@@ -103,9 +107,13 @@ def main() -> None:
         variants: dict[str, Callable[[], tuple[int, float | None]]] = {
             "PackedDataset rows (main process, sequential)": lambda: run_rows(PackedDataset(d, verify=False)),
             "PackedDataset rows (main process, block shuffle)": lambda: run_rows(PackedDataset(d, verify=False, shuffle=True)),
-            "DataLoader 1 worker + PackedCollator": lambda: run_batches(loader(None), "num_real_tokens"),
-            "DataLoader 1 worker + PackedCollator + scale groups": lambda: run_batches(loader("block"), "num_real_tokens"),
-            "StreamingPackedDataset (packs the source on the fly)": lambda: run_rows(
+            "DataLoader 1 worker, rows only (like the HF peer)": lambda: run_batches(
+                torch.utils.data.DataLoader(PackedDataset(d, verify=False, shuffle=True), batch_size=None,
+                                            num_workers=1, prefetch_factor=4), "num_tokens"),
+            "DataLoader 1 worker + PackedCollator (default)": lambda: run_batches(loader(None), "num_real_tokens"),
+            "DataLoader 1 worker + PackedCollator(scale_groups='block') (CPU scale metadata)": lambda: run_batches(
+                loader("block"), "num_real_tokens"),
+            "StreamingPackedDataset (packs the sample source on the fly, 1 copy)": lambda: run_rows(
                 StreamingPackedDataset(SAMPLE, capacity=args.capacity, buffer_docs=256)),
             "peer: formats.iter_rows (sequential numpy rows)": lambda: run_rows(iter_rows(d)),
         }

@@ -121,15 +121,20 @@ def test_labels_never_cross_documents(rows, capacity_extra, pad_id):
     assert np.all(ids.numpy()[cu[-1]:] == pad_id)
 
 
-def test_scale_group_metadata_when_quant_exists():
+def test_scale_group_metadata_on_request():
     quant = pytest.importorskip("flamia_pack.quant")
     rows = [make_row([40, 3], 50, seed=1), make_row([33], 50, seed=2)]
-    b = PackedCollator()(rows)
+    b = PackedCollator(scale_groups="block")(rows)
     ref = quant.scale_groups(b["cu_seqlens"], 100, "block")
     assert torch.equal(b["scale_group_id"], ref.group_id)
     assert torch.equal(b["scale_group_start"], ref.group_start)
-    assert b["scale_group_id"].tolist()[:44] == [0] * 32 + [1] * 8 + [2] * 3 + [3]  # never spans docs
-    assert "scale_group_id" not in PackedCollator(scale_groups=None)(rows)
+    # groups of 32 tokens restart in every document, never span two; padding (76..99) has none
+    assert b["scale_group_id"].tolist() == [0] * 32 + [1] * 8 + [2] * 3 + [3] * 32 + [4] + [-1] * 24
+    plain = PackedCollator()(rows)  # off by default; to_device derives it on the device
+    assert "scale_group_id" not in plain
+    d = to_device(plain, "cpu", scale_groups="token")
+    ref_tok = quant.scale_groups(plain["cu_seqlens"], 100, "token")
+    assert torch.equal(d["scale_group_id"], ref_tok.group_id) and torch.equal(d["scale_group_start"], ref_tok.group_start)
 
 
 def test_collate_errors():
@@ -147,6 +152,8 @@ def test_collate_errors():
         c([bad])
     with pytest.raises(FlamiaError, match="scale_groups"):
         PackedCollator(scale_groups="tile")
+    with pytest.raises(FlamiaError, match="scale_groups"):
+        to_device(c([make_row([2], 4)]), "cpu", scale_groups="tile")
 
 
 def test_to_device_cpu_builds_the_work_list():
@@ -173,9 +180,10 @@ def test_to_device_cuda_is_sync_free():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        d = to_device(b, "cuda", cfg)
+        d = to_device(b, "cuda", cfg, scale_groups="block")
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert d["input_ids"].is_cuda and d["cu_seqlens"].is_cuda
     np.testing.assert_array_equal(d["work_list"].to_numpy(), build_work_list_host(b["cu_seqlens"].numpy(), cfg))
     assert torch.equal(d["labels"].cpu(), b["labels"])
+    assert torch.equal(d["scale_group_id"].cpu(), PackedCollator(scale_groups="block")(rows)["scale_group_id"])

@@ -109,16 +109,23 @@ class PackedCollator:
     ``row_offsets``      int32 ``(B + 1,)``   packed row b is ``[row_offsets[b], row_offsets[b+1])``
     ``doc_ids``          int64 ``(S,)``       source document of every segment (-1 if unknown)
     ``chunk_ids``        int32 ``(S,)``       piece index of every segment (0 if unknown)
-    ``scale_group_id``   int32 ``(T,)``       scale group of every token, -1 on padding; and
-    ``scale_group_start``  int32 ``(T,)``     first token of its group (``flamia_pack.quant.scale_groups``,
-                                              DESIGN.md §4); both only when ``scale_groups`` is not None
+    ``scale_group_id``   int32 ``(T,)``       only with ``scale_groups``: scale group of every token
+                                              (-1 on padding), ``flamia_pack.quant.scale_groups``
+    ``scale_group_start`` int32 ``(T,)``      only with ``scale_groups``: first token of its group
     ===================  ===================  =====================================================
+
+    Scale-group metadata (FP8 token-block scales, DESIGN.md §4) is off by default here: on CPU it
+    costs about as much as the rest of the collation and adds 8 bytes per token to every
+    worker -> main process and host -> device copy, while :func:`to_device` (``scale_groups="block"``)
+    derives it on the GPU from the copied ``cu_seqlens`` without host sync. Use the collator's
+    option for CPU-only pipelines.
 
     Args:
         pad_id: id of padding tokens in ``input_ids``.
         ignore_index: label of tokens with no target (the cross-entropy ``ignore_index``).
-        scale_groups: granularity passed to ``flamia_pack.quant.scale_groups`` (``"block"``
-            default, ``"token"``), or None to leave the key out.
+        scale_groups: ``"block"`` or ``"token"``: add the scale-group keys, computed on the CPU by
+            ``flamia_pack.quant.scale_groups`` with that granularity; None (default): leave them
+            out (see above; :func:`to_device` can add them on the device).
         validate: check every row's ``cu_seqlens`` (cheap; on by default).
 
     Raises (from ``__call__``):
@@ -127,7 +134,7 @@ class PackedCollator:
             or ``num_tokens`` > capacity.
     """
 
-    def __init__(self, *, pad_id: int = 0, ignore_index: int = -100, scale_groups: Optional[str] = "block",
+    def __init__(self, *, pad_id: int = 0, ignore_index: int = -100, scale_groups: Optional[str] = None,
                  validate: bool = True) -> None:
         self.pad_id = int(pad_id)
         self.ignore_index = int(ignore_index)
@@ -252,6 +259,7 @@ def to_device(
     device: Union[str, torch.device],
     work_list_config: Any = None,
     *,
+    scale_groups: Optional[str] = None,
     non_blocking: bool = True,
 ) -> dict[str, Any]:
     """Copy a collated batch to ``device`` without host synchronisation; optionally build the work list.
@@ -263,17 +271,27 @@ def to_device(
     ``T = input_ids.numel()`` tokens (``build_work_list(..., validate=False)``: fixed sizes, no
     host sync; DESIGN.md §6) and stored under ``"work_list"``, so a step can call
     ``varlen_attention(q, k, v, batch["cu_seqlens"], batch["max_seqlen"], work_list=batch["work_list"])``
-    directly. Python ints (``max_seqlen``, ``num_real_tokens``) are passed through.
+    directly. For the default kernel tiles use
+    ``work_list_tile_config(kernel_config(head_dim, causal), causal)`` from
+    ``flamia_pack.kernels.config`` (the kernels check that the list's ``block_m`` matches).
+    With ``scale_groups`` the FP8 scale-group metadata (``scale_group_id``, ``scale_group_start``,
+    int32 ``(T,)``; ``flamia_pack.quant.scale_groups``, DESIGN.md §4) is derived on the device from
+    the copied ``cu_seqlens``, also without host sync. Python ints (``max_seqlen``,
+    ``num_real_tokens``) are passed through.
 
     Args:
         batch: output of :class:`PackedCollator`.
         device: target device (``"cuda"``, ``"cpu"``, ...).
         work_list_config: ``TileConfig`` or None (no work list).
+        scale_groups: ``"block"``, ``"token"`` or None (default: none added; keys already in the
+            batch are copied like any tensor).
         non_blocking: asynchronous copies (CUDA only).
 
     Returns:
         A new dict with the same keys (plus ``work_list``); the input is not modified.
     """
+    if scale_groups not in (None, "block", "token"):
+        raise FlamiaError(f"scale_groups must be 'block', 'token' or None, got {scale_groups!r}")
     device = torch.device(device)
     cuda = device.type == "cuda"
     out: dict[str, Any] = {}
@@ -292,4 +310,9 @@ def to_device(
 
         total = int(out["input_ids"].numel())
         out["work_list"] = build_work_list(out["cu_seqlens"], total, work_list_config, validate=False)
+    if scale_groups is not None:
+        sg = _scale_groups(out["cu_seqlens"], int(out["input_ids"].numel()), scale_groups)
+        if sg is None:
+            raise FlamiaError("scale_groups needs flamia_pack.quant, which is not available")
+        out.update(sg)
     return out
