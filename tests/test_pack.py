@@ -72,6 +72,42 @@ def _reference_bfd_used(lengths, cfg: PackConfig) -> list[int]:
     return sorted(cap - f for f in free)
 
 
+def _pieces(lengths, cfg: PackConfig) -> list[tuple[int, int]]:
+    """(length, doc) of every piece bfd/balanced place, in decreasing length, ties by doc/chunk."""
+    cap, out = cfg.capacity, []
+    for d, n in enumerate(lengths):
+        if n > cap and cfg.long_docs == "drop":
+            continue
+        if n > cap and cfg.long_docs == "truncate":
+            n = cap
+        while n > 0:
+            out.append((min(n, cap), d))
+            n -= min(n, cap)
+    return sorted(out, key=lambda t: -t[0])  # stable: ties keep (doc, chunk) order
+
+
+def _reference_balanced(lengths, cfg: PackConfig) -> list[list[int]]:
+    """Documents of each row under ``balanced``, by the definition: start with as many empty rows
+    as bfd uses; each piece (decreasing length) goes to the fitting row of least sum(len**2),
+    ties by row index; a new row only when none fits."""
+    n_rows = len(_reference_bfd_used(lengths, cfg))
+    rows: list[list[int]] = [[] for _ in range(n_rows)]
+    cost, used = [0] * n_rows, [0] * n_rows
+    for n, d in _pieces(lengths, cfg):
+        fits = [r for r in range(len(rows)) if used[r] + n <= cfg.capacity]
+        if fits:
+            r = min(fits, key=lambda r: (cost[r], r))
+        else:
+            rows.append([])
+            cost.append(0)
+            used.append(0)
+            r = len(rows) - 1
+        rows[r].append(d)
+        cost[r] += n * n
+        used[r] += n
+    return rows
+
+
 def check_packed(docs, rows: PackedRows, cfg: PackConfig) -> None:
     """Every invariant of DESIGN.md §3 on one packing result."""
     cap = cfg.capacity
@@ -117,7 +153,7 @@ def check_packed(docs, rows: PackedRows, cfg: PackConfig) -> None:
         assert [c for c, _ in got] == list(range(len(got))), f"chunk ids of document {d}"
         np.testing.assert_array_equal(np.concatenate([t for _, t in got]), kept)
         docs_split += len(got) > 1
-        if cfg.algorithm == "bfd":
+        if cfg.algorithm in ("bfd", "balanced"):
             # never split unless longer than capacity; full-capacity pieces, remainder last
             if kept.size <= cap:
                 assert len(got) == 1
@@ -149,7 +185,7 @@ def check_packed(docs, rows: PackedRows, cfg: PackConfig) -> None:
 _cfg = st.builds(
     lambda cap, alg, ld, pad: PackConfig(capacity=cap, algorithm=alg, long_docs=ld, pad_id=pad),
     st.integers(1, 48),
-    st.sampled_from(["bfd", "concat"]),
+    st.sampled_from(["bfd", "concat", "balanced"]),
     st.sampled_from(["split", "truncate", "drop"]),
     st.sampled_from([0, -1, 7]),
 )
@@ -178,6 +214,31 @@ def test_bfd_matches_reference_fill(cfg: PackConfig, data) -> None:
     lengths = data.draw(st.lists(st.integers(0, 2 * cfg.capacity), max_size=60), label="lengths")
     plan = plan_packing(np.array(lengths, dtype=np.int64), cfg)
     assert sorted(plan.row_used.tolist()) == _reference_bfd_used(lengths, cfg)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cfg=_cfg, data=st.data())
+def test_balanced_matches_reference(cfg: PackConfig, data) -> None:
+    """Row by row, the same documents in the same order as the plain definition of ``balanced``."""
+    cfg = PackConfig(capacity=cfg.capacity, algorithm="balanced", long_docs=cfg.long_docs)
+    lengths = data.draw(st.lists(st.integers(0, 2 * cfg.capacity), max_size=50), label="lengths")
+    plan = plan_packing(np.array(lengths, dtype=np.int64), cfg)
+    got = [plan.seg_doc[plan.row_offsets[r]:plan.row_offsets[r + 1]].tolist() for r in range(plan.n_rows)]
+    assert got == _reference_balanced(lengths, cfg)
+
+
+def test_balanced_evens_cost_at_bfd_fill() -> None:
+    lengths = np.random.default_rng(2).lognormal(6.5, 1.0, 20_000).astype(np.int64)
+    costs, rows = {}, {}
+    for alg in ("bfd", "balanced"):
+        plan = plan_packing(lengths, PackConfig(capacity=65536, algorithm=alg))
+        c = np.zeros(plan.n_rows)
+        np.add.at(c, plan.seg_row, plan.seg_len.astype(np.float64) ** 2)
+        costs[alg], rows[alg] = c, plan.n_rows
+    assert rows["balanced"] <= rows["bfd"] + 1
+    b, r = costs["bfd"], costs["balanced"]
+    assert r.min() / r.mean() > 4 * (b.min() / b.mean())
+    assert np.percentile(r, 99) / r.mean() < np.percentile(b, 99) / b.mean()
 
 
 @settings(max_examples=100, deadline=None)
