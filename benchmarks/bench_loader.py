@@ -25,6 +25,7 @@ Each variant runs ``--repeat`` times; the table shows the median tokens/s and th
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pathlib
 import statistics
 import sys
@@ -32,7 +33,6 @@ import tempfile
 import time
 from typing import Callable
 
-import numpy as np
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -117,9 +117,7 @@ def main() -> None:
                 StreamingPackedDataset(SAMPLE, capacity=args.capacity, buffer_docs=256)),
             "peer: formats.iter_rows (sequential numpy rows)": lambda: run_rows(iter_rows(d)),
         }
-        try:
-            import datasets  # noqa: F401
-
+        if importlib.util.find_spec("datasets") is not None:
             def hf():
                 from datasets import Dataset
 
@@ -129,7 +127,7 @@ def main() -> None:
                 return run_batches(dl, "num_tokens")
 
             variants["peer: HF datasets from_parquet + DataLoader 1 worker"] = hf
-        except ImportError:
+        else:
             print("(datasets not installed: HF peer skipped)")
 
         results = {}
@@ -144,7 +142,7 @@ def main() -> None:
         print(f"\ncapacity {args.capacity}, {rows} rows, median of {args.repeat} runs; "
               "steady = after the first batch (worker start-up excluded); "
               f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
-        print(f"| variant | end-to-end s | steady M tok/s | end-to-end M tok/s | vs HF datasets |")
+        print("| variant | end-to-end s | steady M tok/s | end-to-end M tok/s | vs HF datasets |")
         print("|---|---|---|---|---|")
         for name, runs in results.items():
             tot = statistics.median(r["s"] for r in runs)
