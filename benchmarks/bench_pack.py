@@ -5,7 +5,8 @@ lengths (seeded; ``int(x)``, so about 1.1e9 tokens), capacity 65,536, random tok
 
 Measured in one process, best of ``--repeats`` runs after a warm-up (numba compiled first):
 
-- ``plan bfd`` / ``plan concat``: :func:`flamia_pack.pack.plan_packing` on lengths only.
+- ``plan bfd`` / ``plan concat`` / ``plan balanced``: :func:`flamia_pack.pack.plan_packing` on
+  lengths only; the note gives the spread of per-row attention cost ``sum(len**2)``.
 - ``pack_flat bfd``: plan + copy of every token into ``(rows, capacity)`` int32 ``input_ids`` and
   ``position_ids`` buffers (padding written), from one flat token buffer with offsets (the Arrow
   layout the loaders hand over).
@@ -68,6 +69,14 @@ def _best(fn, repeats: int) -> tuple[float, float, object]:
     return best, first, out
 
 
+def _cost_spread(plan) -> str:
+    """Spread of the per-row attention cost sum(len**2): min, p99 and max over the mean."""
+    c = np.zeros(plan.n_rows)
+    np.add.at(c, plan.seg_row, plan.seg_len.astype(np.float64) ** 2)
+    m = c.mean()
+    return f"row sum(len^2)/mean: min {c.min() / m:.3f} p99 {np.percentile(c, 99) / m:.2f} max {c.max() / m:.1f}"
+
+
 def _trl_pack(tokens: np.ndarray, offsets: np.ndarray, capacity: int, strategy: str, batch_size: int | None):
     import datasets
     import pyarrow as pa
@@ -86,6 +95,22 @@ def _trl_pack(tokens: np.ndarray, offsets: np.ndarray, capacity: int, strategy: 
     return dt, rows, packed
 
 
+def _print_table(args, total: int, cap: int, bfd_rows: int, results: list) -> None:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    print(f"# bench_pack: {args.docs:,} docs lognormal(6.5, 1.0) seed {args.seed}, {total:,} tokens, "
+          f"capacity {cap:,}; bfd rows {bfd_rows:,} (lower bound ceil(tokens/capacity) = {-(-total // cap):,}); "
+          f"commit {commit}")
+    print(f"| {'run':<40} | {'docs':>9} | {'tokens in':>13} | {'best s':>7} | {'Mtok/s':>8} | {'first s':>7} "
+          f"| {'fill %':>7} | {'dropped':>7} | note")
+    print(f"|{'-' * 42}|{'-' * 11}|{'-' * 15}|{'-' * 9}|{'-' * 10}|{'-' * 9}|{'-' * 9}|{'-' * 9}|------")
+    for name, nd, ntok, sec, first, fill, dropped, note in results:
+        print(f"| {name:<40} | {nd:>9,} | {ntok:>13,} | {sec:>7.3f} | {ntok / sec / 1e6:>8.1f} | {first:>7.3f} "
+              f"| {100 * fill:>7.3f} | {dropped:>7,} | {note}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--docs", type=int, default=1_000_000)
@@ -97,6 +122,7 @@ def main() -> None:
     ap.add_argument("--trl-docs", type=int, default=None, help="documents for TRL (default: all)")
     ap.add_argument("--block-rows", type=int, default=256, help="rows per fill_rows block (reused buffers)")
     ap.add_argument("--no-trl", action="store_true")
+    ap.add_argument("--plan-only", action="store_true", help="only the lengths-only planning rows")
     args = ap.parse_args()
 
     rng = np.random.default_rng(args.seed)
@@ -107,6 +133,7 @@ def main() -> None:
     cap = args.capacity
     bfd = PackConfig(capacity=cap)
     concat = PackConfig(capacity=cap, algorithm="concat")
+    balanced = PackConfig(capacity=cap, algorithm="balanced")
 
     # warm-up: numba compile / cache load
     w = rng.integers(0, 1000, 64, dtype=np.int32)
@@ -117,13 +144,17 @@ def main() -> None:
     # name, docs, tokens in, best seconds, first-call seconds, fill, tokens dropped, note
     results: list[tuple[str, int, int, float, float, float, int, str]] = []
 
-    t, t1, plan = _best(lambda: plan_packing(lengths, bfd), args.repeats)
-    results.append(("plan bfd (lengths only)", args.docs, total, t, t1, plan.stats.fill, 0, ""))
-    bfd_rows = plan.stats.rows
-    t, t1, plan_c = _best(lambda: plan_packing(lengths, concat), args.repeats)
-    results.append(("plan concat (lengths only)", args.docs, total, t, t1, plan_c.stats.fill, 0, ""))
-    del plan, plan_c
+    for cfg in (bfd, concat, balanced):
+        t, t1, plan = _best(lambda: plan_packing(lengths, cfg), args.repeats)
+        results.append((f"plan {cfg.algorithm} (lengths only)", args.docs, total, t, t1, plan.stats.fill, 0,
+                        _cost_spread(plan)))
+        if cfg is bfd:
+            bfd_rows = plan.stats.rows
+        del plan
 
+    if args.plan_only:
+        _print_table(args, total, cap, bfd_rows, results)
+        return
     n_copy = args.copy_docs or args.docs
     need = 3 * 4 * int(offsets[n_copy]) * 1.15
     note = ""
@@ -185,19 +216,7 @@ def main() -> None:
             trl_rates.append(ttok / dt)
             gc.collect()
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
-    print(f"# bench_pack: {args.docs:,} docs lognormal(6.5, 1.0) seed {args.seed}, {total:,} tokens, "
-          f"capacity {cap:,}; bfd rows {bfd_rows:,} (lower bound ceil(tokens/capacity) = {-(-total // cap):,}); "
-          f"commit {commit}")
-    print(f"| {'run':<40} | {'docs':>9} | {'tokens in':>13} | {'best s':>7} | {'Mtok/s':>8} | {'first s':>7} "
-          f"| {'fill %':>7} | {'dropped':>7} | note")
-    print(f"|{'-' * 42}|{'-' * 11}|{'-' * 15}|{'-' * 9}|{'-' * 10}|{'-' * 9}|{'-' * 9}|{'-' * 9}|------")
-    for name, nd, ntok, sec, first, fill, dropped, note in results:
-        print(f"| {name:<40} | {nd:>9,} | {ntok:>13,} | {sec:>7.3f} | {ntok / sec / 1e6:>8.1f} | {first:>7.3f} "
-              f"| {100 * fill:>7.3f} | {dropped:>7,} | {note}")
+    _print_table(args, total, cap, bfd_rows, results)
     if trl_rates:
         flat_first = next(r[2] / r[4] for r in results if r[0].startswith("pack_flat bfd"))
         order = " (TRL bfd batch_size=None, bfd default batch, bfd_split batch_size=None)"
