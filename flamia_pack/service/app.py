@@ -28,7 +28,9 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic.json_schema import models_json_schema
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import flamia_pack
@@ -37,6 +39,7 @@ from flamia_pack.scheduler.simulate import load_calibration
 from flamia_pack.service.calibration import table_from_json
 from flamia_pack.service.dispatch import Dispatcher, GpuDispatcher
 from flamia_pack.service.engine import MixParams, predict_mix
+from flamia_pack.service.models import PredictRequest, RunRequest
 from flamia_pack.service.routes import calibration, cost, health, page, runs
 from flamia_pack.service.settings import Settings, get_settings
 from flamia_pack.service.state import ServiceState
@@ -157,4 +160,17 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
 
     for r in (health.router, cost.router, runs.router, calibration.router, page.router):
         app.include_router(r)
+
+    def openapi() -> dict[str, Any]:
+        # request bodies parsed by JsonBody are documented by reference; add their schemas
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary,
+                                 description=app.description, routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in (PredictRequest, RunRequest)],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -222,6 +222,20 @@ class Health(BaseModel):
     runs_recorded: int
 
 
+class ValidationItem(BaseModel):
+    """One schema violation (as FastAPI reports it, without echoing the input)."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationErrorBody(BaseModel):
+    """Body of a 422 answer."""
+
+    detail: list[ValidationItem]
+
+
 class ErrorBody(BaseModel):
     """Body of every 4xx/5xx answer produced by the service itself."""
 

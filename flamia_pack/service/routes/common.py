@@ -6,14 +6,17 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
-from fastapi import HTTPException
+from fastapi import HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
-from flamia_pack.service.models import ErrorBody
+from flamia_pack.service.models import ErrorBody, ValidationErrorBody
 
 T = TypeVar("T")
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorBody, "description": "A well-formed request describing an impossible mix (reason in detail)."},
+    422: {"model": ValidationErrorBody, "description": "The body does not match the schema (or is not JSON)."},
     413: {
         "description": "Request body larger than the service accepts (FLAMIA_MAX_BODY_BYTES).",
         "content": {"text/plain": {"schema": {"type": "string"}}, "application/json": {"schema": {"type": "object"}}},
@@ -68,3 +71,41 @@ async def run_owning_lock(lock: threading.Lock, fn: Callable[[], T], timeout_s: 
     if "error" in box:
         raise box["error"]  # type: ignore[misc]
     return box["result"]  # type: ignore[return-value]
+
+
+class JsonBody:
+    """FastAPI dependency: the request body validated straight from its bytes by pydantic-core
+    (``model_validate_json``), skipping FastAPI's ``json.loads`` + dict validation pass -- for a
+    131,072-length list that is ~5 ms less per request (issue 7 latency target). Errors are the
+    same 422 as FastAPI's (``loc`` starts with ``"body"``). The route documents the body with
+    :func:`json_body_openapi` and the app adds the model to the OpenAPI components.
+    """
+
+    def __init__(self, model: type[BaseModel]) -> None:
+        self.model = model
+
+    async def __call__(self, request: Request) -> BaseModel:
+        ctype = request.headers.get("content-type", "")
+        main = ctype.split(";", 1)[0].strip().lower()
+        if not (main == "application/json" or (main.startswith("application/") and main.endswith("+json"))):
+            raise RequestValidationError(
+                [{"type": "content_type", "loc": ("body",), "msg": f"expected an application/json body, got {ctype!r}",
+                  "input": None}]
+            )
+        body = await request.body()
+        try:
+            return self.model.model_validate_json(body)
+        except ValidationError as exc:
+            raise RequestValidationError(
+                [{**e, "loc": ("body", *e.get("loc", ()))} for e in exc.errors(include_url=False)]
+            ) from None
+
+
+def json_body_openapi(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` documenting a required JSON body of ``model`` (a components reference)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }

@@ -11,7 +11,7 @@ from flamia_pack.service.models import (
     PredictRequest,
     PredictResponse,
 )
-from flamia_pack.service.routes.common import ERRORS, offload
+from flamia_pack.service.routes.common import ERRORS, JsonBody, json_body_openapi, offload
 from flamia_pack.service.state import ServiceState, get_state
 
 router = APIRouter(prefix="/v1", tags=["cost"])
@@ -57,8 +57,11 @@ def to_response(mp: MixPrediction) -> PredictResponse:
     response_model=PredictResponse,
     responses=ERRORS,
     summary="Predict the attention cost and time of a document-length mix",
+    openapi_extra=json_body_openapi(PredictRequest),
 )
-async def predict_cost(req: PredictRequest, state: ServiceState = Depends(get_state)) -> PredictResponse:
+async def predict_cost(
+    req: PredictRequest = Depends(JsonBody(PredictRequest)), state: ServiceState = Depends(get_state)
+) -> PredictResponse:
     """Pack the mix (best-fit-decreasing, rows of ``capacity``), build the work list, simulate the
     static and dynamic schedules with the calibrated cost model and report everything ``flamia
     plan`` reports (one training call: forward + backward). 400 for an impossible mix."""

@@ -8,7 +8,7 @@ from flamia_pack.errors import FlamiaError
 from flamia_pack.service.dispatch import Dispatcher, GpuUnavailable, Measurement, RunSpec
 from flamia_pack.service.engine import critical_load, predict_mix
 from flamia_pack.service.models import ErrorBody, RunList, RunRecord, RunRequest, RunResult
-from flamia_pack.service.routes.common import ERRORS, offload, run_owning_lock
+from flamia_pack.service.routes.common import ERRORS, JsonBody, json_body_openapi, offload, run_owning_lock
 from flamia_pack.service.state import ServiceState, get_dispatcher, get_state
 from flamia_pack.service.store import RunRow
 
@@ -38,9 +38,10 @@ def _record(row: RunRow) -> RunRecord:
     response_model=RunResult,
     responses=_RUN_ERRORS,
     summary="Predict, then run and time one training call on the local GPU",
+    openapi_extra=json_body_openapi(RunRequest),
 )
 async def create_run(
-    req: RunRequest,
+    req: RunRequest = Depends(JsonBody(RunRequest)),
     state: ServiceState = Depends(get_state),
     dispatcher: Dispatcher = Depends(get_dispatcher),
 ) -> RunResult:
