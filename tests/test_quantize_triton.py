@@ -39,8 +39,13 @@ def assert_same(out, x, cu, granularity, transposed):
     bad_e = (out.exponents.cpu() != ref.exponents).nonzero()
     assert bad_e.numel() == 0, f"{bad_e.shape[0]} exponent mismatches, first at {bad_e[:5].tolist()}"
     if transposed:
-        assert out.codes_t.shape == (x.shape[1], x.shape[2], x.shape[0])
-        assert torch.equal(out.codes_t.cpu().view(torch.uint8), want_c.permute(1, 2, 0))
+        T = x.shape[0]
+        tp = -(-T // 16) * 16
+        assert out.codes_t.shape == (x.shape[1], x.shape[2], T)
+        assert out.codes_t.stride() == (x.shape[2] * tp, tp, 1)  # 16-byte aligned row pitch
+        got_t = out.codes_t.cpu().view(torch.uint8)
+        bad_t = (got_t != want_c.permute(1, 2, 0)).nonzero()
+        assert bad_t.numel() == 0, f"{bad_t.shape[0]} codes_t mismatches, first at {bad_t[:5].tolist()}"
     else:
         assert out.codes_t is None
 
@@ -51,19 +56,22 @@ def assert_same(out, x, cu, granularity, transposed):
 
 
 @pytest.mark.parametrize(
-    "dtype,granularity,transposed,block_rows",
+    "dtype,granularity,transposed,block_rows,store",
     [
-        (torch.float32, "block", True, 32),
-        (torch.bfloat16, "block", False, 64),
-        (torch.bfloat16, "token", True, 32),
-        (torch.float16, "block", False, 16),  # tile smaller than a group: halo on both sides
+        (torch.float32, "block", True, 32, "packed"),
+        (torch.bfloat16, "block", False, 64, "packed"),
+        (torch.bfloat16, "token", True, 32, "bytes"),
+        (torch.float16, "block", False, 16, "packed"),  # tile smaller than a group: halo on both sides
     ],
 )
-def test_interpreter_bitwise(dtype, granularity, transposed, block_rows):
+def test_interpreter_bitwise(dtype, granularity, transposed, block_rows, store):
     gen = torch.Generator().manual_seed(block_rows)
     x, cu = packed(gen, [5, 35, 1, 59, 70], 7, 2, 24, dtype, spread=6 if dtype == torch.float16 else 12)
-    out = quantize(x, cu, granularity, transposed=transposed, block_rows=block_rows)
+    out = quantize(x, cu, granularity, transposed=transposed, block_rows=block_rows, transposed_store=store)
     assert_same(out, x, cu, granularity, transposed)
+    if transposed and store == "packed":  # the pitch padding holds zeros
+        full = out.codes_t.view(torch.uint8).as_strided((2, 24, 192), (24 * 192, 192, 1))
+        assert (full[:, :, x.shape[0]:] == 0).all()
 
 
 def test_interpreter_qkv_gqa_views_and_group_start():
@@ -103,6 +111,8 @@ def test_interpreter_errors():
         quantize_qkv(x, x.double(), x, cu)
     with pytest.raises(FlamiaError):
         quantize(x, cu, block_rows=48)
+    with pytest.raises(FlamiaError):
+        quantize(x, cu, transposed=True, transposed_store="columns")
     y = x.clone()
     y[3, 1, 2] = float("nan")
     with pytest.raises(FlamiaError, match="NaN or Inf"):
@@ -116,8 +126,9 @@ def test_launch_helpers():
     assert _search_steps(256) == 16 and _search_steps(131072) == 24
     for n in range(1, 300):  # enough steps for a binary search over n + 1 boundaries
         assert 2 ** _search_steps(n) >= n + 1
-    cfg = launch_config(32, 128)
-    assert cfg.block_rows & (cfg.block_rows - 1) == 0 and cfg.block_rows >= 32
+    for args in ((32, 128), (32, 128, True), (1, 128), (32, 64), (1, 64, True), (32, 256)):
+        cfg = launch_config(*args)
+        assert cfg.block_rows & (cfg.block_rows - 1) == 0 and cfg.block_rows >= 16 and cfg.num_warps in (4, 8)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,16 +88,20 @@ class LaunchConfig(NamedTuple):
     num_warps: int
 
 
-def launch_config(group: int, head_dim: int) -> LaunchConfig:
-    """Default tile for a token-group size and head dim.
+def launch_config(group: int, head_dim: int, transposed: bool = False) -> LaunchConfig:
+    """Default tile for a token-group size, head dim and output layout.
 
-    128 rows x D=128 in 8 warps: 64 bf16 values per thread, 80 registers for "block" (128 with the
-    transposed copy), 16-byte loads and stores, no spills (ptxas for sm_90, triton 3.9), so two
-    to three programs fit on an SM. Timed against other tiles in benchmarks/bench_quant.py
-    (benchmarks/RESULTS.md, "Quantizer (issue 3)").
+    Measured on the H200 (benchmarks/bench_quant.py, RESULTS.md "Quantizer (issue 3)"), QKV at
+    T = 65,536, 16 heads, D = 128, time over a same-bytes copy floor: 32-token groups with
+    128 rows x 8 warps 1.20 (aligned documents) / 1.36 (unaligned), 256 rows x 8 warps 1.05 / 1.26
+    -- the halo of a straddling group is amortised over twice the rows; 128 registers, no spills.
+    "token" needs no halo: 128 x 8 (66 registers) is at 1.02. The transposed copy holds a second
+    layout of the tile: 128 x 8.
     """
     if head_dim > 128:
         return LaunchConfig(64, 8)
+    if group > 1 and not transposed:
+        return LaunchConfig(256, 8)
     return LaunchConfig(128, 8 if head_dim >= 128 else 4)
 
 
@@ -118,6 +122,12 @@ if HAS_TRITON:
         return tl.minimum(a, b)
 
     _MIN = getattr(tl.standard, "_elementwise_min", _min_combine)
+
+    @triton.jit
+    def _sum_combine(a, b):
+        return a + b
+
+    _SUM = getattr(tl.standard, "_sum_combine", _sum_combine)
 
     @triton.jit
     def _segmax_fwd(ka, va, kb, vb):
@@ -141,7 +151,7 @@ if HAS_TRITON:
         e0, e1, e2,  # exponents, uint8 (T, H) contiguous
         t0, t1, t2,  # transposed codes, uint8 (H, D, T) contiguous (unused unless TRANSPOSED)
         cu_ptr, gs_ptr,
-        T, n_docs,
+        T, n_docs, TP,
         H0, H1, H2,
         sx0, sx1, sx2,  # row strides of the inputs in units of D (head stride == D)
         D: tl.constexpr,
@@ -153,6 +163,7 @@ if HAS_TRITON:
         HW_CVT: tl.constexpr,
         N_ITER: tl.constexpr,
         X_BF16: tl.constexpr,
+        TRANS_PACKED: tl.constexpr,
     ):
         pid = tl.program_id(0)
         NH = H0 + H1 + H2
@@ -277,8 +288,25 @@ if HAS_TRITON:
         tl.store(c_ptr + rows64[:, None] * (H * D) + h * D + offs_d[None, :], code, mask=mask)
         tl.store(e_ptr + rows64 * H + h, ebyte.to(tl.uint8), mask=in_t)
         if TRANSPOSED:
-            col = (h * D + offs_d).to(tl.int64) * T
-            tl.store(t_ptr + col[None, :] + rows64[:, None], code, mask=mask)
+            # codes_t row pitch TP bytes (a multiple of 16). TRANS_PACKED: four consecutive tokens'
+            # codes are packed into one int32 (little-endian) before the transposing store, so the
+            # layout conversion the store needs moves 32-bit values. A direct byte store
+            # (TRANS_PACKED=False) compiled by triton 3.6 for sm_90 wrote wrong bytes for some
+            # tile layouts (float32 inputs, "token"; benchmarks/NOTES.md).
+            if TRANS_PACKED:
+                c4 = tl.reshape(code.to(tl.int32), (BLOCK_R // 4, 4, BLOCK_D))
+                shift = (tl.arange(0, 4) * 8)[None, :, None]
+                word = tl.reduce(c4 << shift, 1, _SUM)  # disjoint bytes: sum == bitwise or
+                r4 = start // 4 + tl.arange(0, BLOCK_R // 4)
+                col4 = (h * D + offs_d).to(tl.int64) * (TP // 4)
+                if BLOCK_D == D:
+                    mask4 = (r4 < TP // 4)[:, None]
+                else:
+                    mask4 = (r4 < TP // 4)[:, None] & (offs_d < D)[None, :]
+                tl.store(t_ptr.to(tl.pointer_type(tl.int32)) + col4[None, :] + r4[:, None], word, mask=mask4)
+            else:
+                col = (h * D + offs_d).to(tl.int64) * TP
+                tl.store(t_ptr + col[None, :] + rows64[:, None], code, mask=mask)
 
     _interp_kernel = None
 
@@ -329,6 +357,7 @@ def _quantize_many(
     block_rows: int | None,
     num_warps: int | None,
     hw_cvt: bool | None,
+    transposed_store: str = "packed",
     group_size: int = GROUP_SIZE,
 ) -> list[QuantizedOperand]:
     _check_inputs(xs)
@@ -358,7 +387,9 @@ def _quantize_many(
     # row stride a multiple of D (true for contiguous tensors and for views into a fused QKV
     # projection); with D a compile-time constant the compiler can prove 16-byte alignment.
     xs = [x if (x.stride(2) == 1 and x.stride(1) == D and x.stride(0) % D == 0) else x.contiguous() for x in xs]
-    cfg = launch_config(group, D)
+    if transposed_store not in ("packed", "bytes"):
+        raise FlamiaError(f"transposed_store must be 'packed' or 'bytes', got {transposed_store!r}")
+    cfg = launch_config(group, D, transposed)
     block_r = int(block_rows or cfg.block_rows)
     if block_r & (block_r - 1) or block_r < 16:
         raise FlamiaError(f"block_rows must be a power of two >= 16, got {block_r}")
@@ -369,7 +400,8 @@ def _quantize_many(
 
     codes = [torch.empty(x.shape, dtype=torch.uint8, device=dev) for x in xs]
     exps = [torch.empty(x.shape[:2], dtype=torch.uint8, device=dev) for x in xs]
-    codes_t = [torch.empty((x.shape[1], D, T), dtype=torch.uint8, device=dev) for x in xs] if transposed else codes
+    tp = -(-T // 16) * 16  # codes_t row pitch: 16-byte aligned (TMA needs 16-byte strides)
+    codes_t = [torch.empty((x.shape[1], D, tp), dtype=torch.uint8, device=dev) for x in xs] if transposed else codes
     pad = 3 - len(xs)
     xa = xs + [xs[0]] * pad
     ca = codes + [codes[0]] * pad
@@ -383,17 +415,18 @@ def _quantize_many(
         _kernel_for(dev)[grid](
             *xa, *ca, *ea, *ta,
             cu, group_start if group_start is not None else cu,
-            T, n_docs,
+            T, n_docs, tp,
             *hs, *strides,
             D=D, BLOCK_D=triton.next_power_of_2(D), GROUP=group, BLOCK_R=block_r,
             HAS_GS=group_start is not None, TRANSPOSED=bool(transposed), HW_CVT=bool(hw_cvt),
             N_ITER=_search_steps(n_docs),
             X_BF16=x0.dtype == torch.bfloat16,
+            TRANS_PACKED=transposed_store == "packed",
             num_warps=warps,
         )
     outs = []
     for i in range(len(xs)):
-        ct = codes_t[i].view(torch.float8_e4m3fn) if transposed else None
+        ct = codes_t[i][:, :, :T].view(torch.float8_e4m3fn) if transposed else None
         outs.append(QuantizedOperand(codes[i].view(torch.float8_e4m3fn), exps[i], ct))
     if check_finite:
         if len(outs) == 1:
@@ -415,6 +448,7 @@ def quantize(
     block_rows: int | None = None,
     num_warps: int | None = None,
     hw_cvt: bool | None = None,
+    transposed_store: str = "packed",
 ) -> QuantizedOperand:
     """Fused token-block quantization of one packed tensor (DESIGN.md §4).
 
@@ -424,13 +458,18 @@ def quantize(
         cu_seqlens: ``(n_docs + 1,)`` int32/int64 on any device (moved to x's device);
             ``cu_seqlens[-1] <= T``, tokens after it are padding (singleton groups).
         granularity: ``"block"`` (32-token groups) or ``"token"`` (strict mode, no metadata read).
-        transposed: also write ``codes_t`` ``(H, D, T)`` in the same pass.
+        transposed: also write ``codes_t`` ``(H, D, T)`` in the same pass. Its row pitch is padded
+            to a multiple of 16 bytes (``codes_t.stride() == (D * TP, TP, 1)``, ``TP = ceil16(T)``;
+            TMA descriptors need 16-byte aligned strides); the padding holds zeros.
         group_start: optional precomputed ``(T,)`` int32 group starts (skips the binary search).
         check_finite: raise :class:`FlamiaError` on NaN/Inf (reads back one flag: one sync).
         validate: full ``cu_seqlens`` check; default only for CPU metadata (free). On CUDA the
             default does no host sync, so a malformed ``cu_seqlens`` gives unspecified output.
         block_rows, num_warps: tile override (default :func:`launch_config`).
         hw_cvt: use the hardware float8 cast (default on CUDA) or the integer RNE encoder.
+        transposed_store: ``"packed"`` (default: 4 tokens per int32 before the transposing store)
+            or ``"bytes"`` (byte stores; miscompiled by triton 3.6 on sm_90 for some tiles, kept
+            for comparison, see benchmarks/NOTES.md).
 
     Returns:
         :class:`QuantizedOperand`; bitwise equal to ``quant.quantize_token_blocks``.
@@ -440,7 +479,7 @@ def quantize(
     """
     return _quantize_many([x], cu_seqlens, granularity, transposed=transposed, group_start=group_start,
                           check_finite=check_finite, validate=validate, block_rows=block_rows,
-                          num_warps=num_warps, hw_cvt=hw_cvt)[0]
+                          num_warps=num_warps, hw_cvt=hw_cvt, transposed_store=transposed_store)[0]
 
 
 def quantize_qkv(
@@ -457,6 +496,7 @@ def quantize_qkv(
     block_rows: int | None = None,
     num_warps: int | None = None,
     hw_cvt: bool | None = None,
+    transposed_store: str = "packed",
 ) -> tuple[QuantizedOperand, QuantizedOperand, QuantizedOperand]:
     """Quantize Q, K and V in ONE launch (DESIGN.md §4); arguments as in :func:`quantize`.
 
@@ -469,5 +509,6 @@ def quantize_qkv(
     """
     qq, kq, vq = _quantize_many([q, k, v], cu_seqlens, granularity, transposed=transposed,
                                 group_start=group_start, check_finite=check_finite, validate=validate,
-                                block_rows=block_rows, num_warps=num_warps, hw_cvt=hw_cvt)
+                                block_rows=block_rows, num_warps=num_warps, hw_cvt=hw_cvt,
+                                transposed_store=transposed_store)
     return qq, kq, vq
