@@ -231,6 +231,7 @@ def test_invalid_json_is_422_and_input_not_echoed(client):
         ({"distribution": {"mu": 5, "sigma": 1, "total_tokens": 100, "min_len": 50, "max_len": 10}}, "min_len"),
         ({"histogram": [[1, 2**31 - 1], [1, 2**31 - 1]]}, "at most"),
         ({"lengths": [1], "capacity": 2**30}, "capacity"),
+        ({"lengths": [1_000_000] * 10, "capacity": 16}, "pieces"),
     ],
 )
 def test_predict_impossible_mixes_are_400_with_reason(client, body, reason):

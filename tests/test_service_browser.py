@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no GPU: {detail}")
         return 2
     print(f"device: {detail}; calibration {table.version}; {args.warmup} warm-up + median of {args.repeats}")
-    print(f"| wl | docs | T | items | policy | static ms | dynamic ms | predicted ms | measured ms | error % | peak GB |")
+    print("| wl | docs | T | items | policy | static ms | dynamic ms | predicted ms | measured ms | error % | peak GB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     runs = []
     for name in [w.strip().upper() for w in args.workloads.split(",") if w.strip()]:

@@ -100,6 +100,7 @@ def predict_mix(
     *,
     calibration: CalibrationTable | None = None,
     max_intervals: int = 0,
+    max_segments: int | None = None,
 ) -> MixPrediction:
     """Pack the mix and predict its attention call (one training call, forward + backward).
 
@@ -109,6 +110,8 @@ def predict_mix(
         calibration: table to use (None = the shipped one).
         max_intervals: keep per-unit schedule intervals (for a Gantt chart) only when the call has
             at most this many (item, head) units; 0 = never (fastest).
+        max_segments: refuse mixes whose split into rows would make more pieces than this (a tiny
+            capacity can turn a few long documents into millions of one-row pieces); None = no limit.
 
     Returns:
         :class:`MixPrediction`.
@@ -116,7 +119,7 @@ def predict_mix(
     Raises:
         FlamiaError: the mix is impossible: no tokens; a document longer than ``capacity`` with
             ``long_docs="error"``; everything dropped; heads not divisible; no calibration for
-            (precision, head_dim, gpu).
+            (precision, head_dim, gpu); more than ``max_segments`` pieces.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size == 0 or int(lengths.sum()) == 0:
@@ -132,6 +135,13 @@ def predict_mix(
                 f"({too_long.size} such documents); use long_docs='split', 'truncate' or 'drop', or a larger capacity"
             )
         long_docs = "split"
+    if max_segments is not None and long_docs == "split":
+        pieces = int(np.maximum(-(-lengths // cap), (lengths > 0).astype(np.int64)).sum())
+        if pieces > max_segments:
+            raise FlamiaError(
+                f"splitting the mix into rows of {cap} tokens makes {pieces} pieces; this service accepts at most "
+                f"{max_segments} (use a larger capacity, or long_docs='truncate' or 'drop')"
+            )
     plan = plan_packing(lengths, PackConfig(capacity=cap, algorithm="bfd", long_docs=long_docs))
     if plan.n_segs == 0:
         raise FlamiaError(

@@ -226,7 +226,8 @@ def render_page(state: ServiceState, form: PageForm | None = None, *, compute: b
             req = form_to_request(form)
             lengths = state.lengths_of(req)
             params = state.params_of(req)
-            mp = predict_mix(lengths, params, calibration=state.calibration, max_intervals=state.settings.page_max_units)
+            mp = predict_mix(lengths, params, calibration=state.calibration,
+                             max_intervals=state.settings.page_max_units, max_segments=state.settings.max_segments)
             results = _results_html(mp, state)
         except FlamiaError as exc:
             error, status = f'<div class="error" id="error">{html.escape(str(exc))}</div>', 400

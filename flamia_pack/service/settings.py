@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     default_gpu: str = Field("H200", description="GPU whose calibration a request without `gpu` uses.")
     max_documents: int = Field(131_072, ge=1, description="Most documents one request may describe.")
     max_tokens: int = Field(16_777_216, ge=1, description="Most tokens (sum of lengths) one request may describe.")
+    max_segments: int = Field(
+        262_144, ge=1, description="Most row pieces a mix may become when documents are split at row ends."
+    )
     max_capacity: int = Field(1 << 22, ge=1, description="Largest row capacity a request may ask for.")
     max_run_tokens: int = Field(1 << 20, ge=1, description="Most tokens a dispatched GPU run may allocate.")
     max_body_bytes: int = Field(

@@ -70,6 +70,7 @@ async def predict_cost(
     def work() -> PredictResponse:
         lengths = state.lengths_of(req)
         params = state.params_of(req)
-        return to_response(predict_mix(lengths, params, calibration=calibration))
+        mp = predict_mix(lengths, params, calibration=calibration, max_segments=state.settings.max_segments)
+        return to_response(mp)
 
     return await offload(work, state.settings.request_timeout_s)

@@ -63,7 +63,8 @@ async def create_run(
             raise FlamiaError(
                 f"a dispatched run may hold at most {settings.max_run_tokens} tokens, the mix has {tokens}"
             )
-        mp = predict_mix(lengths, params, calibration=calibration, max_intervals=2**62)
+        mp = predict_mix(lengths, params, calibration=calibration, max_intervals=2**62,
+                         max_segments=settings.max_segments)
         return params, mp, critical_load(mp.seqlens, mp.prediction)
 
     params, mp, (crit_tiles, crit_items) = await offload(plan, settings.request_timeout_s)
