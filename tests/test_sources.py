@@ -337,3 +337,19 @@ def test_sample_is_bundled_and_heavy_tailed():
     assert lengths.size == pq.ParquetFile(path).metadata.num_rows
     assert (lengths == 0).any() and (lengths > 65_536).any()
     assert np.percentile(lengths, 99) > 5 * np.median(lengths)
+
+
+def test_partly_read_source_closes_cleanly_at_interpreter_exit(tmp_path, monkeypatch):
+    """Closing a partly read source generator must not evaluate module globals: at interpreter
+    exit they may already be None, which printed "Exception ignored ... TypeError: catching
+    classes that do not inherit from BaseException" (regression)."""
+    import flamia_pack.loaders.sources as sources
+
+    f = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": [f"doc {i}" for i in range(50)]}), f, row_group_size=5)
+    it = open_source(f, batch_rows=5).iter_batches()
+    assert [d.tolist() for d in next(it)] == [byte_ids(f"doc {i}") for i in range(5)]
+    # what module teardown does to the globals the except clauses look up
+    monkeypatch.setattr(sources, "SourceError", None)
+    monkeypatch.setattr(sources, "pa", None)
+    it.close()  # raised TypeError before the fix

@@ -394,9 +394,16 @@ def _check_column_type(t: pa.DataType, column: str, where: str) -> bool:
 
 
 def _wrap_errors(gen: Iterator[pa.Array], what: str) -> Iterator[pa.Array]:
-    """Re-raise arrow/OS errors met while reading as SourceError."""
+    """Re-raise arrow/OS errors met while reading as SourceError.
+
+    ``GeneratorExit`` (a partly read source being closed or garbage-collected, possibly at
+    interpreter exit when module globals such as ``SourceError`` are already ``None``) passes
+    through first, before any clause that looks up a module global.
+    """
     try:
         yield from gen
+    except GeneratorExit:
+        raise
     except SourceError:
         raise
     except (pa.ArrowException, OSError, ValueError) as e:
