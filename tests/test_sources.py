@@ -343,8 +343,13 @@ def test_partly_read_source_closes_cleanly_at_interpreter_exit(tmp_path, monkeyp
     """Closing a partly read source generator must not evaluate module globals: at interpreter
     exit they may already be None, which printed "Exception ignored ... TypeError: catching
     classes that do not inherit from BaseException" (regression)."""
+    import gc
+    import sys
+
     import flamia_pack.loaders.sources as sources
 
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     f = tmp_path / "d.parquet"
     pq.write_table(pa.table({"text": [f"doc {i}" for i in range(50)]}), f, row_group_size=5)
     it = open_source(f, batch_rows=5).iter_batches()
@@ -352,4 +357,7 @@ def test_partly_read_source_closes_cleanly_at_interpreter_exit(tmp_path, monkeyp
     # what module teardown does to the globals the except clauses look up
     monkeypatch.setattr(sources, "SourceError", None)
     monkeypatch.setattr(sources, "pa", None)
-    it.close()  # raised TypeError before the fix
+    it.close()  # the inner generators are finalized here; before the fix they raised TypeError
+    del it
+    gc.collect()
+    assert [repr(u.exc_value) for u in unraisable] == []
