@@ -8,6 +8,8 @@ content types and response schemas.
 """
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -34,6 +36,7 @@ class _FixedDispatcher:
 
 
 _DB_DIR = Path(tempfile.mkdtemp(prefix="flamia-schemathesis-"))
+atexit.register(shutil.rmtree, _DB_DIR, ignore_errors=True)
 _APP = create_app(
     Settings(
         db_path=_DB_DIR / "runs.db",
