@@ -159,7 +159,8 @@ def sdpa_padded(inp):
         return x.view(B, L, x.shape[1], x.shape[2]).transpose(1, 2)
 
     def call(q, k, v):
-        return F.scaled_dot_product_attention(view(q), view(k), view(v), is_causal=True, enable_gqa=gqa).transpose(1, 2)
+        o = F.scaled_dot_product_attention(view(q), view(k), view(v), is_causal=True, enable_gqa=gqa)
+        return o.transpose(1, 2).reshape(B * L, q.shape[1], q.shape[2])
 
     return _fwd_bwd_fns(call, inp)
 

@@ -63,15 +63,16 @@ FWD_VARIANTS = {
     "D grid 128x64 w8 s2": {"num_stages": 2},
 }
 BWD_VARIANTS = {
-    "a n1=64 m1=32 m2=128 n2=64 w8 s2 (default)": {},
-    "b n1=128 m1=64 w8 s2": {"bwd_block_n1": 128, "bwd_block_m1": 64},
-    "c n1=128 m1=32 w8 s2": {"bwd_block_n1": 128},
-    "d n1=64 m1=32 w8 s3": {"bwd_num_stages": 3},
-    "e n1=64 m1=64 w8 s2": {"bwd_block_m1": 64},
+    "c n1=128 m1=32 w8 s2 (default)": {},
+    "c3 n1=128 m1=32 w8 s3": {"bwd_num_stages": 3},
+    "c4 n1=128 m1=32 w8 s4": {"bwd_num_stages": 4},
+    "b3 n1=128 m1=64 w8 s3": {"bwd_block_m1": 64, "bwd_num_stages": 3},
+    "c3s split launches": {"bwd_num_stages": 3, "bwd_fused": False},
+    "c3n n2=32": {"bwd_num_stages": 3, "bwd_block_n2": 32},
 }
 
 
-def variants(workloads):
+def variants(workloads, kinds=("fwd_ms", "train_ms")):
     import bench_attention as B
 
     from flamia_pack.kernels.config import kernel_config
@@ -81,6 +82,8 @@ def variants(workloads):
     res = {}
     lines = ["| variant | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]
     for kind, table in (("fwd_ms", FWD_VARIANTS), ("train_ms", BWD_VARIANTS)):
+        if kind not in kinds:
+            continue
         for vname, over in table.items():
             try:
                 cfg = dataclasses.replace(base, **over)
@@ -164,15 +167,23 @@ def leak():
         fns["flex_attention"] = flex_fn
     except Exception as e:  # noqa: BLE001
         log(f"flex: {e}")
-    lines = []
+    reports, lines = [], []
     for name, fn in fns.items():
         try:
-            r = L.probe_leak(fn, device="cuda") if "device" in inspect.signature(L.probe_leak).parameters else L.probe_leak(fn)
-            lines.append(f"{name}: {r}")
+            fn.__name__ = name
+            r = L.probe_leak(fn, device="cuda", name=name)
+            reports.append(r)
+            lines.append(f"{name}: verdict {r.verdict}; " + ", ".join(f"{k}={v}" for k, v in r.rows()))
         except Exception as e:  # noqa: BLE001
             lines.append(f"{name}: error {type(e).__name__}: {e}")
             traceback.print_exc()
         log(lines[-1])
+    if reports:
+        from rich.console import Console
+
+        con = Console(width=200, record=True)
+        con.print(L.leak_table(reports))
+        lines.append(con.export_text())
     with open(os.path.join(OUT, "leak.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -184,6 +195,7 @@ def main():
     ap.add_argument("--bench", default=None,
                     help="arguments for bench_attention.py, e.g. --bench='--no-peers' ('' for defaults); uses the "
                          "best variant found by --variants")
+    ap.add_argument("--variant-kinds", default="fwd_ms,train_ms")
     ap.add_argument("--leak", action="store_true")
     a = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
@@ -191,7 +203,7 @@ def main():
     state = {"best": {}}
 
     def do_variants():
-        state["best"] = variants([w for w in a.variants.split(",") if w]) or {}
+        state["best"] = variants([w for w in a.variants.split(",") if w], tuple(a.variant_kinds.split(","))) or {}
 
     def do_bench():
         import bench_attention

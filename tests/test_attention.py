@@ -231,7 +231,7 @@ def test_merged_items_bound_the_program_count():
 
 _SMALL = dict(wl_block_m=32, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16, bwd_block_m2=32, bwd_block_n2=16)
 _SPLIT = dict(wl_block_m=32, block_m=16, block_n=16, bwd_block_n1=16, bwd_block_m1=16, bwd_block_m2=16,
-              bwd_block_n2=16, schedule="persistent")
+              bwd_block_n2=16, schedule="persistent", bwd_fused=False)
 
 _INTERP_CASES = {
     "gqa_causal_pad_lsegrad": dict(lengths=[70, 5, 33, 1, 1, 2, 40], num_heads=4, num_kv_heads=2, head_dim=64,

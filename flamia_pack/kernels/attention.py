@@ -251,7 +251,7 @@ def _config_from_ints(vals) -> AttentionKernelConfig:
     for n, x in zip(names, vals):
         if n == "schedule":
             kw[n] = SCHEDULES[int(x)]
-        elif n == "merge_short":
+        elif n in ("merge_short", "bwd_fused"):
             kw[n] = bool(x)
         else:
             kw[n] = int(x)

@@ -54,7 +54,7 @@ class AttentionKernelConfig:
     """Forward: software-pipelining depth of the key loop."""
     schedule: str = "grid"
     """Forward program order: one of :data:`SCHEDULES`."""
-    bwd_block_n1: int = 64
+    bwd_block_n1: int = 128
     """Backward dK/dV: keys per program."""
     bwd_block_m1: int = 32
     """Backward dK/dV: queries per inner-loop tile."""
@@ -66,6 +66,8 @@ class AttentionKernelConfig:
     """Backward: warps per program (one fused launch runs both program kinds)."""
     bwd_num_stages: int = 2
     """Backward: software-pipelining depth of the inner loops."""
+    bwd_fused: bool = True
+    """Backward: dK/dV and dQ programs in one launch (True) or two launches (False)."""
 
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
@@ -88,8 +90,8 @@ class AttentionKernelConfig:
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be an int in [1, 8], got {v!r}")
         if self.schedule not in SCHEDULES:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if not isinstance(self.merge_short, bool):
-            raise FlamiaError("AttentionKernelConfig.merge_short must be bool")
+        if not isinstance(self.merge_short, bool) or not isinstance(self.bwd_fused, bool):
+            raise FlamiaError("AttentionKernelConfig.merge_short and bwd_fused must be bool")
 
     def key(self) -> tuple:
         """The configuration as a flat tuple (compile-cache key, custom-op argument)."""

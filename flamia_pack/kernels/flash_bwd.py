@@ -173,11 +173,16 @@ def _bwd_kernel(
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-    F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
+    F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, KIND: tl.constexpr,
 ):
+    # KIND 0: both program kinds interleaved rank by rank; 1: dK/dV programs only; 2: dQ only
     pid = tl.program_id(0)
     n_kv = F1 * num_kv_heads
+    if KIND == 2:
+        n_kv = 0
     per_rank = n_kv + F2 * num_heads
+    if KIND == 1:
+        per_rank = n_kv
     r = pid // per_rank
     rem = pid % per_rank
     group = num_heads // num_kv_heads
@@ -227,8 +232,11 @@ def flash_bwd(
             delta.stride(0), HAS_DLSE=has_dlse, BLOCK=blk, HEAD_DIM=D, num_warps=4)
     f1 = config.wl_block_m // config.bwd_block_n1
     f2 = config.wl_block_m // config.bwd_block_m2
-    n_prog = items.shape[0] * (f1 * Hkv + f2 * H)
-    if n_prog > 0:
+    launches = [(0, f1 * Hkv + f2 * H)] if config.bwd_fused else [(1, f1 * Hkv), (2, f2 * H)]
+    for kind, per_rank in launches:
+        n_prog = items.shape[0] * per_rank
+        if n_prog == 0:
+            continue
         _bwd_kernel[(n_prog,)](
             q, k, v, do, lse, delta, dq, dk, dv, items, num_items, cu_seqlens, cu_seqlens.numel() - 1, H, Hkv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
@@ -236,7 +244,7 @@ def flash_bwd(
             float(softmax_scale) * LOG2E, float(softmax_scale),
             HEAD_DIM=D, BLOCK_M1=config.bwd_block_m1, BLOCK_N1=config.bwd_block_n1,
             BLOCK_M2=config.bwd_block_m2, BLOCK_N2=config.bwd_block_n2,
-            F1=f1, F2=f2, WL_BM=config.wl_block_m, CAUSAL=bool(causal),
+            F1=f1, F2=f2, WL_BM=config.wl_block_m, CAUSAL=bool(causal), KIND=kind,
             num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages,
         )
     fill_tail(dq, cu_seqlens, 0.0)
