@@ -46,11 +46,11 @@ def env_info():
         log(f"varlen_attn unavailable: {e}")
 
 
-def tests():
+def tests(k=""):
     t0 = time.time()
     with open(os.path.join(OUT, "gpu_tests.log"), "w") as f:
         p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "--no-header", "-p", "no:cacheprovider",
-                            "tests/test_attention_gpu.py"], stdout=f, stderr=subprocess.STDOUT, timeout=300)
+                            "tests/test_attention_gpu.py"] + (["-k", k] if k else []), stdout=f, stderr=subprocess.STDOUT, timeout=300)
     with open(os.path.join(OUT, "gpu_tests.log")) as f:
         tail = f.read()[-2500:]
     log(f"--- gpu tests rc={p.returncode} ({time.time() - t0:.0f} s)\n{tail}")
@@ -191,6 +191,7 @@ def leak():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tests", action="store_true")
+    ap.add_argument("--tests-k", default="", help="pytest -k filter for --tests")
     ap.add_argument("--variants", default="")
     ap.add_argument("--bench", default=None,
                     help="arguments for bench_attention.py, e.g. --bench='--no-peers' ('' for defaults); uses the "
@@ -211,7 +212,7 @@ def main():
         extra = ["--config", json.dumps(state["best"])] if state["best"] else []
         bench_attention.main(a.bench.split() + extra + ["--out", OUT])
 
-    for name, fn, on in (("tests", tests, a.tests), ("variants", do_variants, bool(a.variants)),
+    for name, fn, on in (("tests", lambda: tests(a.tests_k), a.tests), ("variants", do_variants, bool(a.variants)),
                          ("bench", do_bench, a.bench is not None), ("leak", leak, a.leak)):
         if not on:
             continue
