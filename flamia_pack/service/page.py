@@ -162,9 +162,10 @@ def _views(mp: MixPrediction, note_units: int) -> dict[str, plots.ScheduleView]:
         else:  # too many units to keep intervals: one bar per SM (its busy time)
             busy = np.asarray(s.per_sm_busy_us) / 1e3
             views[name] = plots.ScheduleView(
-                name=f"{name} (busy time per SM; {p.units} units exceed the drawing limit {note_units})",
-                sm=np.arange(s.num_sms), start_ms=np.zeros(s.num_sms), end_ms=busy,
+                name=name, sm=np.arange(s.num_sms), start_ms=np.zeros(s.num_sms), end_ms=busy,
                 cost=np.zeros(s.num_sms, dtype=np.int64), num_sms=s.num_sms, makespan_ms=s.makespan_us / 1e3,
+                units=p.units, busy_only=True,
+                note=f"busy time per SM only (more than {note_units:,} units to draw one by one)",
             )
     return views
 
@@ -182,7 +183,7 @@ def _results_html(mp: MixPrediction, state: ServiceState) -> str:
         ("work items / tiles", f"{p.items:,} items, {p.tiles:,} key tiles per head ({p.units:,} units)"),
         ("policy", f"<b>{p.policy}</b> &mdash; {html.escape(p.reason)}"),
         ("predicted", f"static <b>{p.static_ms:.3f} ms</b>, dynamic <b>{p.dynamic_ms:.3f} ms</b> "
-         f"({p.predicted_tflops:.0f} TFLOP/s under {p.policy})"),
+         f"({p.predicted_tflops:.3g} TFLOP/s under {p.policy})"),
         ("memory", f"packed {_fmt_bytes(p.memory_packed_bytes)} vs padded {_fmt_bytes(p.memory_padded_bytes)} "
          f"({p.memory_padded_bytes / max(p.memory_packed_bytes, 1):.2f}x)"),
         ("calibration", f"{html.escape(p.calibration_version)} ({html.escape(p.kernel_path)}, D={p.head_dim}, "

@@ -55,6 +55,10 @@ class ScheduleView:
         cost: int, visible key tiles of the item.
         num_sms: SMs of the simulated GPU.
         makespan_ms: the schedule's predicted time (ms).
+        units: (item, head) units of the schedule (default ``len(sm)``).
+        busy_only: the arrays hold one bar per SM (its total busy time), not units: drawn in one
+            colour without a cost scale.
+        note: a second title line.
     """
 
     name: str
@@ -64,6 +68,9 @@ class ScheduleView:
     cost: np.ndarray
     num_sms: int
     makespan_ms: float
+    units: int | None = None
+    busy_only: bool = False
+    note: str = ""
 
 
 def sample_lanes(busy_ms: np.ndarray, max_sms: int) -> np.ndarray:
@@ -142,7 +149,11 @@ def gantt_svg(
     with _LOCK, matplotlib.rc_context(_RC):
         fig = Figure(figsize=(7.5, min(max(height, 2.2), 4.2)))
         ax = fig.add_subplot()
-        if polys:
+        if polys and view.busy_only:
+            coll = PolyCollection(polys, facecolors="#4c72b0", linewidths=0)
+            coll.set_rasterized(len(polys) > rasterize_above)
+            ax.add_collection(coll)
+        elif polys:
             coll = PolyCollection(polys, array=cvals, cmap="viridis", linewidths=0)
             # many bars: embed them as one bitmap inside the SVG (axes and text stay vector)
             coll.set_rasterized(len(polys) > rasterize_above)
@@ -160,7 +171,9 @@ def gantt_svg(
         ax.set_xlabel("time (ms)")
         ax.set_ylabel("SM")
         shown = f"{lanes.size} of {num_sms} SMs" if lanes.size < num_sms else f"{num_sms} SMs"
-        ax.set_title(f"{view.name} schedule: {sm.size:,} (item, head) units on {shown}")
+        units = view.units if view.units is not None else sm.size
+        title = f"{view.name} schedule: {units:,} (item, head) units on {shown}"
+        ax.set_title(title + (f"\n{view.note}" if view.note else ""))
         fig.tight_layout()
         return _render(fig)
 
