@@ -58,10 +58,11 @@ def assert_same(out, x, cu, granularity, transposed):
 @pytest.mark.parametrize(
     "dtype,granularity,transposed,block_rows,store",
     [
-        (torch.float32, "block", True, 32, "packed"),
-        (torch.bfloat16, "block", False, 64, "packed"),
-        (torch.bfloat16, "token", True, 32, "bytes"),
-        (torch.float16, "block", False, 16, "packed"),  # tile smaller than a group: halo on both sides
+        (torch.float32, "block", True, 32, "kernel"),
+        (torch.bfloat16, "block", False, 64, "torch"),
+        (torch.bfloat16, "token", True, 32, "kernel"),
+        (torch.bfloat16, "block", True, 32, "torch"),
+        (torch.float16, "block", False, 16, "torch"),  # tile smaller than a group: halo on both sides
     ],
 )
 def test_interpreter_bitwise(dtype, granularity, transposed, block_rows, store):
@@ -69,7 +70,7 @@ def test_interpreter_bitwise(dtype, granularity, transposed, block_rows, store):
     x, cu = packed(gen, [5, 35, 1, 59, 70], 7, 2, 24, dtype, spread=6 if dtype == torch.float16 else 12)
     out = quantize(x, cu, granularity, transposed=transposed, block_rows=block_rows, transposed_store=store)
     assert_same(out, x, cu, granularity, transposed)
-    if transposed and store == "packed":  # the pitch padding holds zeros
+    if transposed:  # the pitch padding holds zeros
         full = out.codes_t.view(torch.uint8).as_strided((2, 24, 192), (24 * 192, 192, 1))
         assert (full[:, :, x.shape[0]:] == 0).all()
 
@@ -112,7 +113,9 @@ def test_interpreter_errors():
     with pytest.raises(FlamiaError):
         quantize(x, cu, block_rows=48)
     with pytest.raises(FlamiaError):
-        quantize(x, cu, transposed=True, transposed_store="columns")
+        quantize(x, cu, transposed=True, transposed_store="packed")
+    with pytest.raises(FlamiaError, match="hw_cvt"):
+        quantize(x, cu, hw_cvt=True)
     y = x.clone()
     y[3, 1, 2] = float("nan")
     with pytest.raises(FlamiaError, match="NaN or Inf"):

@@ -8,10 +8,12 @@ codes); see that module for the numerics. What this file adds is speed and layou
 * **metadata on device, no host sync**: every program finds its tokens' documents by a binary
   search over ``cu_seqlens`` (``ceil(log2(n_docs + 1))`` steps, the array stays in L1/L2), or
   reads a precomputed ``group_start`` (:func:`flamia_pack.quant.scale_groups`);
-* optionally the **feature-major copy** of the codes, ``codes_t`` of shape ``(H, D, T)``, written in
-  the same pass (DESIGN.md §4 "Hopper operand layouts": FP8 wgmma needs K-major operands, so
-  ``P @ V``, ``dS^T @ Q`` and ``dS @ K`` want the transposed payload; because a scale covers whole
-  token rows the transposed codes are the same codes).
+* optionally the **feature-major copy** of the codes, ``codes_t`` of shape ``(H, D, T)`` (DESIGN.md
+  §4 "Hopper operand layouts": FP8 wgmma needs K-major operands, so ``P @ V``, ``dS^T @ Q`` and
+  ``dS @ K`` want the transposed payload; because a scale covers whole token rows the transposed
+  codes are the same codes). The kernel can write it in the same pass, but the toolchain
+  miscompiles that variant on sm_90 (see ``transposed_store``), so by default it is a torch copy
+  of the codes after the kernel.
 
 Tiling. A program handles one head of one tensor and ``BLOCK_R`` consecutive rows (tokens) starting
 at a multiple of ``BLOCK_R``, so every store (codes, exponents, and the transposed copy) is aligned
@@ -124,12 +126,6 @@ if HAS_TRITON:
     _MIN = getattr(tl.standard, "_elementwise_min", _min_combine)
 
     @triton.jit
-    def _sum_combine(a, b):
-        return a + b
-
-    _SUM = getattr(tl.standard, "_sum_combine", _sum_combine)
-
-    @triton.jit
     def _segmax_fwd(ka, va, kb, vb):
         # result = max of the values carrying the largest key (commutative, associative); with
         # non-decreasing keys a forward scan gives the within-group prefix max.
@@ -163,7 +159,6 @@ if HAS_TRITON:
         HW_CVT: tl.constexpr,
         N_ITER: tl.constexpr,
         X_BF16: tl.constexpr,
-        TRANS_PACKED: tl.constexpr,
     ):
         pid = tl.program_id(0)
         NH = H0 + H1 + H2
@@ -288,25 +283,13 @@ if HAS_TRITON:
         tl.store(c_ptr + rows64[:, None] * (H * D) + h * D + offs_d[None, :], code, mask=mask)
         tl.store(e_ptr + rows64 * H + h, ebyte.to(tl.uint8), mask=in_t)
         if TRANSPOSED:
-            # codes_t row pitch TP bytes (a multiple of 16). TRANS_PACKED: four consecutive tokens'
-            # codes are packed into one int32 (little-endian) before the transposing store, so the
-            # layout conversion the store needs moves 32-bit values. A direct byte store
-            # (TRANS_PACKED=False) compiled by triton 3.6 for sm_90 wrote wrong bytes for some
-            # tile layouts (float32 inputs, "token"; benchmarks/NOTES.md).
-            if TRANS_PACKED:
-                c4 = tl.reshape(code.to(tl.int32), (BLOCK_R // 4, 4, BLOCK_D))
-                shift = (tl.arange(0, 4) * 8)[None, :, None]
-                word = tl.reduce(c4 << shift, 1, _SUM)  # disjoint bytes: sum == bitwise or
-                r4 = start // 4 + tl.arange(0, BLOCK_R // 4)
-                col4 = (h * D + offs_d).to(tl.int64) * (TP // 4)
-                if BLOCK_D == D:
-                    mask4 = (r4 < TP // 4)[:, None]
-                else:
-                    mask4 = (r4 < TP // 4)[:, None] & (offs_d < D)[None, :]
-                tl.store(t_ptr.to(tl.pointer_type(tl.int32)) + col4[None, :] + r4[:, None], word, mask=mask4)
-            else:
-                col = (h * D + offs_d).to(tl.int64) * TP
-                tl.store(t_ptr + col[None, :] + rows64[:, None], code, mask=mask)
+            # in-kernel transposed copy (transposed_store="kernel"), row pitch TP bytes. Known
+            # miscompile: with the hardware e4m3 cvt plus two stores of the codes, ptxas 12.9
+            # (bundled with triton <= 3.8 for Hopper) corrupts the transposed output for some
+            # tile layouts (triton-lang/triton#11111; reproduced here on the H200, see
+            # benchmarks/NOTES.md). Hence the host default transposed_store="torch".
+            col = (h * D + offs_d).to(tl.int64) * TP
+            tl.store(t_ptr + col[None, :] + rows64[:, None], code, mask=mask)
 
     _interp_kernel = None
 
@@ -357,7 +340,7 @@ def _quantize_many(
     block_rows: int | None,
     num_warps: int | None,
     hw_cvt: bool | None,
-    transposed_store: str = "packed",
+    transposed_store: str = "torch",
     group_size: int = GROUP_SIZE,
 ) -> list[QuantizedOperand]:
     _check_inputs(xs)
@@ -387,15 +370,19 @@ def _quantize_many(
     # row stride a multiple of D (true for contiguous tensors and for views into a fused QKV
     # projection); with D a compile-time constant the compiler can prove 16-byte alignment.
     xs = [x if (x.stride(2) == 1 and x.stride(1) == D and x.stride(0) % D == 0) else x.contiguous() for x in xs]
-    if transposed_store not in ("packed", "bytes"):
-        raise FlamiaError(f"transposed_store must be 'packed' or 'bytes', got {transposed_store!r}")
-    cfg = launch_config(group, D, transposed)
+    if transposed_store not in ("torch", "kernel"):
+        raise FlamiaError(f"transposed_store must be 'torch' or 'kernel', got {transposed_store!r}")
+    in_kernel_t = bool(transposed) and transposed_store == "kernel"
+    cfg = launch_config(group, D, in_kernel_t)
     block_r = int(block_rows or cfg.block_rows)
     if block_r & (block_r - 1) or block_r < 16:
         raise FlamiaError(f"block_rows must be a power of two >= 16, got {block_r}")
     warps = int(num_warps or cfg.num_warps)
     if hw_cvt is None:
         hw_cvt = dev.type == "cuda"
+    elif hw_cvt and dev.type != "cuda":
+        raise FlamiaError("hw_cvt=True needs CUDA tensors: Triton's CPU interpreter float8 cast does not "
+                          "round to nearest even (use the default, the integer encoder)")
     n_docs = cu.numel() - 1
 
     codes = [torch.empty(x.shape, dtype=torch.uint8, device=dev) for x in xs]
@@ -418,12 +405,18 @@ def _quantize_many(
             T, n_docs, tp,
             *hs, *strides,
             D=D, BLOCK_D=triton.next_power_of_2(D), GROUP=group, BLOCK_R=block_r,
-            HAS_GS=group_start is not None, TRANSPOSED=bool(transposed), HW_CVT=bool(hw_cvt),
+            HAS_GS=group_start is not None, TRANSPOSED=in_kernel_t, HW_CVT=bool(hw_cvt),
             N_ITER=_search_steps(n_docs),
             X_BF16=x0.dtype == torch.bfloat16,
-            TRANS_PACKED=transposed_store == "packed",
             num_warps=warps,
         )
+    if transposed and not in_kernel_t:  # one extra pass over the codes (1 B read + 1 B written)
+        for c, ct in zip(codes, codes_t):
+            ct[:, :, :T].copy_(c.permute(1, 2, 0))
+            ct[:, :, T:].zero_()
+    elif in_kernel_t:
+        for ct in codes_t:
+            ct[:, :, T:].zero_()
     outs = []
     for i in range(len(xs)):
         ct = codes_t[i][:, :, :T].view(torch.float8_e4m3fn) if transposed else None
@@ -448,7 +441,7 @@ def quantize(
     block_rows: int | None = None,
     num_warps: int | None = None,
     hw_cvt: bool | None = None,
-    transposed_store: str = "packed",
+    transposed_store: str = "torch",
 ) -> QuantizedOperand:
     """Fused token-block quantization of one packed tensor (DESIGN.md §4).
 
@@ -467,9 +460,14 @@ def quantize(
             default does no host sync, so a malformed ``cu_seqlens`` gives unspecified output.
         block_rows, num_warps: tile override (default :func:`launch_config`).
         hw_cvt: use the hardware float8 cast (default on CUDA) or the integer RNE encoder.
-        transposed_store: ``"packed"`` (default: 4 tokens per int32 before the transposing store)
-            or ``"bytes"`` (byte stores; miscompiled by triton 3.6 on sm_90 for some tiles, kept
-            for comparison, see benchmarks/NOTES.md).
+        transposed_store: how ``codes_t`` is written. ``"torch"`` (default): the kernel writes
+            the row-major codes and one torch copy transposes them (an extra 1 B/elem read and
+            write). ``"kernel"``: written by the quantizer in the same pass (DESIGN.md §4), but
+            ptxas 12.9 (bundled with triton <= 3.8) miscompiles that kernel on sm_90 for float32
+            inputs and "token" tiles (corrupted codes_t, triton-lang/triton#11111; measured on the
+            H200, benchmarks/NOTES.md). Use it only after checking bitwise on your toolchain (the
+            GPU tests do); per that issue, integer stores are clean, so ``hw_cvt=False`` is the
+            candidate workaround (not yet verified on a GPU).
 
     Returns:
         :class:`QuantizedOperand`; bitwise equal to ``quant.quantize_token_blocks``.
@@ -496,7 +494,7 @@ def quantize_qkv(
     block_rows: int | None = None,
     num_warps: int | None = None,
     hw_cvt: bool | None = None,
-    transposed_store: str = "packed",
+    transposed_store: str = "torch",
 ) -> tuple[QuantizedOperand, QuantizedOperand, QuantizedOperand]:
     """Quantize Q, K and V in ONE launch (DESIGN.md §4); arguments as in :func:`quantize`.
 
