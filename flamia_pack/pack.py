@@ -913,6 +913,35 @@ def _bad_token_error(tokens: np.ndarray, doc_offsets: np.ndarray, bad: int) -> S
     )
 
 
+def _available_memory_bytes() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_row_memory(n: int, capacity: int) -> None:
+    """Refuse row buffers that cannot fit in memory instead of being killed by the OOM killer.
+
+    The two int32 buffers take ``8 * n * capacity`` bytes and are written in full (padding);
+    writing them to parquet needs about as much again, so at most half the available memory is
+    allowed. Raises FlamiaError naming the size, e.g. for ``--capacity 2147483647``.
+    """
+    need = 8 * n * capacity
+    avail = _available_memory_bytes()
+    if avail is not None and need > avail // 2:
+        gib = 2.0**30
+        raise FlamiaError(
+            f"{n} row(s) x capacity {capacity} need {need / gib:.1f} GiB of row buffers (int32 input_ids + "
+            f"position_ids, padding included), more than half of the {avail / gib:.1f} GiB available; "
+            "use a smaller capacity, or materialise rows block by block with plan_packing + fill_rows")
+
+
 def _out_buffer(buf: np.ndarray | None, n: int, capacity: int, name: str) -> np.ndarray:
     if buf is None:
         return np.empty((n, capacity), dtype=np.int32)
@@ -958,7 +987,8 @@ def fill_rows(
 
     Raises:
         SourceError: a copied token id out of range (names the document), when ``validate``.
-        FlamiaError: bad row range, buffers, or a plan/config capacity mismatch.
+        FlamiaError: bad row range, buffers, or a plan/config capacity mismatch; row buffers to
+            allocate (``8 * rows * capacity`` bytes) larger than half the available memory.
     """
     cap = config.capacity
     if plan.stats.capacity != cap:
@@ -971,6 +1001,8 @@ def fill_rows(
     tokens = np.ascontiguousarray(tokens)
     offsets = np.asarray(doc_offsets, dtype=np.int64)
     n = stop - start
+    if input_ids is None or position_ids is None:
+        _check_row_memory(n, cap)
     ids = _out_buffer(input_ids, n, cap, "input_ids")
     pos = _out_buffer(position_ids, n, cap, "position_ids")
     if tokens.size == 0:
@@ -1092,7 +1124,8 @@ def pack_documents(docs: Sequence[np.ndarray] | Iterable[Sequence[int]], config:
     Raises:
         SourceError: a document that is not a flat sequence of integers, or a token id outside
             ``[0, 2**31)``; the message names the document index.
-        FlamiaError: ``config`` is not a :class:`PackConfig`.
+        FlamiaError: ``config`` is not a :class:`PackConfig`; the rows
+            (``8 * rows * capacity`` bytes) would not fit in half the available memory.
     """
     if not isinstance(config, PackConfig):
         raise FlamiaError(f"config must be a PackConfig, got {type(config).__name__}")

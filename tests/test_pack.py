@@ -473,3 +473,23 @@ def test_fill_rows_checks_copied_tokens_and_arguments() -> None:
         fill_rows(plan, tokens, offsets, cfg, input_ids=np.zeros((1, 4), dtype=np.int64))
     with pytest.raises(FlamiaError):
         fill_rows(plan, tokens, offsets, cfg, position_ids=np.zeros((2, 8), dtype=np.int32)[:, ::2])
+
+
+def test_row_buffers_larger_than_memory_raise_clear_error(monkeypatch):
+    """capacity 2**31 - 1 on a few tokens was OOM-killed (exit 137) while padding one 8 GiB row;
+    now row buffers beyond half the available memory raise FlamiaError before allocating."""
+    import flamia_pack.pack as pack_mod
+
+    docs = [np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int32)]
+    monkeypatch.setattr(pack_mod, "_available_memory_bytes", lambda: 2 * 8 * 1000)  # room for 1,000 tokens
+    ok = pack_mod.pack_documents(docs, PackConfig(capacity=1000))
+    assert ok.input_ids.shape == (1, 1000) and ok.num_tokens.tolist() == [8]
+    with pytest.raises(FlamiaError, match=r"1 row\(s\) x capacity 1001 need .* GiB .*available"):
+        pack_mod.pack_documents(docs, PackConfig(capacity=1001))
+    # caller-provided buffers allocate nothing, so they are not refused
+    cfg = PackConfig(capacity=1001)
+    plan = pack_mod.plan_packing(np.array([5, 3]), cfg)
+    buf = np.empty((1, 1001), dtype=np.int32), np.empty((1, 1001), dtype=np.int32)
+    rows = pack_mod.fill_rows(plan, np.concatenate(docs), np.array([0, 5, 8]), cfg,
+                              input_ids=buf[0], position_ids=buf[1])
+    assert rows.input_ids[0, :8].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
