@@ -220,3 +220,14 @@ def test_predict_merge_short_makes_one_token_documents_cheap():
     merged = predict(lens, pass_="fwd", config=TileConfig(merge_short=True))
     assert plain.items == 8192 and merged.items == 64
     assert merged.dynamic_ms < plain.dynamic_ms / 50
+
+
+def test_predict_error_messages_name_the_real_problem():
+    """A document length >= 2**31 was reported as "capacity ... does not fit int32" although no
+    capacity was given; capacity 0 was reported as "more than capacity 0" (regression)."""
+    with pytest.raises(FlamiaError, match=r"documents total 3000000000 tokens; one call holds at most 2\*\*31 - 1"):
+        predict([3_000_000_000])
+    with pytest.raises(FlamiaError, match="capacity must be >= 1 token, got 0"):
+        predict([5, 3], capacity=0)
+    with pytest.raises(FlamiaError, match=r"capacity 2147483648 does not fit int32 offsets \(at most 2\*\*31 - 1\)"):
+        predict([5, 3], capacity=2**31)

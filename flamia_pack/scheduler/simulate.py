@@ -602,11 +602,16 @@ def predict(
         raise FlamiaError(f"head_dim must be >= 1, got {head_dim}")
     path = kernel_path(precision, pass_)
     tokens = int(lens.sum())
+    if tokens >= 2**31:
+        raise FlamiaError(f"documents total {tokens} tokens; one call holds at most 2**31 - 1 tokens "
+                          "(int32 cu_seqlens): split them into several calls")
     cap = tokens if capacity is None else int(capacity)
+    if cap < 1:
+        raise FlamiaError(f"capacity must be >= 1 token, got {cap}")
     if cap < tokens:
         raise FlamiaError(f"documents total {tokens} tokens, more than capacity {cap}")
     if cap >= 2**31:
-        raise FlamiaError(f"capacity {cap} does not fit int32 offsets")
+        raise FlamiaError(f"capacity {cap} does not fit int32 offsets (at most 2**31 - 1)")
     p = int(num_sms) if num_sms is not None else GPU_SMS.get(str(gpu).upper(), 132)
     cfg = dataclasses.replace(config, causal=bool(causal))
 
