@@ -206,6 +206,9 @@ def _plan_read_packed_dir(path: str, max_rows: int | None):
     rows = []
     for shard in man.shards:
         p = pathlib.Path(path) / shard.file
+        if not p.is_file():
+            raise FormatError(f"shard {shard.file} listed in {pathlib.Path(path) / 'manifest.json'} is missing; "
+                              "re-run `flamia pack` to rebuild the directory")
         try:
             col = pq.read_table(p, columns=["cu_seqlens"]).column("cu_seqlens").combine_chunks()
         except (pa.ArrowException, OSError, KeyError) as e:

@@ -102,3 +102,20 @@ def test_bad_input_one_red_line_exit_2(tmp_path, args, needle):
     assert len(lines) == 1 and lines[0].startswith("error:"), r.output
     assert needle in lines[0]
     assert "Traceback" not in r.output
+
+
+def test_packed_directory_with_a_deleted_shard(tmp_path):
+    """A deleted shard was reported as "cannot read cu_seqlens from X: X" (regression)."""
+    from flamia_pack import formats
+    from flamia_pack.pack import PackConfig, pack_documents
+
+    docs = [np.arange(n) for n in (5, 9, 3, 7, 2, 8)]
+    out = tmp_path / "packed"
+    formats.write_packed(out, pack_documents(docs, PackConfig(capacity=10)), shard_rows=1)
+    shard = sorted(out.glob("train-*.parquet"))[1]
+    shard.unlink()
+    r = _run(out)
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: shard"), r.output
+    assert shard.name in lines[0] and "is missing" in lines[0] and "Traceback" not in r.output
