@@ -187,3 +187,25 @@ def test_to_device_cuda_is_sync_free():
     np.testing.assert_array_equal(d["work_list"].to_numpy(), build_work_list_host(b["cu_seqlens"].numpy(), cfg))
     assert torch.equal(d["labels"].cpu(), b["labels"])
     assert torch.equal(d["scale_group_id"].cpu(), PackedCollator(scale_groups="block")(rows)["scale_group_id"])
+
+
+def test_collate_rejects_values_it_used_to_cast_silently():
+    """Float input_ids were truncated to int64, num_tokens=5.7 became 5, a 2-element num_tokens
+    and a non-dict row raised bare TypeErrors (regression)."""
+    def row(**kw):
+        r = dict(input_ids=torch.arange(8), cu_seqlens=torch.tensor([0, 3, 5], dtype=torch.int32), num_tokens=5)
+        r.update(kw)
+        return r
+
+    c = PackedCollator()
+    assert c([row()])["cu_seqlens"].tolist() == [0, 3, 5]
+    assert c([row(num_tokens=np.int64(5))])["num_real_tokens"] == 5
+    assert c([row(num_tokens=torch.tensor([5]))])["num_real_tokens"] == 5
+    with pytest.raises(FlamiaError, match="input_ids must hold integer token ids, got dtype float32"):
+        c([row(input_ids=torch.rand(8))])
+    with pytest.raises(MetadataError, match="num_tokens must be one integer"):
+        c([row(num_tokens=5.7)])
+    with pytest.raises(MetadataError, match="num_tokens must be one integer"):
+        c([row(num_tokens=torch.tensor([5, 5]))])
+    with pytest.raises(FlamiaError, match="row 1 of the batch must be a dict"):
+        c([row(), 7])

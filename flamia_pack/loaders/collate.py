@@ -129,9 +129,10 @@ class PackedCollator:
         validate: check every row's ``cu_seqlens`` (cheap; on by default).
 
     Raises (from ``__call__``):
-        FlamiaError: empty batch, rows of different capacities, missing ``input_ids``.
+        FlamiaError: empty batch, a row that is not a dict, rows of different capacities, missing
+            or non-integer ``input_ids``.
         MetadataError: a row's ``cu_seqlens`` not ``[0, ..., num_tokens]`` strictly increasing,
-            or ``num_tokens`` > capacity.
+            ``num_tokens`` not one integer or > capacity.
     """
 
     def __init__(self, *, pad_id: int = 0, ignore_index: int = -100, scale_groups: Optional[str] = None,
@@ -148,17 +149,24 @@ class PackedCollator:
                 f"scale_groups={self.scale_groups!r})")
 
     def _row(self, i: int, row: Mapping[str, Any], cap: Optional[int]) -> tuple:
+        if not isinstance(row, Mapping):
+            raise FlamiaError(f"row {i} of the batch must be a dict of arrays (a packed row), got {type(row).__name__}")
         if "input_ids" not in row:
             raise FlamiaError(f"row {i} of the batch has no 'input_ids' (keys: {', '.join(row)})")
         ids = _np(row["input_ids"])
         if ids.ndim != 1:
             raise FlamiaError(f"row {i}: input_ids must be 1-D (capacity,), got shape {ids.shape}")
+        if ids.dtype.kind not in "iu":
+            raise FlamiaError(f"row {i}: input_ids must hold integer token ids, got dtype {ids.dtype}")
         c = ids.shape[0]
         if cap is not None and c != cap:
             raise FlamiaError(f"all rows of a batch must have the same capacity; row 0 has {cap}, row {i} has {c}")
         pos = _np(row["position_ids"]) if "position_ids" in row else None
         if "num_tokens" in row:
-            n = int(_np(row["num_tokens"]))
+            nt = _np(row["num_tokens"])
+            if nt.size != 1 or nt.dtype.kind not in "iu":
+                raise MetadataError(f"row {i}: num_tokens must be one integer, got {nt.dtype} of shape {nt.shape}")
+            n = int(nt.reshape(()))
         elif "cu_seqlens" in row:
             n = int(_np(row["cu_seqlens"])[-1])
         else:
