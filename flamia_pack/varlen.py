@@ -81,12 +81,19 @@ def validate_cu_seqlens(
 
 
 def seqlens(cu_seqlens: ArrayLike) -> ArrayLike:
-    """Document lengths ``cu_seqlens[1:] - cu_seqlens[:-1]`` (same type/device as the input)."""
+    """Document lengths ``cu_seqlens[1:] - cu_seqlens[:-1]`` (same type/device as the input).
+
+    ``cu_seqlens`` is NOT checked (no host sync): a decreasing one gives negative lengths. Call
+    :func:`validate_cu_seqlens` first on untrusted input.
+    """
     return cu_seqlens[1:] - cu_seqlens[:-1]
 
 
 def max_seqlen(cu_seqlens: ArrayLike) -> int:
-    """``max(diff(cu_seqlens))`` as a Python int (0 for no documents). Syncs for CUDA tensors."""
+    """``max(diff(cu_seqlens))`` as a Python int (0 for no documents). Syncs for CUDA tensors.
+
+    ``cu_seqlens`` is not validated (see :func:`validate_cu_seqlens`).
+    """
     d = seqlens(cu_seqlens)
     if len(d) == 0:
         return 0
@@ -97,6 +104,7 @@ def doc_index_per_token(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Te
     """Per-token document index, shape ``(T,)`` int32, on ``cu_seqlens.device`` (no host sync).
 
     Tokens past ``cu_seqlens[-1]`` (row-end padding) get index ``n_docs`` (belongs to no document).
+    ``cu_seqlens`` (1-D int32/int64 tensor) is not validated (see :func:`validate_cu_seqlens`).
     """
     pos = torch.arange(total_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     return (torch.searchsorted(cu_seqlens, pos, right=True) - 1).to(torch.int32)

@@ -183,6 +183,8 @@ class Schedule:
         return [(int(self.sm[i]), float(self.start_us[i]), float(self.end_us[i]), int(self.unit[i])) for i in range(n)]
 
     def to_dict(self, with_intervals: bool = False, limit: int = 20000) -> dict:
+        """JSON-serialisable dict: policy, num_sms, makespan_us, busy_fraction, and with
+        ``with_intervals`` the first ``limit`` busy intervals ``(sm, start_us, end_us, unit)``."""
         d = {
             "policy": self.policy,
             "num_sms": self.num_sms,
