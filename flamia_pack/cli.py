@@ -444,7 +444,114 @@ def probe_leak_cmd(
         Console().print(leak_table(reports))
 
 # ---- bench (issue: kernels) -------------------------------------------------------------------
-# (section owned by the kernel work)
+# `flamia bench`: time the BF16 packed-attention kernels on the local GPU (ours only; the peer
+# comparison is benchmarks/bench_attention.py).
+
+
+@app.command("bench")
+def bench_cmd(
+    workloads: str = typer.Option("W1,W6,W7", "--workloads", metavar="W1,W2,..",
+                                  help="WORKLOADS.md rows (comma separated); ignored with --lengths."),
+    lengths: str = typer.Option(None, "--lengths", metavar="N1,N2,..", help="Custom document lengths of one row."),
+    num_heads: int = typer.Option(16, "--num-heads", metavar="H", help="Query heads (with --lengths)."),
+    num_kv_heads: int = typer.Option(None, "--num-kv-heads", metavar="H_KV", help="K/V heads (with --lengths; default H)."),
+    head_dim: int = typer.Option(128, "--head-dim", metavar="64|128", help="Head dimension."),
+    non_causal: bool = typer.Option(False, "--non-causal", help="Full attention inside each document."),
+    rep: int = typer.Option(100, "--rep", metavar="MS", help="Milliseconds of timed runs per measurement."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON on stdout (no table)."),
+) -> None:
+    """Time varlen_attention (forward, and forward + backward = one training call) on the local GPU.
+
+    Inputs are fresh N(0, 1) bf16 per row; the work list is built once per row (as a training loop
+    does) and its build time is reported too. Times are medians of triton.testing.do_bench (ms);
+    TFLOP/s count visible pairs only (scheduler.cost.attention_flops). Needs a CUDA GPU: without
+    one, prints one red line and exits with code 2.
+    """
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from flamia_pack.errors import FlamiaError
+
+    err = Console(stderr=True)
+    try:
+        import numpy as np
+        import torch
+
+        if not torch.cuda.is_available():
+            raise FlamiaError("flamia bench needs a CUDA GPU (torch.cuda.is_available() is False)")
+        try:
+            import triton.testing
+        except ImportError:
+            raise FlamiaError("flamia bench needs triton (it ships with CUDA builds of torch)") from None
+        from flamia_pack.kernels import varlen_attention
+        from flamia_pack.kernels.attention import build_attention_work_list
+        from flamia_pack.scheduler.cost import attention_flops
+        from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
+
+        if rep < 1:
+            raise FlamiaError(f"--rep must be >= 1, got {rep}")
+        rows = []
+        if lengths:
+            try:
+                lens = np.array([int(t) for t in lengths.replace(" ", "").split(",") if t], dtype=np.int64)
+            except ValueError:
+                raise FlamiaError(f"--lengths must be comma-separated integers, got {lengths!r}") from None
+            if lens.size == 0 or lens.min() < 1:
+                raise FlamiaError("--lengths needs at least one document, every length >= 1")
+            rows.append(("custom", lens, num_heads, num_kv_heads or num_heads))
+        else:
+            for w in [w.strip().upper() for w in workloads.split(",") if w.strip()]:
+                lens = workload_lengths(w)
+                rows.append((w, lens, WORKLOADS[w]["num_heads"], WORKLOADS[w]["num_kv_heads"]))
+        results = []
+        causal = not non_causal
+        for name, lens, h, hkv in rows:
+            T = int(lens.sum())
+            cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+            q, k, v = (torch.randn((T, x, head_dim), device="cuda", dtype=torch.bfloat16) for x in (h, hkv, hkv))
+            do = torch.randn_like(q)
+            wl = build_attention_work_list(cu, T, causal=causal, head_dim=head_dim)
+            mx = int(lens.max())
+
+            def fwd():
+                with torch.no_grad():
+                    varlen_attention(q, k, v, cu, mx, causal=causal, work_list=wl)
+
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+            def train():
+                varlen_attention(*leaves, cu, mx, causal=causal, work_list=wl).backward(do)
+
+            def build():
+                build_attention_work_list(cu, T, causal=causal, head_dim=head_dim, validate=False)
+
+            t_f = triton.testing.do_bench(fwd, rep=rep, return_mode="median")
+            t_t = triton.testing.do_bench(train, rep=rep, grad_to_none=leaves, return_mode="median")
+            t_w = triton.testing.do_bench(build, rep=max(10, rep // 4), return_mode="median")
+            fl = attention_flops(lens, h, head_dim, causal, mode="fwd")
+            results.append({"row": name, "tokens": T, "docs": int(lens.size), "num_heads": h, "num_kv_heads": hkv,
+                            "fwd_ms": t_f, "fwd_tflops": fl / t_f / 1e9, "train_ms": t_t,
+                            "train_tflops": 3.5 * fl / t_t / 1e9, "worklist_us": t_w * 1e3})
+            torch.cuda.empty_cache()
+    except FlamiaError as e:
+        err.print(Text(f"error: {' '.join(str(e).split())}", style="bold red"), soft_wrap=True)
+        raise typer.Exit(2)
+    if json_out:
+        typer.echo(json.dumps({"gpu": torch.cuda.get_device_name(), "results": results}, indent=2))
+        return
+    table = Table(title=f"varlen_attention bf16, D={head_dim}, {'causal' if causal else 'non-causal'}, "
+                        f"{torch.cuda.get_device_name()}", title_justify="left")
+    for c in ("row", "tokens", "docs", "H/H_kv", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s", "work list us"):
+        table.add_column(c, justify="right")
+    for r in results:
+        table.add_row(r["row"], str(r["tokens"]), str(r["docs"]), f"{r['num_heads']}/{r['num_kv_heads']}",
+                      f"{r['fwd_ms']:.3f}", f"{r['fwd_tflops']:.0f}", f"{r['train_ms']:.3f}",
+                      f"{r['train_tflops']:.0f}", f"{r['worklist_us']:.0f}")
+    Console().print(table)
+
 
 # ---- serve (issue: service) -------------------------------------------------------------------
 # `flamia serve`: uvicorn + flamia_pack.service.app.create_app. FastAPI/uvicorn imported inside.

@@ -301,3 +301,14 @@ def test_triton_kernels_in_interpreter(interp_results, case):
     for x in ("o", "dq", "dk", "dv"):
         assert r[f"ok_{x}"], f"{case}: {x} error {r[f'err_{x}']:.4g} > 2 x bf16 baseline {r[f'base_{x}']:.4g} + atol; {bad}"
     assert r["err_lse"] <= 1e-2, bad
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
+def test_cli_bench_without_gpu_is_one_red_line():
+    from typer.testing import CliRunner
+
+    from flamia_pack.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "--workloads", "W7"])
+    assert r.exit_code == 2
+    assert "needs a CUDA GPU" in r.output and "Traceback" not in r.output

@@ -64,7 +64,7 @@ class AttentionKernelConfig:
     """Backward dQ: keys per inner-loop tile."""
     bwd_num_warps: int = 8
     """Backward: warps per program (one fused launch runs both program kinds)."""
-    bwd_num_stages: int = 2
+    bwd_num_stages: int = 3
     """Backward: software-pipelining depth of the inner loops."""
     bwd_fused: bool = True
     """Backward: dK/dV and dQ programs in one launch (True) or two launches (False)."""
