@@ -63,12 +63,12 @@ FWD_VARIANTS = {
     "D grid 128x64 w8 s2": {"num_stages": 2},
 }
 BWD_VARIANTS = {
-    "c n1=128 m1=32 w8 s2 (default)": {},
-    "c3 n1=128 m1=32 w8 s3": {"bwd_num_stages": 3},
+    "c3 n1=128 m1=32 w8 s3 (default)": {},
+    "c n1=128 m1=32 w8 s2": {"bwd_num_stages": 2},
     "c4 n1=128 m1=32 w8 s4": {"bwd_num_stages": 4},
-    "b3 n1=128 m1=64 w8 s3": {"bwd_block_m1": 64, "bwd_num_stages": 3},
-    "c3s split launches": {"bwd_num_stages": 3, "bwd_fused": False},
-    "c3n n2=32": {"bwd_num_stages": 3, "bwd_block_n2": 32},
+    "b3 n1=128 m1=64 w8 s3": {"bwd_block_m1": 64},
+    "c3s split launches": {"bwd_fused": False},
+    "d3 n1=64 m1=32 w8 s3": {"bwd_block_n1": 64},
 }
 
 

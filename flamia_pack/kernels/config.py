@@ -107,12 +107,12 @@ class AttentionKernelConfig:
 def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16") -> AttentionKernelConfig:
     """The default configuration for a head dimension, mask type and precision (pure function).
 
-    Chosen for sm_90 from the compiler's resource report (sm_90a ptxas, no GPU needed, see
-    ``benchmarks/NOTES.md`` "BF16 attention kernels (issue 5)"): the forward 128 x 64 tiles, 8 warps,
-    3 stages compile spill-free at D = 128 (226 registers, cp.async pipelined, wgmma); the
-    backward's dK/dV programs hold two fp32 (keys x D) accumulators plus K and V as wgmma
-    operands, so 128-key programs spill at D = 128 (~700 B) while 64-key x 32-query programs
-    do not (~30 B). Timings of the variants on the H200 are in NOTES.md / RESULTS.md.
+    Chosen on the H200 (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)"): forward 128 x 64
+    tiles, 8 warps, 3 stages, grid order (spill-free, cp.async-pipelined wgmma; beat 128 x 128 and
+    2 stages by 15-30% and the persistent atomic-counter order by 3-6% on W1/W6/W7); backward
+    128-key x 32-query dK/dV and 128 x 64 dQ programs, 8 warps, 3 stages, one fused launch
+    (12.06 ms on W1 vs 14.3 ms for 128 x 64 and 16.8-21.6 ms for 64-key programs, despite ~170 B
+    of register spills; the spill-free 64-key tiles re-read Q and dO twice as often).
 
     Args:
         head_dim: D, 64 or 128.
