@@ -44,7 +44,7 @@ Known edge: for float32/bf16 inputs within 1/32 of ``FLT_MAX`` the code rounds u
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -233,13 +233,22 @@ def _encode(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return (x.float() * _inv_pow2(e)).to(torch.float8_e4m3fn)
 
 
-def _check_finite(ebyte: torch.Tensor, what: str) -> None:
+def _check_finite(ebyte: torch.Tensor, what: str, x: Optional[torch.Tensor] = None) -> None:
+    """Raise FlamiaError if any exponent byte is the UE8M0 NaN code (a group saw NaN/Inf).
+
+    One device sync on CUDA. With ``x`` given, the error path also names the first non-finite
+    element of ``x`` (a second pass, taken only when raising).
+    """
     bad = ebyte == UE8M0_NAN
     if bool(bad.any()):  # one device sync on CUDA
-        idx = [int(i) for i in bad.nonzero()[0].tolist()]
+        if x is not None:
+            first = tuple(int(i) for i in (~torch.isfinite(x)).nonzero()[0].tolist())
+            where = f"first non-finite element at index {first} of shape {tuple(x.shape)}"
+        else:
+            where = f"first at exponent index {tuple(int(i) for i in bad.nonzero()[0].tolist())}"
         raise FlamiaError(
-            f"{what}: input contains NaN or Inf ({int(bad.sum())} scale group(s) affected, first at "
-            f"exponent index {tuple(idx)}); FP8 quantization needs finite inputs "
+            f"{what}: input contains NaN or Inf ({int(bad.sum())} exponent entries affected, {where}); "
+            "FP8 quantization needs finite inputs "
             "(pass check_finite=False to get the UE8M0 NaN exponent 255 instead)"
         )
 
@@ -302,7 +311,7 @@ def quantize_token_blocks(
     gmax = gmax[gs]
     e, ebyte = exponent_from_amax_bits(gmax)
     if check_finite:
-        _check_finite(ebyte, "quantize_token_blocks")
+        _check_finite(ebyte, "quantize_token_blocks", x)
     return Quantized(_encode(x, e[..., None]), ebyte)
 
 

@@ -453,3 +453,10 @@ def test_reference_on_gpu_matches_cpu_and_does_not_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got.codes.cpu().view(torch.uint8), ref.codes.view(torch.uint8))
     assert torch.equal(got.exponents.cpu(), ref.exponents)
+
+
+def test_nan_error_names_token_and_head():
+    x = torch.randn(256, 2, 64)
+    x[5, 1, 3] = float("nan")
+    with pytest.raises(FlamiaError, match=r"first non-finite element at index \(5, 1, 3\)"):
+        quantize_token_blocks(x, torch.tensor([0, 100, 256], dtype=torch.int32))

@@ -106,10 +106,12 @@ class LeakReport:
 
     @property
     def prefix_changed(self) -> bool:
+        """True if O or dQ at or before the cut changed (a causal leak inside the document)."""
         return self.o_prefix > 0 or self.dq_prefix > 0
 
     @property
     def cross_document(self) -> bool:
+        """True if anything outside a perturbed document changed (leak across documents)."""
         neg = max(self.neg_outside.values()) if self.neg_outside else 0.0
         return neg > 0 or self.outside_positive > 0
 
