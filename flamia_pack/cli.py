@@ -62,7 +62,9 @@ def pack_cmd(
                                  "file or dir, or a folder of text files. Default: the bundled sample."),
     out: str = typer.Option(..., "--out", metavar="DIR", help="Output directory (parquet shards + manifest.json)."),
     capacity: int = typer.Option(..., "--capacity", metavar="N", help="Tokens per packed row (>= 1), e.g. 65536."),
-    algorithm: str = typer.Option("bfd", "--algorithm", metavar="bfd|concat", help="bfd (best-fit-decreasing) or concat."),
+    algorithm: str = typer.Option("bfd", "--algorithm", metavar="bfd|concat|balanced", help="bfd (best-fit-decreasing, "
+                                  "the default), concat (concatenate, cut at row ends) or balanced (cost-balanced: "
+                                  "equalises tokens and sum len^2 across rows)."),
     text_column: str = typer.Option(None, "--text-column", metavar="NAME", help="Column to read (default: input_ids if "
                                     "present, else text); text is tokenized, integer lists are used as ids."),
     tokenizer: str = typer.Option("bytes", "--tokenizer", metavar="bytes|PATH", help="'bytes' (UTF-8 bytes, ids 0..255) or a "

@@ -491,7 +491,7 @@ def write_packed(
             default :func:`default_shard_rows` (about 128 MiB uncompressed per shard).
         source: JSON-serialisable description of the input (e.g. ``DocumentSource.info()``).
         tokenizer: JSON-serialisable description of the tokenizer (``DocumentSource.tokenizer_info()``).
-        algorithm: packing algorithm used (``"bfd"``/``"concat"``); None is recorded as null.
+        algorithm: packing algorithm used (``"bfd"``/``"concat"``/``"balanced"``); None is recorded as null.
         long_docs: long-document policy used (``"split"``/``"truncate"``/``"drop"``); None -> null.
         progress: called as ``progress(shards_done, n_shards)`` after each shard.
 
