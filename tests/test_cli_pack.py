@@ -112,11 +112,13 @@ def _bad_inputs(tmp_path: pathlib.Path) -> dict[str, tuple[list[str], str]]:
         "bad long-docs": ([str(good), "--long-docs", "wrap"], "long_docs"),
         "shard rows 0": ([str(good), "--shard-rows", "0"], "--shard-rows"),
         "bad tokenizer": ([str(good), "--tokenizer", str(tmp_path / "tok.json")], "tokenizer file not found"),
+        "tokenizer with ids": ([str(neg), "--tokenizer", str(tmp_path / "tok.json")], "is pre-tokenized"),
     }
 
 
 BAD_CASES = ["missing file", "unknown column", "non-integer tokens", "negative ids", "corrupt parquet",
-             "capacity 0", "capacity negative", "bad algorithm", "bad long-docs", "shard rows 0", "bad tokenizer"]
+             "capacity 0", "capacity negative", "bad algorithm", "bad long-docs", "shard rows 0", "bad tokenizer",
+             "tokenizer with ids"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

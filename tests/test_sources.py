@@ -197,6 +197,21 @@ def test_tokenizer_json(tmp_path, wordlevel_tokenizer):
     assert as_lists(open_source(tmp_path / "docs", tokenizer=wordlevel_tokenizer)) == [ref.encode("dog fox").ids]
 
 
+def test_tokenizer_path_with_pretokenized_column_is_an_error(tmp_path, wordlevel_tokenizer):
+    """A tokenizer.json given for a pre-tokenized input_ids column used to be silently ignored."""
+    ids_only = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2], [3]]}), ids_only)
+    with pytest.raises(SourceError, match=r"does not apply: column 'input_ids' .* is pre-tokenized"):
+        open_source(ids_only, tokenizer=wordlevel_tokenizer)
+    both = tmp_path / "both.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2], [3]], "text": ["dog", "fox"]}), both)
+    with pytest.raises(SourceError, match="--text-column"):
+        open_source(both, text_column="input_ids", tokenizer=wordlevel_tokenizer)
+    # picking the text column uses the tokenizer; the default bytes tokenizer with ids is fine
+    assert open_source(both, text_column="text", tokenizer=wordlevel_tokenizer).tokenizer_name == "tokenizer.json"
+    assert as_lists(open_source(ids_only)) == [[1, 2], [3]]
+
+
 @settings(max_examples=25, deadline=None)
 @given(texts=st.lists(st.one_of(st.none(), st.text(max_size=40)), max_size=30),
        batch_rows=st.integers(1, 8), large=st.booleans(), start=st.integers(0, 3))

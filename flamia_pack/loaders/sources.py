@@ -40,7 +40,9 @@ Tokenizers (``tokenizer``):
 * a path to an HF ``tokenizers`` ``tokenizer.json``: ``Tokenizer.from_file``, batch-encoded
   (``encode_batch_fast``) with the tokenizer's own special-token post-processing
   (``add_special_tokens=True``). Binary values and text files are decoded as UTF-8 with
-  replacement characters for invalid bytes.
+  replacement characters for invalid bytes. A path together with a pre-tokenized column (chosen by
+  ``text_column`` or because there is no ``text`` column) raises ``SourceError``: the ids would
+  be used as they are and the tokenizer silently ignored.
 
 Null values (a null text or a null id list) become empty documents, which packing counts and skips.
 
@@ -634,7 +636,8 @@ def open_source(
             is recognised).
         text_column: column to read; ``None`` picks ``input_ids`` (pre-tokenized) or ``text``.
             A string column is tokenized, a list-of-integers column is used as ids.
-        tokenizer: ``"bytes"`` (UTF-8 bytes, ids 0..255) or a path to a ``tokenizer.json``.
+        tokenizer: ``"bytes"`` (UTF-8 bytes, ids 0..255) or a path to a ``tokenizer.json``. A path
+            with a pre-tokenized column (integer lists) is an error, never silently ignored.
         batch_rows: documents per batch of :meth:`DocumentSource.iter_batches` (>= 1).
 
     Returns:
@@ -644,7 +647,7 @@ def open_source(
 
     Raises:
         SourceError: missing path, unsupported/ambiguous input, unknown or unsuitable column,
-            corrupt file, bad tokenizer file; later, while iterating: non-integer/null/negative/
+            corrupt file, bad tokenizer file, a tokenizer path given for a pre-tokenized column; later, while iterating: non-integer/null/negative/
             too large ids, corrupt data pages.
     """
     if int(batch_rows) < 1:
@@ -695,6 +698,12 @@ def open_source(
 
     column = _choose_column(list(schema.names), text_column, tok_arg, where)
     pretokenized = _check_column_type(schema.field(column).type, column, where)
+    if pretokenized and tok_arg != "bytes":
+        # a tokenizer file would be silently ignored: ids are used as they are
+        raise SourceError(
+            f"tokenizer {tok_arg} does not apply: column {column!r} of {where} is pre-tokenized (lists of integer "
+            "token ids, used as they are); drop --tokenizer, or pick a text column with --text-column NAME"
+        )
     tok = None if pretokenized else load_tokenizer(tok_arg)
     return DocumentSource(
         path=str(path), format=kind, column=column, pretokenized=pretokenized, tokenizer=tok,
