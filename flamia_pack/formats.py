@@ -609,10 +609,13 @@ def read_manifest(out_dir: str | os.PathLike[str]) -> Manifest:
 
     Raises:
         FormatError: directory or manifest missing (an incomplete output: crashed or still
-            running), not valid JSON, or not a valid manifest (see :meth:`Manifest.from_dict`).
+            running), ``out_dir`` is a file (e.g. one shard instead of its directory), not valid JSON, or not a valid manifest (see :meth:`Manifest.from_dict`).
     """
     out = pathlib.Path(out_dir)
     if not out.is_dir():
+        if out.exists():
+            raise FormatError(f"{out} is a file, expected a packed directory (manifest.json + train-*.parquet shards "
+                              "written by flamia pack)")
         raise FormatError(f"packed directory not found: {out}")
     path = out / MANIFEST_NAME
     try:

@@ -297,3 +297,18 @@ def test_crash_hook_then_resume(tmp_path):
     # the resumed output is byte-identical to a clean write
     clean = write(tmp_path / "clean", packed, shard_rows=4)
     assert [s.sha256 for s in clean.shards] == [s.sha256 for s in formats.read_manifest(out).shards]
+
+
+def test_a_file_path_is_not_called_missing(written):
+    """read_manifest / PackedDataset on an existing file said 'packed directory not found'."""
+    out, _ = written
+    shard = out / "train-00000.parquet"
+    with pytest.raises(FormatError, match=r"is a file, expected a packed directory") as e:
+        formats.read_manifest(shard)
+    assert "not found" not in str(e.value)
+    from flamia_pack.loaders.dataset import PackedDataset
+
+    with pytest.raises(FormatError, match=r"is a file, expected a packed directory"):
+        PackedDataset(shard)
+    with pytest.raises(FormatError, match="packed directory not found"):
+        formats.read_manifest(out / "nope")
