@@ -369,7 +369,9 @@ def plan_cmd(
                       f"BLOCK {s['block_m']}x{s['block_n']}{', merge_short' if s['merge_short'] else ''}, "
                       f"{s['gpu']} ({s['num_sms']} SMs)")
     per = " per row, summed" if len(preds) > 1 else ""
-    t.add_row("documents", f"{summary['documents']:,} (max length {summary['max_len']:,})")
+    # a packed directory holds segments: a document split across rows counts once per piece
+    t.add_row("segments (document pieces)" if what.startswith("packed dataset") else "documents",
+              f"{summary['documents']:,} (max length {summary['max_len']:,})")
     t.add_row("tokens", f"{summary['tokens']:,}")
     t.add_row("visible pairs", f"{summary['visible_pairs']:,}")
     t.add_row("FLOPs", f"{summary['flops']:.4g}")

@@ -234,3 +234,18 @@ def test_algorithm_balanced_end_to_end(tmp_path, text_parquet):
     # really the balanced layout, not bfd's: the per-row sum of len^2 differs somewhere
     cost = lambda p: sorted(int((np.diff(p.row(r)["cu_seqlens"]).astype(np.int64) ** 2).sum()) for r in range(len(p)))  # noqa: E731
     assert cost(ref) != cost(bfd)
+
+
+def test_plan_on_a_packed_dir_counts_segments_not_documents(tmp_path, text_parquet):
+    """`flamia plan OUT` printed the segment count (pieces of split documents) as 'documents'."""
+    out = tmp_path / "p"
+    res = run_cli(str(text_parquet), "--out", str(out), "--capacity", "64", "--json")
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)
+    assert s["documents"]["split"] > 0  # so segments > documents
+    plan = CliRunner().invoke(app, ["plan", str(out)], env={"COLUMNS": "200", "TERM": "dumb"})
+    assert plan.exit_code == 0, plan.output
+    line = next(ln for ln in plan.stdout.splitlines() if "segments" in ln or "documents" in ln)
+    assert "segments (document pieces)" in line
+    n_segs = sum(len(r["doc_ids"]) for r in formats.iter_rows(out))
+    assert n_segs > s["documents"]["packed"] and f"{n_segs:,}" in line
