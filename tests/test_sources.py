@@ -117,6 +117,53 @@ def test_jsonl_text_and_ids_with_missing_values(tmp_path):
     assert as_lists(by_text) == [byte_ids("abc"), [], [], byte_ids("é")]
 
 
+def _check_read_flat(src: DocumentSource, expected: list[list[int]]) -> None:
+    seen = []
+    tokens, offsets = src.read_flat(progress=seen.append)
+    assert tokens.dtype == np.int32 and offsets.dtype == np.int64
+    assert offsets.shape == (len(expected) + 1,) and offsets[0] == 0 and sum(seen) == len(expected)
+    assert [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(len(expected))] == expected
+    assert offsets[-1] == tokens.shape[0] == sum(map(len, expected))
+    flat = list(src.iter_flat_batches())
+    assert all(ids.dtype == np.int32 and int(lens.sum()) == ids.shape[0] for ids, lens in flat)
+
+
+def test_read_flat_matches_documents(tmp_path, wordlevel_tokenizer):
+    """read_flat / iter_flat_batches give the same documents as iteration, on every back-end,
+    with nulls (a null list whose value range is not empty included) and empty batches."""
+    rng = np.random.default_rng(3)
+    docs = random_token_docs(rng, 41)
+    f = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"input_ids": docs}), f, row_group_size=7)
+    src = open_source(f, batch_rows=5)
+    _check_read_flat(src, docs)
+    assert as_lists(src) == docs
+    # a null slot that still spans values [2, 3) must become an empty document, not leak tokens
+    arr = pa.ListArray.from_arrays(pa.array([0, 2, 3, 5], pa.int32()), pa.array([1, 2, 9, 4, 5], pa.int32()),
+                                   mask=pa.array([False, True, False]))
+    g = tmp_path / "nulls.arrow"
+    with pa.ipc.new_file(str(g), pa.schema([("input_ids", arr.type)])) as w:
+        w.write_table(pa.table({"input_ids": arr}))
+    expected = [[1, 2], [], [4, 5]]
+    _check_read_flat(open_source(g, batch_rows=2), expected)
+    assert as_lists(open_source(g)) == expected
+    texts = ["abc", None, "", "δέλτα x", "the lazy dog"]
+    h = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": texts}), h)
+    _check_read_flat(open_source(h, batch_rows=2), [byte_ids(t or "") for t in texts])
+    from tokenizers import Tokenizer
+
+    ref = Tokenizer.from_file(str(wordlevel_tokenizer))
+    _check_read_flat(open_source(h, tokenizer=wordlevel_tokenizer), [ref.encode(t or "").ids for t in texts])
+    (tmp_path / "docs").mkdir()
+    for name, text in (("b.txt", "second"), ("a.txt", ""), ("c.md", "é!")):
+        (tmp_path / "docs" / name).write_text(text)
+    _check_read_flat(open_source(tmp_path / "docs", batch_rows=2), [[], byte_ids("second"), byte_ids("é!")])
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array([], pa.list_(pa.int32()))}), empty)
+    _check_read_flat(open_source(empty), [])
+
+
 def test_jsonl_directory(tmp_path):
     (tmp_path / "b.jsonl").write_text('{"text": "second"}\n')
     (tmp_path / "a.jsonl").write_text('{"text": "first"}\n{"text": "one more"}\n')

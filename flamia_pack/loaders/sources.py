@@ -46,6 +46,10 @@ Tokenizers (``tokenizer``):
 
 Null values (a null text or a null id list) become empty documents, which packing counts and skips.
 
+Reading without per-document arrays: :meth:`DocumentSource.iter_flat_batches` yields each batch as
+one int32 token buffer + int64 lengths, and :meth:`DocumentSource.read_flat` returns the whole input
+as ``(tokens, doc_offsets)`` (Arrow ``ListArray`` layout) for ``plan_packing`` + ``fill_rows``.
+
 Errors: every problem with the input raises :class:`~flamia_pack.errors.SourceError` with one line
 saying what was wrong: missing path, unsupported or ambiguous input, unknown column (the available
 columns are listed), a column that holds neither text nor integer lists, non-integer or null token
@@ -116,9 +120,18 @@ class ByteTokenizer:
         """Tokenize a string/large_string/binary/large_binary array -> one int32 array per value."""
         return _split_binary(arr)
 
+    def encode_arrow_flat(self, arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`encode_arrow`, flat: (ids int32 ``(tokens,)``, lengths int64 ``(len(arr),)``)."""
+        return _binary_flat(arr)
+
     def encode_bytes(self, data: list[bytes]) -> list[np.ndarray]:
         """Tokenize raw byte strings (e.g. whole text files) -> one int32 array per item."""
         return [np.frombuffer(b, dtype=np.uint8).astype(np.int32) for b in data]
+
+    def encode_bytes_flat(self, data: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`encode_bytes`, flat: (ids int32, lengths int64 ``(len(data),)``)."""
+        lengths = np.fromiter((len(b) for b in data), dtype=np.int64, count=len(data))
+        return np.frombuffer(b"".join(data), dtype=np.uint8).astype(np.int32), lengths
 
 
 class HFTokenizer:
@@ -165,6 +178,14 @@ class HFTokenizer:
         """Tokenize raw byte strings, decoded as UTF-8 with replacement characters."""
         return self._encode_texts([b.decode("utf-8", "replace") for b in data])
 
+    def encode_arrow_flat(self, arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`encode_arrow`, flat: (ids int32, lengths int64 ``(len(arr),)``)."""
+        return _flatten(self.encode_arrow(arr))
+
+    def encode_bytes_flat(self, data: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`encode_bytes`, flat: (ids int32, lengths int64 ``(len(data),)``)."""
+        return _flatten(self.encode_bytes(data))
+
 
 def load_tokenizer(tokenizer: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
     """``"bytes"`` -> :class:`ByteTokenizer`; anything else is a path to a ``tokenizer.json``.
@@ -205,35 +226,56 @@ def _is_list_type(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
 
 
-def _null_to_empty(docs: list[np.ndarray], arr: pa.Array) -> list[np.ndarray]:
+def _flatten(docs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """One flat int32 buffer + int64 lengths from a list of 1-D int32 documents."""
+    lengths = np.fromiter((d.shape[0] for d in docs), dtype=np.int64, count=len(docs))
+    ids = np.concatenate(docs).astype(np.int32, copy=False) if docs else np.zeros(0, np.int32)
+    return ids, lengths
+
+
+def _split_flat(ids: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    """Views of ``ids`` cut at ``cumsum(lengths)``: one 1-D array per document."""
+    if lengths.shape[0] == 0:
+        return []
+    return np.split(ids, np.cumsum(lengths[:-1]))
+
+
+def _drop_nulls(arr: pa.Array, ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flat (ids, lengths) of a list/binary array whose ``ids`` are ``values[offsets[0]:offsets[-1]]``:
+    null entries become empty documents (their value range, normally empty, is removed)."""
+    lengths = np.diff(offsets)
     if arr.null_count:
-        valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
-        empty = np.zeros(0, np.int32)
-        for i in np.flatnonzero(~valid):
-            docs[int(i)] = empty
-    return docs
+        null = ~np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+        if lengths[null].any():
+            ids = ids[np.repeat(~null, lengths)]
+        lengths[null] = 0
+    return ids, lengths
 
 
 def _split_binary(arr: pa.Array) -> list[np.ndarray]:
     """Byte-level ids of every value of a string/binary array (views into one int32 buffer)."""
+    return _split_flat(*_binary_flat(arr))
+
+
+def _binary_flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Byte-level ids of a string/binary array as one int32 buffer + int64 lengths (nulls: 0)."""
     if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
         # same memory layout; a cast from (large_)string to (large_)binary is zero-copy
         arr = arr.cast(pa.large_binary() if pa.types.is_large_string(arr.type) else pa.binary())
     n = len(arr)
     if n == 0:
-        return []
+        return np.zeros(0, np.int32), np.zeros(0, np.int64)
     bufs = arr.buffers()
     off_dtype = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
     offsets = np.frombuffer(bufs[1], dtype=off_dtype)[arr.offset : arr.offset + n + 1].astype(np.int64)
     data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
     start, end = int(offsets[0]), int(offsets[-1])
     ids = data[start:end].astype(np.int32)
-    docs = np.split(ids, offsets[1:-1] - start)
-    return _null_to_empty(docs, arr)
+    return _drop_nulls(arr, ids, offsets)
 
 
-def _split_token_lists(arr: pa.Array, column: str, doc_base: int) -> list[np.ndarray]:
-    """int32 views of every list of a list<integer> array, validated (no nulls, 0 <= id <= int32 max)."""
+def _token_lists_flat(arr: pa.Array, column: str, doc_base: int) -> tuple[np.ndarray, np.ndarray]:
+    """A list<integer> array as one validated int32 buffer + int64 lengths (null lists: 0)."""
     t = arr.type
     if not pa.types.is_integer(t.value_type):
         raise SourceError(
@@ -242,7 +284,7 @@ def _split_token_lists(arr: pa.Array, column: str, doc_base: int) -> list[np.nda
         )
     n = len(arr)
     if n == 0:
-        return []
+        return np.zeros(0, np.int32), np.zeros(0, np.int64)
     if pa.types.is_fixed_size_list(t):
         size = t.list_size
         offsets = (np.arange(n + 1, dtype=np.int64) + arr.offset) * size
@@ -274,8 +316,7 @@ def _split_token_lists(arr: pa.Array, column: str, doc_base: int) -> list[np.nda
                 f"(ids must be <= {_INT32_MAX})"
             )
     ids = v.astype(np.int32, copy=False)
-    docs = np.split(ids, offsets[1:-1] - start)
-    return _null_to_empty(docs, arr)
+    return _drop_nulls(arr, ids, offsets)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +352,7 @@ class DocumentSource:
         tokenizer: ByteTokenizer | HFTokenizer | None,
         num_docs: Optional[int],
         batch_rows: int,
-        reader: Callable[[], Iterator[list[np.ndarray]]],
+        flat_reader: Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]],
     ):
         self.path = path
         self.format = format
@@ -320,7 +361,7 @@ class DocumentSource:
         self.tokenizer = tokenizer
         self.num_docs = num_docs
         self.batch_rows = batch_rows
-        self._reader = reader
+        self._flat_reader = flat_reader
 
     @property
     def description(self) -> str:
@@ -345,7 +386,53 @@ class DocumentSource:
 
     def iter_batches(self) -> Iterator[list[np.ndarray]]:
         """Yield lists of documents (each a 1-D int32 array), about ``batch_rows`` per list."""
-        return self._reader()
+        for ids, lengths in self._flat_reader():
+            yield _split_flat(ids, lengths)
+
+    def iter_flat_batches(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield batches as ``(ids, lengths)``: ``ids`` int32 ``(tokens,)`` holds the batch's documents
+        end to end, ``lengths`` int64 ``(docs,)`` their token counts (no per-document arrays)."""
+        return self._flat_reader()
+
+    def read_flat(self, progress: Optional[Callable[[int], None]] = None) -> tuple[np.ndarray, np.ndarray]:
+        """Read every document into one flat token buffer (Arrow ``ListArray`` layout).
+
+        Feeds :func:`flamia_pack.pack.plan_packing` (on ``np.diff(doc_offsets)``) and
+        :func:`flamia_pack.pack.fill_rows` directly (DESIGN.md §3; issue 2 "bounded memory").
+        Peak memory is about one copy of the tokens plus one batch: batches are copied into the
+        result (allocated untouched) and released one by one.
+
+        Args:
+            progress: called as ``progress(docs_in_batch)`` after each batch is read.
+
+        Returns:
+            ``(tokens, doc_offsets)``: ``tokens`` int32 ``(total_tokens,)``, ids >= 0; ``doc_offsets``
+            int64 ``(num_docs + 1,)`` starting at 0, document ``i`` is
+            ``tokens[doc_offsets[i]:doc_offsets[i + 1]]``.
+
+        Raises:
+            SourceError: as for iteration (corrupt data, bad ids, ...).
+        """
+        chunks: list[np.ndarray] = []
+        lens: list[np.ndarray] = []
+        for ids, lengths in self._flat_reader():
+            chunks.append(ids)
+            lens.append(lengths)
+            if progress is not None:
+                progress(int(lengths.shape[0]))
+        lengths = np.concatenate(lens) if lens else np.zeros(0, np.int64)
+        del lens
+        offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.empty(int(offsets[-1]), dtype=np.int32)
+        pos = 0
+        chunks.reverse()
+        while chunks:  # copy and free batch by batch: peak ~ tokens + one batch, not 2x tokens
+            c = chunks.pop()
+            tokens[pos:pos + c.shape[0]] = c
+            pos += c.shape[0]
+            del c
+        return tokens, offsets
 
     def __iter__(self) -> Iterator[np.ndarray]:
         for batch in self.iter_batches():
@@ -540,7 +627,7 @@ def _hf_arrays(ds, column: str, batch_rows: int) -> Iterator[pa.Array]:
         yield _as_array(t.column(0))
 
 
-def _text_file_batches(files: list[pathlib.Path], tok, batch_rows: int) -> Iterator[list[np.ndarray]]:
+def _text_file_batches(files: list[pathlib.Path], tok, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     for s in range(0, len(files), batch_rows):
         chunk = files[s : s + batch_rows]
         data = []
@@ -549,25 +636,26 @@ def _text_file_batches(files: list[pathlib.Path], tok, batch_rows: int) -> Itera
                 data.append(f.read_bytes())
             except OSError as e:
                 raise SourceError(f"cannot read text file {f}: {_one_line(e)}") from None
-        yield tok.encode_bytes(data)
+        yield tok.encode_bytes_flat(data)
 
 
 def _docs_from_arrays(
     arrays: Iterator[pa.Array], column: str, pretokenized: bool, tok, where: str
-) -> Iterator[list[np.ndarray]]:
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Flat batches ``(ids int32, lengths int64)`` of the column, validated / tokenized."""
     base = 0
     for arr in arrays:
         arr = _as_array(arr)
         if pretokenized:
             if not _is_list_type(arr.type):
                 raise SourceError(f"column {column!r} of {where} changes type to {arr.type}; expected a list of integers")
-            docs = _split_token_lists(arr, column, base)
+            flat = _token_lists_flat(arr, column, base)
         else:
             if not _is_text_type(arr.type):
                 raise SourceError(f"column {column!r} of {where} changes type to {arr.type}; expected text")
-            docs = tok.encode_arrow(arr)
-        base += len(docs)
-        yield docs
+            flat = tok.encode_arrow_flat(arr)
+        base += int(flat[1].shape[0])
+        yield flat
 
 
 def _data_files(p: pathlib.Path) -> list[pathlib.Path]:
@@ -667,7 +755,7 @@ def open_source(
         return DocumentSource(
             path=str(path), format=kind, column="text", pretokenized=False, tokenizer=tok,
             num_docs=len(files), batch_rows=batch_rows,
-            reader=lambda: _text_file_batches(files, tok, batch_rows),
+            flat_reader=lambda: _text_file_batches(files, tok, batch_rows),
         )
 
     # tabular inputs: find schema + row count, choose the column, check its type
@@ -708,5 +796,5 @@ def open_source(
     return DocumentSource(
         path=str(path), format=kind, column=column, pretokenized=pretokenized, tokenizer=tok,
         num_docs=num_docs, batch_rows=batch_rows,
-        reader=lambda: _docs_from_arrays(arrays_fn(column), column, pretokenized, tok, where),
+        flat_reader=lambda: _docs_from_arrays(arrays_fn(column), column, pretokenized, tok, where),
     )
