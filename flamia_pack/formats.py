@@ -83,6 +83,7 @@ __all__ = [
     "default_shard_rows",
     "check_output_dir",
     "write_packed",
+    "write_plan",
     "read_manifest",
     "verify",
     "iter_rows",
@@ -465,6 +466,27 @@ def _remove(path: pathlib.Path) -> None:
         pass
 
 
+def _check_shard_rows(shard_rows: Any, capacity: int) -> int:
+    if shard_rows is None:
+        shard_rows = default_shard_rows(capacity)
+    if isinstance(shard_rows, bool) or not isinstance(shard_rows, (int, np.integer)) or shard_rows < 1:
+        raise FlamiaError(f"shard_rows must be an integer >= 1, got {shard_rows!r}")
+    shard_rows = int(shard_rows)
+    if shard_rows * capacity > _LIST_LIMIT:
+        raise FlamiaError(
+            f"shard_rows * capacity must be < 2**31 (int32 list offsets), got {shard_rows} * {capacity}; "
+            f"use shard_rows <= {_LIST_LIMIT // capacity}"
+        )
+    return shard_rows
+
+
+def _check_descriptions(source: Any, tokenizer: Any) -> None:
+    try:
+        json.dumps({"source": source, "tokenizer": tokenizer})
+    except (TypeError, ValueError) as e:
+        raise FormatError(f"source/tokenizer descriptions must be JSON-serialisable: {e}") from None
+
+
 def write_packed(
     out_dir: str | os.PathLike[str],
     packed: Any,
@@ -479,7 +501,8 @@ def write_packed(
     """Write packed rows to ``out_dir`` as parquet shards + ``manifest.json`` (DESIGN.md §3).
 
     Atomic and resumable; see the module docstring for the layout, columns, crash-safety protocol
-    and the ``FLAMIA_TEST_CRASH_AFTER_SHARDS`` test hook.
+    and the ``FLAMIA_TEST_CRASH_AFTER_SHARDS`` test hook. For inputs whose rows do not fit in
+    memory at once use :func:`write_plan` (same files, one shard of rows in memory at a time).
 
     Args:
         out_dir: output directory; created if missing. It may hold an earlier (complete or
@@ -507,22 +530,117 @@ def write_packed(
     """
     _check_packed(packed)
     capacity, pad_id = int(packed.capacity), int(packed.pad_id)
-    if shard_rows is None:
-        shard_rows = default_shard_rows(capacity)
-    if isinstance(shard_rows, bool) or not isinstance(shard_rows, (int, np.integer)) or shard_rows < 1:
-        raise FlamiaError(f"shard_rows must be an integer >= 1, got {shard_rows!r}")
-    shard_rows = int(shard_rows)
-    if shard_rows * capacity > _LIST_LIMIT:
-        raise FlamiaError(
-            f"shard_rows * capacity must be < 2**31 (int32 list offsets), got {shard_rows} * {capacity}; "
-            f"use shard_rows <= {_LIST_LIMIT // capacity}"
-        )
-    try:
-        json.dumps({"source": source, "tokenizer": tokenizer})
-    except (TypeError, ValueError) as e:
-        raise FormatError(f"source/tokenizer descriptions must be JSON-serialisable: {e}") from None
+    shard_rows = _check_shard_rows(shard_rows, capacity)
+    _check_descriptions(source, tokenizer)
+    return _write_shards(
+        pathlib.Path(out_dir), n_rows=len(packed.num_tokens), capacity=capacity, pad_id=pad_id,
+        shard_rows=shard_rows, block=lambda a, b: _shard_arrays(packed, a, b), stats=packed.stats,
+        source=source, tokenizer=tokenizer, algorithm=algorithm, long_docs=long_docs, progress=progress,
+    )
 
-    out = pathlib.Path(out_dir)
+
+def write_plan(
+    out_dir: str | os.PathLike[str],
+    plan: Any,
+    tokens: np.ndarray,
+    doc_offsets: np.ndarray,
+    config: Any,
+    *,
+    shard_rows: Optional[int] = None,
+    source: Any = None,
+    tokenizer: Any = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    validate: bool = True,
+) -> Manifest:
+    """Write a packing plan to ``out_dir``, materialising one shard of rows at a time (DESIGN.md §3).
+
+    The bounded-memory writer behind ``flamia pack``: for every shard the rows are copied with
+    :func:`flamia_pack.pack.fill_rows` into two reused ``(shard_rows, capacity)`` int32 buffers,
+    encoded and written, so row memory is ``8 * shard_rows * capacity`` bytes (128 MiB by
+    default) instead of ``8 * rows * capacity``. The files, manifest, atomicity and resume
+    behaviour are exactly those of :func:`write_packed` on ``pack_flat(tokens, doc_offsets,
+    config)`` (byte-identical shards).
+
+    Args:
+        out_dir: output directory, as for :func:`write_packed`.
+        plan: a :class:`~flamia_pack.pack.PackPlan` from ``plan_packing(np.diff(doc_offsets), config)``.
+        tokens: 1-D integer array ``(total_tokens,)`` holding every document end to end.
+        doc_offsets: int ``(n_docs + 1,)``: document ``i`` is ``tokens[doc_offsets[i]:doc_offsets[i + 1]]``
+            (e.g. from ``DocumentSource.read_flat``).
+        config: the :class:`~flamia_pack.pack.PackConfig` of the plan; its ``algorithm`` and
+            ``long_docs`` go into the manifest.
+        shard_rows, source, tokenizer, progress: as for :func:`write_packed`.
+        validate: check every copied token id is in ``[0, 2**31)`` (fused with the copy).
+
+    Returns:
+        The :class:`Manifest` written.
+
+    Raises:
+        FlamiaError: ``plan``/``config`` of the wrong type or not matching; bad ``shard_rows``;
+            shard buffers larger than half the available memory.
+        SourceError: a token id out of range (with ``validate``); the output is then left
+            incomplete (no manifest).
+        FormatError, OSError: as for :func:`write_packed`.
+    """
+    from flamia_pack.pack import PackConfig, PackPlan, _check_row_memory, fill_rows
+
+    if not isinstance(plan, PackPlan):
+        raise FlamiaError(f"plan must be a PackPlan, got {type(plan).__name__}")
+    if not isinstance(config, PackConfig):
+        raise FlamiaError(f"config must be a PackConfig, got {type(config).__name__}")
+    capacity, pad_id = config.capacity, config.pad_id
+    if plan.stats.capacity != capacity:
+        raise FlamiaError(f"plan was made for capacity {plan.stats.capacity}, config has {capacity}")
+    offsets = np.asarray(doc_offsets, dtype=np.int64)
+    if offsets.ndim != 1 or offsets.shape[0] != plan.stats.docs_in + 1:
+        raise FlamiaError(f"doc_offsets must have shape ({plan.stats.docs_in + 1},) (the plan's documents + 1), "
+                          f"got {offsets.shape}")
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+        raise FlamiaError(f"tokens must be a 1-D integer array, got shape {tokens.shape} dtype {tokens.dtype}")
+    lengths = np.diff(offsets)
+    if offsets.size and (offsets[0] < 0 or offsets[-1] > tokens.shape[0] or (lengths.size and lengths.min() < 0)):
+        raise FlamiaError("doc_offsets must be non-decreasing, start >= 0 and end <= len(tokens)")
+    if plan.n_segs and not np.all(plan.seg_src_start + plan.seg_len <= lengths[plan.seg_doc]):
+        raise FlamiaError("plan does not match doc_offsets (a segment reaches past its document); "
+                          "make it with plan_packing(np.diff(doc_offsets), config)")
+    shard_rows = _check_shard_rows(shard_rows, capacity)
+    _check_descriptions(source, tokenizer)
+    n_buf = min(shard_rows, plan.n_rows)
+    _check_row_memory(n_buf, capacity)
+    ids_buf = np.empty((n_buf, capacity), dtype=np.int32)
+    pos_buf = np.empty((n_buf, capacity), dtype=np.int32)
+
+    def block(a: int, b: int) -> dict[str, np.ndarray]:
+        rows = fill_rows(plan, tokens, offsets, config, a, b, input_ids=ids_buf, position_ids=pos_buf,
+                         validate=validate)
+        return _shard_arrays(rows, 0, b - a)
+
+    return _write_shards(
+        pathlib.Path(out_dir), n_rows=plan.n_rows, capacity=capacity, pad_id=pad_id, shard_rows=shard_rows,
+        block=block, stats=plan.stats, source=source, tokenizer=tokenizer, algorithm=config.algorithm,
+        long_docs=config.long_docs, progress=progress,
+    )
+
+
+def _write_shards(
+    out: pathlib.Path,
+    *,
+    n_rows: int,
+    capacity: int,
+    pad_id: int,
+    shard_rows: int,
+    block: Callable[[int, int], dict[str, np.ndarray]],
+    stats: Any,
+    source: Any,
+    tokenizer: Any,
+    algorithm: Optional[str],
+    long_docs: Optional[str],
+    progress: Optional[Callable[[int, int], None]],
+) -> Manifest:
+    """The crash-safe shard loop shared by :func:`write_packed` and :func:`write_plan`:
+    ``block(a, b)`` returns the arrays of rows ``[a, b)`` (see :func:`_shard_arrays`), valid
+    until the next call."""
     _prepare_dir(out)
     reuse = _reuse_candidates(out)
     _remove(out / MANIFEST_NAME)  # from here on the directory is "incomplete"
@@ -531,7 +649,6 @@ def write_packed(
             _remove(p)
     _fsync_dir(out)
 
-    n_rows = len(packed.num_tokens)
     n_shards = max(1, math.ceil(n_rows / shard_rows))
     crash_after = int(os.environ.get(CRASH_ENV, "0") or 0)
     shards: list[ShardInfo] = []
@@ -539,7 +656,7 @@ def write_packed(
     for i in range(n_shards):
         a, b = i * shard_rows, min(n_rows, (i + 1) * shard_rows)
         name = SHARD_TEMPLATE.format(i)
-        arrs = _shard_arrays(packed, a, b)
+        arrs = block(a, b)
         key = _content_key(arrs, capacity, pad_id)
         old = reuse.get(name)
         path = out / name
@@ -562,7 +679,7 @@ def write_packed(
         if _SHARD_RE.match(p.name) and p.name not in keep:
             _remove(p)
 
-    st = packed.stats
+    st = stats
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         writer=f"flamia_pack {_version()}",

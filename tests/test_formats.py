@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flamia_pack import formats
-from flamia_pack.errors import FlamiaError, FormatError
+from flamia_pack.errors import FlamiaError, FormatError, SourceError
 from flamia_pack.pack import PackConfig, pack_documents
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -312,3 +312,120 @@ def test_a_file_path_is_not_called_missing(written):
         PackedDataset(shard)
     with pytest.raises(FormatError, match="packed directory not found"):
         formats.read_manifest(out / "nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# write_plan: one shard of rows in memory at a time, same files as write_packed
+
+
+def flat_docs(seed: int, capacity: int = 64) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    docs = make_docs(seed, capacity=capacity)
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum([d.size for d in docs], out=offsets[1:])
+    return docs, np.concatenate(docs), offsets
+
+
+def write_via_plan(out, seed: int, shard_rows: int, capacity: int = 64, **cfg):
+    from flamia_pack.pack import plan_packing
+
+    _, tokens, offsets = flat_docs(seed, capacity)
+    config = PackConfig(capacity=capacity, **cfg)
+    plan = plan_packing(np.diff(offsets), config)
+    return formats.write_plan(out, plan, tokens, offsets, config, shard_rows=shard_rows,
+                              source={"path": "test", "format": "synthetic"}, tokenizer={"name": "pretokenized"})
+
+
+@pytest.mark.parametrize("algorithm", ["bfd", "concat", "balanced"])
+def test_write_plan_byte_identical_to_write_packed(tmp_path, algorithm):
+    packed = make_packed(seed=11, algorithm=algorithm, pad_id=5)
+    ref = write(tmp_path / "ref", packed, shard_rows=7, algorithm=algorithm)
+    got = write_via_plan(tmp_path / "plan", seed=11, shard_rows=7, algorithm=algorithm, pad_id=5)
+    assert len(got.shards) > 2 and got.shards[-1].rows < 7  # a partial last shard through reused buffers
+    assert [s.to_dict() for s in got.shards] == [s.to_dict() for s in ref.shards]
+    strip = lambda m: {k: v for k, v in m.to_dict().items() if k != "created"}  # noqa: E731
+    assert strip(got) == strip(ref) and got.algorithm == algorithm
+    formats.verify(tmp_path / "plan")
+    assert_rows_equal(packed, formats.iter_rows(tmp_path / "plan"))
+
+
+def test_write_plan_row_memory_is_one_shard(tmp_path, monkeypatch):
+    """With room for 5 rows, packing everything at once is refused but write_plan with 4-row
+    shards writes all the rows (its buffers hold one shard)."""
+    import flamia_pack.pack as pack_mod
+
+    monkeypatch.setattr(pack_mod, "_available_memory_bytes", lambda: 2 * 8 * 64 * 5)
+    docs, _, _ = flat_docs(3)
+    with pytest.raises(FlamiaError, match="available"):
+        pack_documents(docs, PackConfig(capacity=64))
+    m = write_via_plan(tmp_path / "o", seed=3, shard_rows=4)
+    assert m.rows > 5 and len(m.shards) == -(-m.rows // 4)
+    with pytest.raises(FlamiaError, match="available"):
+        write_via_plan(tmp_path / "o2", seed=3, shard_rows=6)
+    assert not (tmp_path / "o2").exists()  # refused before anything was created
+    monkeypatch.undo()
+    assert_rows_equal(pack_documents(docs, PackConfig(capacity=64)), formats.iter_rows(tmp_path / "o"))
+
+
+def test_write_plan_bad_arguments(tmp_path):
+    from flamia_pack.pack import plan_packing
+
+    _, tokens, offsets = flat_docs(2)
+    cfg = PackConfig(capacity=64)
+    plan = plan_packing(np.diff(offsets), cfg)
+    out = tmp_path / "o"
+    with pytest.raises(FlamiaError, match="PackPlan"):
+        formats.write_plan(out, "plan", tokens, offsets, cfg)
+    with pytest.raises(FlamiaError, match="PackConfig"):
+        formats.write_plan(out, plan, tokens, offsets, {"capacity": 64})
+    with pytest.raises(FlamiaError, match="capacity"):
+        formats.write_plan(out, plan, tokens, offsets, PackConfig(capacity=65))
+    with pytest.raises(FlamiaError, match="shape"):
+        formats.write_plan(out, plan, tokens, offsets[:-1], cfg)
+    with pytest.raises(FlamiaError, match="end <= len"):
+        formats.write_plan(out, plan, tokens[:-1], offsets, cfg)
+    other = plan_packing(np.diff(offsets)[::-1].copy(), cfg)  # same documents count, other lengths
+    with pytest.raises(FlamiaError, match="does not match"):
+        formats.write_plan(out, other, tokens, offsets, cfg)
+    with pytest.raises(FlamiaError, match="shard_rows"):
+        formats.write_plan(out, plan, tokens, offsets, cfg, shard_rows=0)
+    assert not out.exists()
+    bad = tokens.astype(np.int64)
+    bad[int(offsets[3]) + 1] = -7
+    with pytest.raises(SourceError, match="token id -7"):
+        formats.write_plan(out, plan, bad, offsets, cfg, shard_rows=2)
+    with pytest.raises(FormatError, match="incomplete"):
+        formats.verify(out)  # never presented as complete
+    empty = formats.write_plan(tmp_path / "e", plan_packing(np.zeros(3, np.int64), cfg), np.zeros(0, np.int32),
+                               np.zeros(4, np.int64), cfg)
+    assert empty.rows == 0 and len(empty.shards) == 1
+    formats.verify(tmp_path / "e")
+
+
+_PLAN_DRIVER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {root!r})
+    sys.path.insert(0, {tests!r})
+    from test_formats import write_via_plan
+    write_via_plan(sys.argv[1], seed=7, shard_rows=4)
+    """
+)
+
+
+def test_write_plan_crash_then_resume(tmp_path):
+    """write_plan killed after 3 shards (test hook) leaves no manifest; a re-run keeps those 3
+    shards (same inodes) and the result equals a clean write."""
+    out = tmp_path / "out"
+    code = _PLAN_DRIVER.format(root=str(ROOT), tests=str(ROOT / "tests"))
+    env = dict(os.environ, **{formats.CRASH_ENV: "3"})
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 86, proc.stderr
+    assert not (out / "manifest.json").exists()
+    inodes = {p.name: p.stat().st_ino for p in out.glob("train-*.parquet")}
+    assert len(inodes) == 3
+    m = write_via_plan(out, seed=7, shard_rows=4)
+    formats.verify(out)
+    assert {n: (out / n).stat().st_ino for n in inodes} == inodes
+    clean = write_via_plan(tmp_path / "clean", seed=7, shard_rows=4)
+    assert [s.sha256 for s in clean.shards] == [s.sha256 for s in m.shards]
+    assert_rows_equal(make_packed(seed=7), formats.iter_rows(out))
