@@ -50,8 +50,8 @@ def _pack_summary_table(summary: dict):
                           f"({summary['algorithm']}, long docs: {summary['long_docs']})")
     table.add_row("fill", f"{100.0 * summary['fill']:.3f} %")
     table.add_row("speed", f"{summary['tokens_per_s']:,.0f} tokens/s ({summary['seconds']['total']:.2f} s: "
-                           f"read {summary['seconds']['read']:.2f}, pack {summary['seconds']['pack']:.2f}, "
-                           f"write {summary['seconds']['write']:.2f})")
+                           f"read {summary['seconds']['read']:.2f}, plan {summary['seconds']['pack']:.2f}, "
+                           f"fill + write {summary['seconds']['write']:.2f})")
     table.add_row("output", f"{summary['output']} ({summary['shards']} shard(s) + manifest.json)")
     return table
 
@@ -81,11 +81,16 @@ def pack_cmd(
     Errors in the input (missing file, unknown column, non-integer or negative token ids, corrupt
     parquet, capacity < 1, ...) print one red line on stderr and exit with code 2; nothing is
     presented as complete (no manifest.json is written).
+
+    Memory: the tokens once (int32) plus one shard of rows (--shard-rows x capacity x 8 bytes),
+    not all rows. In --json, seconds.pack is the planning time and seconds.write the row filling
+    plus parquet encoding and writing.
     """
     import json
     import time
     from importlib import resources
 
+    import numpy as np
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
@@ -101,7 +106,7 @@ def pack_cmd(
     try:
         from flamia_pack import formats
         from flamia_pack.loaders.sources import open_source
-        from flamia_pack.pack import PackConfig, pack_documents
+        from flamia_pack.pack import PackConfig, plan_packing
 
         if capacity < 1:
             fail(f"--capacity must be >= 1 (tokens per row), got {capacity}")
@@ -116,22 +121,22 @@ def pack_cmd(
             "bundled sample " + src.description.replace(path, "python-stdlib.parquet"))
         with Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=err, disable=json_out or not err.is_terminal) as bar:
+            # Bounded memory (issue 2): the tokens are read into one flat int32 buffer + offsets
+            # (no per-document arrays), planned once on the lengths, and rows are materialised
+            # one shard at a time into reused buffers by formats.write_plan -- never all rows.
             t_read = bar.add_task("reading + tokenizing", total=src.num_docs)
-            docs = []
-            for batch in src.iter_batches():
-                docs.extend(batch)
-                bar.advance(t_read, len(batch))
-            bar.update(t_read, total=len(docs), completed=len(docs))
+            tokens, doc_offsets = src.read_flat(progress=lambda n: bar.advance(t_read, n))
+            n_docs = doc_offsets.shape[0] - 1
+            bar.update(t_read, total=n_docs, completed=n_docs)
             t1 = time.perf_counter()
-            t_pack = bar.add_task("packing", total=1)
-            packed = pack_documents(docs, config)
-            del docs
+            t_pack = bar.add_task("planning", total=1)
+            plan = plan_packing(np.diff(doc_offsets), config)
             bar.advance(t_pack, 1)
             t2 = time.perf_counter()
-            t_write = bar.add_task("writing shards", total=None)
-            manifest = formats.write_packed(
-                out, packed, shard_rows=shard_rows, source=src.info(), tokenizer=src.tokenizer_info(),
-                algorithm=algorithm, long_docs=long_docs,
+            t_write = bar.add_task("filling + writing shards", total=None)
+            manifest = formats.write_plan(
+                out, plan, tokens, doc_offsets, config, shard_rows=shard_rows, source=src.info(),
+                tokenizer=src.tokenizer_info(),
                 progress=lambda done, total: bar.update(t_write, completed=done, total=total),
             )
             t3 = time.perf_counter()

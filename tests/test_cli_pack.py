@@ -249,3 +249,27 @@ def test_plan_on_a_packed_dir_counts_segments_not_documents(tmp_path, text_parqu
     assert "segments (document pieces)" in line
     n_segs = sum(len(r["doc_ids"]) for r in formats.iter_rows(out))
     assert n_segs > s["documents"]["packed"] and f"{n_segs:,}" in line
+
+
+def test_pack_holds_one_shard_of_rows_not_all(tmp_path, text_parquet, monkeypatch):
+    """`flamia pack` materialises rows shard by shard: with memory for 5 rows of 64 tokens it
+    still writes all of them in 4-row shards (it used to build every row at once and fail)."""
+    import flamia_pack.pack as pack_mod
+    from flamia_pack.loaders.sources import open_source
+
+    docs = list(open_source(text_parquet))
+    ref = pack_mod.pack_documents(docs, pack_mod.PackConfig(capacity=64))
+    assert len(ref) > 10
+    monkeypatch.setattr(pack_mod, "_available_memory_bytes", lambda: 2 * 8 * 64 * 5)
+    with pytest.raises(pack_mod.FlamiaError, match="available"):
+        pack_mod.pack_documents(docs, pack_mod.PackConfig(capacity=64))
+    out = tmp_path / "o"
+    res = run_cli(str(text_parquet), "--out", str(out), "--capacity", "64", "--shard-rows", "4", "--json")
+    assert res.exit_code == 0, res.output
+    res = run_cli(str(text_parquet), "--out", str(tmp_path / "o6"), "--capacity", "64", "--shard-rows", "6")
+    assert res.exit_code == 2 and "available" in res.stderr  # a shard that does not fit is refused cleanly
+    m = formats.verify(out)
+    assert m.rows == len(ref) and len(m.shards) == -(-len(ref) // 4)
+    for r, row in enumerate(formats.iter_rows(out)):
+        for k, v in ref.row(r).items():
+            assert np.array_equal(row[k], v), f"row {r} {k}"
