@@ -251,7 +251,7 @@ def _config_from_ints(vals) -> AttentionKernelConfig:
     for n, x in zip(names, vals):
         if n == "schedule":
             kw[n] = SCHEDULES[int(x)]
-        elif n in ("merge_short", "bwd_fused"):
+        elif isinstance(AttentionKernelConfig.__dataclass_fields__[n].default, bool):
             kw[n] = bool(x)
         else:
             kw[n] = int(x)

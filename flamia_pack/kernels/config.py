@@ -15,11 +15,18 @@ Vocabulary (FlashAttention's):
 """
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+import os
+from dataclasses import astuple, dataclass, replace
 
 from flamia_pack.errors import FlamiaError
 
-__all__ = ["AttentionKernelConfig", "kernel_config", "work_list_tile_config", "SCHEDULES"]
+__all__ = ["AttentionKernelConfig", "kernel_config", "work_list_tile_config", "SCHEDULES", "CANDIDATES",
+           "CONFIG_ENV", "candidate_config"]
+
+CONFIG_ENV = "FLAMIA_ATTN_CONFIG"
+"""Environment variable naming a :data:`CANDIDATES` entry that :func:`kernel_config` applies on top
+of its default (unset, empty or ``default``: the default). For device runs that pick a variant
+without code changes, e.g. ``FLAMIA_ATTN_CONFIG=bwd_tma pytest tests/test_attention_gpu.py``."""
 
 SCHEDULES = ("grid", "persistent")
 """``grid``: one program per (work-list entry, head), launched in the list's decreasing-cost order
@@ -68,6 +75,19 @@ class AttentionKernelConfig:
     """Backward: software-pipelining depth of the inner loops."""
     bwd_fused: bool = True
     """Backward: dK/dV and dQ programs in one launch (True) or two launches (False)."""
+    bwd_masked_stages: int = 0
+    """Backward: pipelining depth of the masked (diagonal / document-edge) inner loops; 0 = the
+    launch's ``num_stages``. 1 stops prefetching there (fewer live registers: the fused 128 x 32
+    kernel spills 96 B instead of 172 B on sm_90)."""
+    bwd_tma: bool = False
+    """Backward: load the walked Q/dO (dK/dV programs) and K/V (dQ programs) tiles through TMA
+    tensor descriptors made in the kernel (``tl.make_tensor_descriptor``; rows past the document end
+    read as zero) instead of cp.async pointer loads. Falls back to pointer loads when a base or a
+    token/head stride is not 16-byte aligned."""
+    bwd_dq_num_warps: int = 0
+    """Backward, two launches only: warps of the dQ launch; 0 = ``bwd_num_warps``."""
+    bwd_dq_num_stages: int = 0
+    """Backward, two launches only: pipelining depth of the dQ launch; 0 = ``bwd_num_stages``."""
 
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
@@ -88,10 +108,21 @@ class AttentionKernelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 8:
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be an int in [1, 8], got {v!r}")
+        for name in ("bwd_masked_stages", "bwd_dq_num_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 8:
+                raise FlamiaError(f"AttentionKernelConfig.{name} must be an int in [0, 8] (0 = inherit), got {v!r}")
+        if self.bwd_dq_num_warps not in (0, 1, 2, 4, 8, 16):
+            raise FlamiaError(
+                f"AttentionKernelConfig.bwd_dq_num_warps must be 0 (inherit), 1, 2, 4, 8 or 16, got {self.bwd_dq_num_warps!r}")
+        if self.bwd_fused and (self.bwd_dq_num_warps or self.bwd_dq_num_stages):
+            raise FlamiaError("AttentionKernelConfig.bwd_dq_num_warps / bwd_dq_num_stages need bwd_fused=False "
+                              "(one fused launch has one warp count and one stage count)")
         if self.schedule not in SCHEDULES:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if not isinstance(self.merge_short, bool) or not isinstance(self.bwd_fused, bool):
-            raise FlamiaError("AttentionKernelConfig.merge_short and bwd_fused must be bool")
+        for name in ("merge_short", "bwd_fused", "bwd_tma"):
+            if not isinstance(getattr(self, name), bool):
+                raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
     def key(self) -> tuple:
         """The configuration as a flat tuple (compile-cache key, custom-op argument)."""
@@ -102,6 +133,35 @@ class AttentionKernelConfig:
         """Inverse of :meth:`key`."""
         names = [f for f in cls.__dataclass_fields__]
         return cls(**dict(zip(names, key)))
+
+
+CANDIDATES: dict[str, dict] = {
+    "default": {},
+    # walked Q/dO (dK/dV) and K/V (dQ) tiles through TMA descriptors: sm_90 spills 60 B instead of 172 B
+    "bwd_tma": {"bwd_tma": True},
+    # masked (diagonal / document-edge) loops not pipelined, pointer loads: spills 96 B
+    "bwd_ms1": {"bwd_masked_stages": 1},
+    # two launches, both with TMA: dK/dV 255 registers, 60 B spills; dQ 211 registers, no spills
+    "bwd_split_tma": {"bwd_fused": False, "bwd_tma": True},
+    # bwd_tma plus a 64-query x 64-key forward with 4 warps (less causal-diagonal waste and per-program
+    # work on short documents; spill-free, 251 registers, 115 KB shared memory)
+    "bwd_tma_fwd64": {"bwd_tma": True, "block_m": 64, "num_warps": 4},
+}
+"""Named override sets (field -> value) on top of :func:`kernel_config`'s default, screened on
+the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
+``benchmarks/gpu_bwd_sweep.py`` (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)").
+Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
+
+
+def candidate_config(name: str, head_dim: int = 128, causal: bool = True, precision: str = "bf16") -> AttentionKernelConfig:
+    """The default configuration for ``(head_dim, causal, precision)`` with :data:`CANDIDATES` ``[name]`` applied.
+
+    Raises:
+        FlamiaError: unknown name (the message lists the known ones), or an invalid combination.
+    """
+    if name not in CANDIDATES:
+        raise FlamiaError(f"unknown attention config candidate {name!r}; known: {', '.join(CANDIDATES)}")
+    return replace(_default_config(head_dim, causal, precision), **CANDIDATES[name])
 
 
 def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16") -> AttentionKernelConfig:
@@ -119,12 +179,22 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16") -
         causal: causal mask (kept for the signature; both use the same tiles today).
         precision: ``"bf16"`` (``"fp8"`` shares the tiles; its kernels are a later issue).
 
+    If the environment variable :data:`CONFIG_ENV` (``FLAMIA_ATTN_CONFIG``) names a
+    :data:`CANDIDATES` entry, that entry's overrides are applied (read on every call).
+
     Returns:
         :class:`AttentionKernelConfig`.
 
     Raises:
-        FlamiaError: unsupported head_dim or precision.
+        FlamiaError: unsupported head_dim or precision; an unknown ``FLAMIA_ATTN_CONFIG`` name.
     """
+    name = os.environ.get(CONFIG_ENV, "").strip()
+    if name and name != "default":
+        return candidate_config(name, head_dim, causal, precision)
+    return _default_config(head_dim, causal, precision)
+
+
+def _default_config(head_dim: int, causal: bool, precision: str) -> AttentionKernelConfig:
     if head_dim not in (64, 128):
         raise FlamiaError(f"head_dim must be 64 or 128, got {head_dim!r}")
     if precision not in ("bf16", "fp8"):

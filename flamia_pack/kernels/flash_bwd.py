@@ -55,6 +55,7 @@ def _dkdv_tile(
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     F1: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
+    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
         items_ptr, cu_ptr, e, F1, WL_BM, BLOCK_N1, BLOCK_M1, True, CAUSAL)
@@ -77,29 +78,47 @@ def _dkdv_tile(
             do_ptrs = DO + o_lo.to(tl.int64) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :]
             l_ptrs = LSE + h * stride_lh + o_lo + offs_m
             d_ptrs = DELTA + h * stride_lh + o_lo + offs_m
+            if USE_TMA:
+                # TMA descriptors over rows [0, o_hi) of this head: rows >= o_hi read as zero
+                q_desc = tl.make_tensor_descriptor(Q + h * stride_qh, shape=[o_hi, HEAD_DIM], strides=[stride_qt, 1],
+                                                   block_shape=[BLOCK_M1, HEAD_DIM])
+                do_desc = tl.make_tensor_descriptor(DO + h * stride_doh, shape=[o_hi, HEAD_DIM],
+                                                    strides=[stride_dot, 1], block_shape=[BLOCK_M1, HEAD_DIM])
             # mask-free query tiles
             for t in range(u0, u1):
-                q = tl.load(q_ptrs + t * BLOCK_M1 * stride_qt)
+                if USE_TMA:
+                    q = q_desc.load([o_lo + t * BLOCK_M1, 0])
+                else:
+                    q = tl.load(q_ptrs + t * BLOCK_M1 * stride_qt)
                 lse2 = tl.load(l_ptrs + t * BLOCK_M1) * 1.4426950408889634
                 s_t = tl.dot(k, tl.trans(q))
                 p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
-                do = tl.load(do_ptrs + t * BLOCK_M1 * stride_dot)
+                if USE_TMA:
+                    do = do_desc.load([o_lo + t * BLOCK_M1, 0])
+                else:
+                    do = tl.load(do_ptrs + t * BLOCK_M1 * stride_dot)
                 dv = tl.dot(p_t.to(do.dtype), do, dv)
                 delta = tl.load(d_ptrs + t * BLOCK_M1)
                 dp_t = tl.dot(v, tl.trans(do))
                 ds_t = p_t * (dp_t - delta[None, :])
                 dk = tl.dot(ds_t.to(q.dtype), q, dk)
             # masked query tiles: causal diagonal, document end, merged short documents
-            for jj in range(0, u0 + n - u1):
+            for jj in tl.range(0, u0 + n - u1, num_stages=MASKED_STAGES):
                 t = masked_tile_index(jj, u0, u1)
                 q_pos = o_lo + t * BLOCK_M1 + offs_m
                 q_ok = q_pos < o_hi
-                q = tl.load(q_ptrs + t * BLOCK_M1 * stride_qt, mask=q_ok[:, None], other=0.0)
+                if USE_TMA:
+                    q = q_desc.load([o_lo + t * BLOCK_M1, 0])
+                else:
+                    q = tl.load(q_ptrs + t * BLOCK_M1 * stride_qt, mask=q_ok[:, None], other=0.0)
                 lse2 = tl.load(l_ptrs + t * BLOCK_M1, mask=q_ok, other=0.0) * 1.4426950408889634
                 s_t = tl.dot(k, tl.trans(q))
                 vis = tile_visible(k_pos, q_pos, o_hi, r_rel, cu_ptr, doc, merged, True, CAUSAL)
                 p_t = tl.where(vis, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
-                do = tl.load(do_ptrs + t * BLOCK_M1 * stride_dot, mask=q_ok[:, None], other=0.0)
+                if USE_TMA:
+                    do = do_desc.load([o_lo + t * BLOCK_M1, 0])
+                else:
+                    do = tl.load(do_ptrs + t * BLOCK_M1 * stride_dot, mask=q_ok[:, None], other=0.0)
                 dv = tl.dot(p_t.to(do.dtype), do, dv)
                 delta = tl.load(d_ptrs + t * BLOCK_M1, mask=q_ok, other=0.0)
                 dp_t = tl.dot(v, tl.trans(do))
@@ -120,6 +139,7 @@ def _dq_tile(
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
+    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
         items_ptr, cu_ptr, e, F2, WL_BM, BLOCK_M2, BLOCK_N2, False, CAUSAL)
@@ -139,21 +159,35 @@ def _dq_tile(
         k_ptrs = K + o_lo.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
         v_ptrs = V + o_lo.to(tl.int64) * stride_vt + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
         dq = tl.zeros([BLOCK_M2, HEAD_DIM], tl.float32)
+        if USE_TMA:
+            # TMA descriptors over key rows [0, o_hi) of this kv head: rows >= o_hi read as zero
+            k_desc = tl.make_tensor_descriptor(K + hk * stride_kh, shape=[o_hi, HEAD_DIM], strides=[stride_kt, 1],
+                                               block_shape=[BLOCK_N2, HEAD_DIM])
+            v_desc = tl.make_tensor_descriptor(V + hk * stride_vh, shape=[o_hi, HEAD_DIM], strides=[stride_vt, 1],
+                                               block_shape=[BLOCK_N2, HEAD_DIM])
         for t in range(u0, u1):
-            k = tl.load(k_ptrs + t * BLOCK_N2 * stride_kt)
-            v = tl.load(v_ptrs + t * BLOCK_N2 * stride_vt)
+            if USE_TMA:
+                k = k_desc.load([o_lo + t * BLOCK_N2, 0])
+                v = v_desc.load([o_lo + t * BLOCK_N2, 0])
+            else:
+                k = tl.load(k_ptrs + t * BLOCK_N2 * stride_kt)
+                v = tl.load(v_ptrs + t * BLOCK_N2 * stride_vt)
             s = tl.dot(q, tl.trans(k))
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(k.dtype), k, dq)
         r_rel = relative_doc(q_pos, cu_ptr, doc, tl.maximum(re, o_hi), merged)
-        for jj in range(0, u0 + n - u1):
+        for jj in tl.range(0, u0 + n - u1, num_stages=MASKED_STAGES):
             t = masked_tile_index(jj, u0, u1)
             k_pos = o_lo + t * BLOCK_N2 + offs_n
-            k_ok = k_pos < o_hi
-            k = tl.load(k_ptrs + t * BLOCK_N2 * stride_kt, mask=k_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs + t * BLOCK_N2 * stride_vt, mask=k_ok[:, None], other=0.0)
+            if USE_TMA:
+                k = k_desc.load([o_lo + t * BLOCK_N2, 0])
+                v = v_desc.load([o_lo + t * BLOCK_N2, 0])
+            else:
+                k_ok = k_pos < o_hi
+                k = tl.load(k_ptrs + t * BLOCK_N2 * stride_kt, mask=k_ok[:, None], other=0.0)
+                v = tl.load(v_ptrs + t * BLOCK_N2 * stride_vt, mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k))
             vis = tile_visible(q_pos, k_pos, o_hi, r_rel, cu_ptr, doc, merged, False, CAUSAL)
             p = tl.where(vis, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
@@ -174,6 +208,7 @@ def _bwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, KIND: tl.constexpr,
+    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # KIND 0: both program kinds interleaved rank by rank; 1: dK/dV programs only; 2: dQ only
     pid = tl.program_id(0)
@@ -192,14 +227,42 @@ def _bwd_kernel(
                        r * F1 + rem // num_kv_heads, rem % num_kv_heads, group,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-                       qk_scale, sm_scale, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL)
+                       qk_scale, sm_scale, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA)
         else:
             rem2 = rem - n_kv
             _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs,
                      r * F2 + rem2 // num_heads, rem2 % num_heads, group,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dqt, stride_dqh, stride_lh,
-                     qk_scale, sm_scale, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL)
+                     qk_scale, sm_scale, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA)
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    """Global scratch for in-kernel TMA descriptors (``triton.set_allocator``; 128 B per descriptor)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
+    """True if TMA descriptors can address q, k, v, dO: 16-byte aligned bases and token/head strides.
+
+    On CUDA this also installs the scratch allocator in-kernel descriptors need (once). Under the
+    interpreter (CPU tensors) descriptors are emulated and need neither.
+    """
+    for x in (q, k, v, do):
+        if x.data_ptr() % 16 or x.stride(0) % 8 or x.stride(1) % 8:
+            return False
+    if q.device.type == "cuda" and not _TMA_ALLOCATOR_SET:
+        _set_tma_allocator()
+    return True
+
+
+_TMA_ALLOCATOR_SET = False
+
+
+def _set_tma_allocator() -> None:
+    global _TMA_ALLOCATOR_SET
+    triton.set_allocator(_tma_scratch)
+    _TMA_ALLOCATOR_SET = True
 
 
 def flash_bwd(
@@ -232,8 +295,14 @@ def flash_bwd(
             delta.stride(0), HAS_DLSE=has_dlse, BLOCK=blk, HEAD_DIM=D, num_warps=4)
     f1 = config.wl_block_m // config.bwd_block_n1
     f2 = config.wl_block_m // config.bwd_block_m2
-    launches = [(0, f1 * Hkv + f2 * H)] if config.bwd_fused else [(1, f1 * Hkv), (2, f2 * H)]
-    for kind, per_rank in launches:
+    nw, ns = config.bwd_num_warps, config.bwd_num_stages
+    nw2, ns2 = config.bwd_dq_num_warps or nw, config.bwd_dq_num_stages or ns
+    if config.bwd_fused:
+        launches = [(0, f1 * Hkv + f2 * H, nw, ns)]
+    else:
+        launches = [(1, f1 * Hkv, nw, ns), (2, f2 * H, nw2, ns2)]
+    use_tma = bool(config.bwd_tma) and _tma_ok(q, k, v, do)
+    for kind, per_rank, warps, stages in launches:
         n_prog = items.shape[0] * per_rank
         if n_prog == 0:
             continue
@@ -245,7 +314,8 @@ def flash_bwd(
             HEAD_DIM=D, BLOCK_M1=config.bwd_block_m1, BLOCK_N1=config.bwd_block_n1,
             BLOCK_M2=config.bwd_block_m2, BLOCK_N2=config.bwd_block_n2,
             F1=f1, F2=f2, WL_BM=config.wl_block_m, CAUSAL=bool(causal), KIND=kind,
-            num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages,
+            MASKED_STAGES=config.bwd_masked_stages or stages, USE_TMA=use_tma,
+            num_warps=warps, num_stages=stages,
         )
     fill_tail(dq, cu_seqlens, 0.0)
     fill_tail(dk, cu_seqlens, 0.0)

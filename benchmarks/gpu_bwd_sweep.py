@@ -1,0 +1,204 @@
+"""One-call H200 sweep of the attention config candidates (issue 5: the backward gap to FlexAttention).
+
+    PYTHONPATH=. python3 benchmarks/gpu_bwd_sweep.py [--candidates a,b,...] [--workloads W1,W4,W6,W7]
+        [--rep MS] [--passes N] [--budget S] [--dry-run]
+
+For each candidate of ``flamia_pack.kernels.config.CANDIDATES`` (``default`` first):
+
+1. correctness on one small random packed row (``kernels/check.py``: O, dQ, dK, dV vs the fp32
+   reference, error <= 2x the bf16-torch error + atol, outputs NaN-poisoned, padding rows checked);
+2. the training call (forward + backward) and, for candidates that change the forward, the forward
+   alone: median ms of ``triton.testing.do_bench`` on fresh N(0, 1) bf16 inputs of each workload
+   (T = 65,536, H = 16, D = 128, causal; work list built once per row). Candidates are timed
+   side by side on the same inputs, in ``--passes`` passes of alternating order (the mean of the
+   passes' medians is reported).
+
+Prints a table with ratios vs the default (> 1: faster) and writes ``$OUT/bwd_sweep.json`` with
+every number, the fastest correct candidate (geometric mean of the training-call ratios over the
+workloads), whether it beats the default by >= 5%, and ``recommended`` (that candidate, else
+``default``) for ``FLAMIA_ATTN_CONFIG``. Stops timing new cells after ``--budget`` seconds.
+``--dry-run`` builds the configs and the work lists on the CPU (no kernels, no timing).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+T0 = time.time()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+FWD_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "schedule", "wl_block_m", "merge_short")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def changes_forward(cfg, base) -> bool:
+    return any(getattr(cfg, f) != getattr(base, f) for f in FWD_FIELDS)
+
+
+def check_correct(cfg, seed: int = 3) -> dict:
+    """Correctness of one candidate on a small random packed row (GQA, causal, unaligned, padded)."""
+    import numpy as np
+
+    from flamia_pack.kernels.check import compare_with_reference, random_lengths
+
+    lengths = random_lengths(np.random.default_rng(seed), 3000, 40)
+    r = compare_with_reference(lengths, num_heads=4, num_kv_heads=2, head_dim=128, causal=True, pad=5,
+                               device="cuda", seed=seed, config=cfg)
+    return {k: (float(v) if isinstance(v, float) else v) for k, v in r.items()}
+
+
+def main(argv=None) -> int:
+    from flamia_pack.kernels.config import CANDIDATES, candidate_config
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--candidates", default=",".join(CANDIDATES), help="comma list (default: all, 'default' first)")
+    ap.add_argument("--workloads", default="W1,W4,W6,W7")
+    ap.add_argument("--rep", type=int, default=60, help="do_bench rep (ms of timed calls per cell)")
+    ap.add_argument("--passes", type=int, default=2, help="timing passes (alternating candidate order)")
+    ap.add_argument("--budget", type=float, default=125.0, help="seconds after which no new cell is timed")
+    ap.add_argument("--dry-run", action="store_true", help="CPU: build configs and work lists only")
+    a = ap.parse_args(argv)
+    out_dir = os.environ.get("OUT", ".")
+    os.makedirs(out_dir, exist_ok=True)
+
+    names = [n for n in a.candidates.split(",") if n]
+    if "default" in names:
+        names.remove("default")
+    names = ["default"] + names
+    cfgs = {n: candidate_config(n, 128, True) for n in names}
+    base = cfgs["default"]
+    workloads = [w for w in a.workloads.split(",") if w]
+
+    import numpy as np
+    import torch
+
+    from flamia_pack.scheduler.cost import attention_flops
+    from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
+
+    if a.dry_run or not torch.cuda.is_available():
+        from flamia_pack.kernels.attention import build_attention_work_list
+
+        for n, c in cfgs.items():
+            diff = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if getattr(c, f.name) != getattr(base, f.name)}
+            for w in workloads:
+                lens = workload_lengths(w)
+                cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+                wl = build_attention_work_list(cu, int(lens.sum()), causal=True, head_dim=128, config=c)
+                log(f"dry-run {n} {w}: T={int(lens.sum())} items={int(wl.num_items.item())}")
+            log(f"dry-run {n}: overrides {diff} forward changed={changes_forward(c, base)}")
+        if not a.dry_run:
+            log("no CUDA device: dry run only")
+        return 0
+
+    import triton
+
+    import bench_attention as B
+
+    log(f"GPU {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
+        f"candidates {names}; workloads {workloads}")
+    res: dict = {n: {"config": dataclasses.asdict(c), "fwd_changed": changes_forward(c, base), "train_ms": {}, "fwd_ms": {},
+                     "train_runs": {}, "fwd_runs": {}} for n, c in cfgs.items()}
+
+    # 1. correctness (also compiles the kernels of each candidate)
+    for n, c in cfgs.items():
+        try:
+            r = check_correct(c)
+            res[n]["check"] = r
+            res[n]["correct"] = bool(r["ok"])
+            log(f"check {n}: {'OK' if r['ok'] else 'FAIL'} " + " ".join(
+                f"{x}={r[f'err_{x}']:.4g}/{2 * r[f'base_{x}']:.4g}" for x in ("o", "dq", "dk", "dv")))
+        except Exception as e:  # noqa: BLE001 - a failing candidate is a result
+            res[n]["correct"] = False
+            res[n]["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"check {n}: ERROR {res[n]['error']}")
+            traceback.print_exc()
+    live = [n for n in names if res[n]["correct"]]
+
+    # 2. timing, workload by workload, candidates side by side on the same inputs
+    for w in workloads:
+        spec = WORKLOADS[w]
+        lens = workload_lengths(w)
+        inp = B.make_inputs(lens, spec["num_heads"], spec["num_kv_heads"], seed=11)
+        fns = {}
+        for n in live:
+            try:
+                f, t, leaves = B.ours(inp, cfgs[n])
+                t()
+                torch.cuda.synchronize()
+                fns[n] = (f, t, leaves)
+            except Exception as e:  # noqa: BLE001
+                res[n].setdefault("errors", {})[w] = f"{type(e).__name__}: {str(e)[:200]}"
+                log(f"{w} {n}: ERROR {res[n]['errors'][w]}")
+        for p in range(a.passes):
+            order = list(fns) if p % 2 == 0 else list(reversed(list(fns)))
+            for n in order:
+                if time.time() - T0 > a.budget:
+                    break
+                f, t, leaves = fns[n]
+                res[n]["train_runs"].setdefault(w, []).append(B.time_ms(t, grad_to_none=leaves, rep=a.rep, warmup=20))
+                if n == "default" or res[n]["fwd_changed"]:
+                    res[n]["fwd_runs"].setdefault(w, []).append(B.time_ms(f, rep=a.rep, warmup=20))
+        for n in fns:
+            for key in ("train", "fwd"):
+                runs = res[n][f"{key}_runs"].get(w)
+                if runs:
+                    res[n][f"{key}_ms"][w] = float(np.mean(runs))
+        fl = attention_flops(lens, spec["num_heads"], 128, True, mode="fwd")
+        log(f"{w}: " + ", ".join(f"{n} {res[n]['train_ms'].get(w, float('nan')):.3f} ms "
+                                 f"({3.5 * fl / res[n]['train_ms'].get(w, float('nan')) / 1e9:.0f} TF/s)" for n in fns))
+        del fns, inp
+        torch.cuda.empty_cache()
+
+    # 3. table and summary
+    d = res["default"]
+    lines = ["| candidate | correct | " + " | ".join(f"train {w} ms (x)" for w in workloads) + " | geo x | "
+             + " | ".join(f"fwd {w} ms (x)" for w in workloads) + " |",
+             "|---|---|" + "---|" * (2 * len(workloads) + 1)]
+    best, best_geo = None, 0.0
+    for n in names:
+        r = res[n]
+        cells, ratios = [], []
+        for w in workloads:
+            tm, dm = r["train_ms"].get(w), d["train_ms"].get(w)
+            if tm and dm:
+                ratios.append(dm / tm)
+                cells.append(f"{tm:.3f} ({dm / tm:.3f})")
+            else:
+                cells.append("-")
+        geo = float(math.exp(sum(math.log(x) for x in ratios) / len(ratios))) if len(ratios) == len(workloads) else None
+        r["geo_train_speedup_vs_default"] = geo
+        fcells = []
+        for w in workloads:
+            fm, dm = r["fwd_ms"].get(w), d["fwd_ms"].get(w)
+            fcells.append(f"{fm:.3f} ({dm / fm:.3f})" if fm and dm else "-")
+        lines.append(f"| {n} | {r['correct']} | " + " | ".join(cells) + f" | {geo if geo is None else round(geo, 3)} | "
+                     + " | ".join(fcells) + " |")
+        if r["correct"] and geo is not None and geo > best_geo:
+            best, best_geo = n, geo
+    beats = bool(best is not None and best != "default" and best_geo >= 1.05)
+    summary = {"fastest": best, "fastest_geo_speedup_vs_default": best_geo, "beats_default_by_5pct": beats,
+               "recommended": best if beats else "default", "workloads": workloads, "rep_ms": a.rep,
+               "passes": a.passes, "elapsed_s": time.time() - T0,
+               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    text = "\n".join(lines)
+    log("ms (ratio = default / candidate, > 1 faster)\n" + text)
+    log(f"fastest correct: {best} (geo-mean x{best_geo:.3f} vs default); beats default by >= 5%: {beats}; "
+        f"recommended FLAMIA_ATTN_CONFIG={summary['recommended']}")
+    with open(os.path.join(out_dir, "bwd_sweep.json"), "w") as f:
+        json.dump({"summary": summary, "table_md": text, "candidates": res}, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "bwd_sweep.md"), "w") as f:
+        f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
