@@ -423,3 +423,22 @@ def test_partly_read_source_closes_cleanly_at_interpreter_exit(tmp_path, monkeyp
     del it
     gc.collect()
     assert [repr(u.exc_value) for u in unraisable] == []
+
+
+def test_token_buffer_grows_in_place_and_keeps_every_token():
+    """The read_flat buffer (anonymous private mmap, grown with mremap): appends across many
+    growths, including far past the first map's size, read back exactly; empty -> int32 (0,)."""
+    from flamia_pack.loaders.sources import _TokenBuffer
+
+    rng = np.random.default_rng(5)
+    parts = [rng.integers(0, 2**31 - 1, size=int(n), dtype=np.int64).astype(np.int32)
+             for n in rng.integers(0, 5000, size=60)]
+    parts.append(np.arange(300_000, dtype=np.int32))  # one append much larger than the map
+    buf = _TokenBuffer(capacity_tokens=3)
+    for p in parts:
+        buf.append(p)
+    got = buf.finish()
+    assert got.dtype == np.int32 and got.flags.writeable
+    np.testing.assert_array_equal(got, np.concatenate(parts))
+    empty = _TokenBuffer().finish()
+    assert empty.dtype == np.int32 and empty.shape == (0,)

@@ -319,6 +319,57 @@ def _token_lists_flat(arr: pa.Array, column: str, doc_base: int) -> tuple[np.nda
     return _drop_nulls(arr, ids, offsets)
 
 
+class _TokenBuffer:
+    """Append-only int32 buffer on an anonymous ``mmap`` that grows in place (``mremap`` on
+    Linux), so reading ``T`` tokens peaks at about ``4 T`` bytes plus one batch -- not the ``8 T``
+    of collecting batches and concatenating them. Where the map cannot be resized in place it is
+    copied into a larger one (the same cost as concatenation)."""
+
+    def __init__(self, capacity_tokens: int = 1 << 22):
+        import mmap
+
+        self._mmap = mmap
+        self._m = self._new_map(4 * capacity_tokens)
+        self.n = 0
+
+    def _new_map(self, nbytes: int):
+        # MAP_PRIVATE: a shared anonymous map (Python's default) is a fixed-size shmem object, and
+        # touching pages past its original size after mremap raises SIGBUS
+        flags = getattr(self._mmap, "MAP_PRIVATE", None)
+        return self._mmap.mmap(-1, nbytes) if flags is None else self._mmap.mmap(-1, nbytes, flags=flags)
+
+    def _grow(self, nbytes: int) -> None:
+        try:
+            self._m.resize(nbytes)
+        except (OSError, SystemError, ValueError, BufferError):  # no mremap (e.g. macOS)
+            m2 = self._new_map(nbytes)
+            np.frombuffer(m2, np.uint8, count=4 * self.n)[:] = np.frombuffer(self._m, np.uint8, count=4 * self.n)
+            self._m.close()
+            self._m = m2
+
+    def append(self, ids: np.ndarray) -> None:
+        k = int(ids.shape[0])
+        if k == 0:
+            return
+        need = 4 * (self.n + k)
+        if need > len(self._m):
+            self._grow(max(2 * len(self._m), need))
+        np.frombuffer(self._m, np.int32, count=k, offset=4 * self.n)[:] = ids
+        self.n += k
+
+    def finish(self) -> np.ndarray:
+        """The tokens as a writeable int32 array ``(n,)`` backed by the map (trimmed to size)."""
+        if self.n == 0:
+            self._m.close()
+            return np.zeros(0, np.int32)
+        if len(self._m) > 4 * self.n:
+            try:
+                self._m.resize(4 * self.n)
+            except (OSError, SystemError, ValueError, BufferError):
+                pass  # keep the larger map; the untouched tail is not resident
+        return np.frombuffer(self._m, np.int32, count=self.n)
+
+
 # ---------------------------------------------------------------------------------------------
 # the source object
 
@@ -399,8 +450,8 @@ class DocumentSource:
 
         Feeds :func:`flamia_pack.pack.plan_packing` (on ``np.diff(doc_offsets)``) and
         :func:`flamia_pack.pack.fill_rows` directly (DESIGN.md §3; issue 2 "bounded memory").
-        Peak memory is about one copy of the tokens plus one batch: batches are copied into the
-        result (allocated untouched) and released one by one.
+        Peak memory is about one copy of the tokens plus one batch: each batch is copied into a
+        growing memory map at once and released (see ``_TokenBuffer``).
 
         Args:
             progress: called as ``progress(docs_in_batch)`` after each batch is read.
@@ -413,10 +464,11 @@ class DocumentSource:
         Raises:
             SourceError: as for iteration (corrupt data, bad ids, ...).
         """
-        chunks: list[np.ndarray] = []
+        buf = _TokenBuffer()
         lens: list[np.ndarray] = []
         for ids, lengths in self._flat_reader():
-            chunks.append(ids)
+            buf.append(ids)  # copied out at once: the batch's arrow buffers are freed right away
+            del ids
             lens.append(lengths)
             if progress is not None:
                 progress(int(lengths.shape[0]))
@@ -424,14 +476,8 @@ class DocumentSource:
         del lens
         offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        tokens = np.empty(int(offsets[-1]), dtype=np.int32)
-        pos = 0
-        chunks.reverse()
-        while chunks:  # copy and free batch by batch: peak ~ tokens + one batch, not 2x tokens
-            c = chunks.pop()
-            tokens[pos:pos + c.shape[0]] = c
-            pos += c.shape[0]
-            del c
+        tokens = buf.finish()
+        pa.default_memory_pool().release_unused()  # give the batches' freed memory back
         return tokens, offsets
 
     def __iter__(self) -> Iterator[np.ndarray]:
