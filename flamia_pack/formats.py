@@ -397,19 +397,37 @@ def _shard_table(arrs: dict[str, np.ndarray], capacity: int, pad_id: int) -> pa.
     return pa.Table.from_arrays([cols[k] for k in COLUMNS], schema=schema)
 
 
-def _encode_shard(table: pa.Table, capacity: int) -> pa.Buffer:
+def _write_shard_file(table: pa.Table, capacity: int, path: pathlib.Path) -> str:
+    """Encode ``table`` as parquet straight into a hidden temp file next to ``path`` (no in-memory
+    copy of the encoded shard), fsync it, hash it and move it into place atomically, as
+    :func:`_atomic_write` does. Returns the sha256 of the file's bytes."""
     import pyarrow.parquet as pq
 
-    sink = pa.BufferOutputStream()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     group_rows = max(1, _TARGET_GROUP_BYTES // (8 * capacity))
     # position_ids/cu_seqlens/doc_ids/chunk_ids are runs of +1 steps or sorted: DELTA_BINARY_PACKED
     # shrinks position_ids ~300x (sample: 4.3 MB instead of 8.1 MB per shard with dictionary
     # encoding) and writes ~1.5x faster; input_ids stay PLAIN + zstd (dictionary encoding costs
     # write time and falls back for real vocabularies). Reading speed is unchanged.
     delta = {f"{c}.list.element": "DELTA_BINARY_PACKED" for c in ("position_ids", "cu_seqlens", "doc_ids", "chunk_ids")}
-    pq.write_table(table, sink, compression=_COMPRESSION, row_group_size=group_rows, use_dictionary=False,
-                   column_encoding=delta)
-    return sink.getvalue()
+    try:
+        pq.write_table(table, str(tmp), compression=_COMPRESSION, row_group_size=group_rows, use_dictionary=False,
+                       column_encoding=delta)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        digest = _sha256_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    return digest
 
 
 def _is_ours(name: str) -> bool:
@@ -663,9 +681,8 @@ def _write_shards(
         if old is not None and old.content_key == key and old.rows == b - a and path.is_file() and _sha256_file(path) == old.sha256:
             info = old
         else:
-            buf = _encode_shard(_shard_table(arrs, capacity, pad_id), capacity)
-            info = ShardInfo(file=name, rows=b - a, sha256=hashlib.sha256(buf).hexdigest(), content_key=key)
-            _atomic_write(path, memoryview(buf))
+            digest = _write_shard_file(_shard_table(arrs, capacity, pad_id), capacity, path)
+            info = ShardInfo(file=name, rows=b - a, sha256=digest, content_key=key)
             written += 1
         shards.append(info)
         _atomic_write_json(out / PROGRESS_NAME, {"format_version": FORMAT_VERSION, "shards": [s.to_dict() for s in shards]})
