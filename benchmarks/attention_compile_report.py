@@ -1,7 +1,7 @@
 """Compile the attention kernels for sm_90 WITHOUT a GPU and print their resource report.
 
     PYTHONPATH=. python benchmarks/attention_compile_report.py ['{"D": 128, "fwd": [[BM, BN, warps, stages, persistent]],
-        "bwd": [[M1, N1, M2, N2, warps, stages]], "misc": true}']
+        "bwd": [[M1, N1, M2, N2, warps, stages, {optional: KIND, MASKED_STAGES, USE_TMA, HEAD_MAJOR}]], "misc": true}']
 
 Uses triton's own ptxas/cuobjdump (shipped in the triton wheel) on the CPU development machine:
 compile errors, shared memory, registers, spill bytes and counts of HGMMA (wgmma), LDGSTS
@@ -57,9 +57,11 @@ D = int(cfgs.get("D", 128))
 for bm, bn, nw, ns, pers in cfgs.get("fwd", [(128, 64, 8, 3, False)]):
     report(f"fwd D{D} {bm}x{bn} w{nw} s{ns} pers={pers}", F._fwd_kernel, ptr,
            dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, F=128 // bm, WL_BM=128, CAUSAL=True, PERSISTENT=pers), nw, ns)
-for m1, n1, m2, n2, nw, ns in cfgs.get("bwd", [(64, 128, 128, 64, 8, 2)]):
-    report(f"bwd D{D} m1={m1} n1={n1} m2={m2} n2={n2} w{nw} s{ns}", B._bwd_kernel, ptr,
-           dict(HEAD_DIM=D, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, F1=128 // n1, F2=128 // m2, WL_BM=128, CAUSAL=True, KIND=0), nw, ns)
+for m1, n1, m2, n2, nw, ns, *extra in cfgs.get("bwd", [(64, 128, 128, 64, 8, 2)]):
+    # optional 7th entry: {"KIND": 0|1|2, "MASKED_STAGES": s, "USE_TMA": bool, "HEAD_MAJOR": bool}
+    kc = {**dict(KIND=0, MASKED_STAGES=ns, USE_TMA=False, HEAD_MAJOR=False), **(extra[0] if extra else {})}
+    report(f"bwd D{D} m1={m1} n1={n1} m2={m2} n2={n2} w{nw} s{ns} {extra[0] if extra else ''}", B._bwd_kernel, ptr,
+           dict(HEAD_DIM=D, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, F1=128 // n1, F2=128 // m2, WL_BM=128, CAUSAL=True, **kc), nw, ns)
 if cfgs.get("misc", True):
     report("preprocess", B._bwd_preprocess, ptr, dict(HAS_DLSE=False, BLOCK=64, HEAD_DIM=D), 4, 1)
     report("fill_tail", F._fill_tail_kernel, ptr, dict(BLOCK_R=64, BLOCK_C=256), 4, 1)

@@ -78,7 +78,12 @@ def counted(self, *a, **k):
 I.InterpreterBuilder.create_descriptor_load = counted
 small = dict(wl_block_m=32, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16, bwd_block_m2=32, bwd_block_n2=16)
 out = {}
-for name, over in CANDIDATES.items():
+extra = {  # knob combinations no candidate uses: two launches with their own dQ warps/stages, head-major
+    "split_head_major_tma_ms1": dict(bwd_fused=False, bwd_head_major=True, bwd_tma=True, bwd_masked_stages=1,
+                                     bwd_dq_num_warps=2, bwd_dq_num_stages=2),
+    "split_rank_major": dict(bwd_fused=False, bwd_dq_num_stages=1),
+}
+for name, over in list(CANDIDATES.items()) + list(extra.items()):
     over = dict(over)
     if "block_m" in over:
         over["block_m"] = 16
@@ -105,12 +110,16 @@ def interp_results():
     return json.loads(line[-1][len("RESULTS "):])
 
 
-@pytest.mark.parametrize("name", sorted(CANDIDATES))
+_EXTRA_TMA = {"split_head_major_tma_ms1": True, "split_rank_major": False}
+
+
+@pytest.mark.parametrize("name", sorted(CANDIDATES) + sorted(_EXTRA_TMA))
 @pytest.mark.parametrize("causal", [True, False])
 def test_candidates_in_interpreter(interp_results, name, causal):
     r = interp_results[f"{name}/{causal}"]
+    tma = _EXTRA_TMA[name] if name in _EXTRA_TMA else bool(CANDIDATES[name].get("bwd_tma", False))
     assert r["pad_ok"], r
     for x in ("o", "dq", "dk", "dv"):
         assert r[f"ok_{x}"], f"{name}: {x} error {r[f'err_{x}']:.4g} > 2 x bf16 baseline {r[f'base_{x}']:.4g} + atol"
     # the TMA candidates really load through descriptors; the others never do
-    assert (r["descriptor_loads"] > 0) == bool(CANDIDATES[name].get("bwd_tma", False))
+    assert (r["descriptor_loads"] > 0) == tma

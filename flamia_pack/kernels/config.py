@@ -84,6 +84,11 @@ class AttentionKernelConfig:
     tensor descriptors made in the kernel (``tl.make_tensor_descriptor``; rows past the document end
     read as zero) instead of cp.async pointer loads. Falls back to pointer loads when a base or a
     token/head stride is not 16-byte aligned."""
+    bwd_head_major: bool = False
+    """Backward program order: False = rank-major (every head of one work-list rank side by side,
+    ranks in decreasing cost); True = head-major (one kv head after the other, its ranks in
+    decreasing cost), so the programs in flight share one head's Q/K/V/dO in L2 (FlexAttention's
+    grid order: heads on the slowest grid axis)."""
     bwd_dq_num_warps: int = 0
     """Backward, two launches only: warps of the dQ launch; 0 = ``bwd_num_warps``."""
     bwd_dq_num_stages: int = 0
@@ -120,7 +125,7 @@ class AttentionKernelConfig:
                               "(one fused launch has one warp count and one stage count)")
         if self.schedule not in SCHEDULES:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        for name in ("merge_short", "bwd_fused", "bwd_tma"):
+        for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -139,13 +144,13 @@ CANDIDATES: dict[str, dict] = {
     "default": {},
     # walked Q/dO (dK/dV) and K/V (dQ) tiles through TMA descriptors: sm_90 spills 60 B instead of 172 B
     "bwd_tma": {"bwd_tma": True},
-    # masked (diagonal / document-edge) loops not pipelined, pointer loads: spills 96 B
-    "bwd_ms1": {"bwd_masked_stages": 1},
-    # two launches, both with TMA: dK/dV 255 registers, 60 B spills; dQ 211 registers, no spills
-    "bwd_split_tma": {"bwd_fused": False, "bwd_tma": True},
-    # bwd_tma plus a 64-query x 64-key forward with 4 warps (less causal-diagonal waste and per-program
+    # head-major backward program order (L2 locality: in-flight programs share one head's tensors)
+    "bwd_head_major": {"bwd_head_major": True},
+    # both
+    "bwd_tma_head_major": {"bwd_tma": True, "bwd_head_major": True},
+    # both, plus a 64-query x 64-key forward with 4 warps (less causal-diagonal waste and per-program
     # work on short documents; spill-free, 251 registers, 115 KB shared memory)
-    "bwd_tma_fwd64": {"bwd_tma": True, "block_m": 64, "num_warps": 4},
+    "bwd_tma_head_major_fwd64": {"bwd_tma": True, "bwd_head_major": True, "block_m": 64, "num_warps": 4},
 }
 """Named override sets (field -> value) on top of :func:`kernel_config`'s default, screened on
 the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by

@@ -199,39 +199,61 @@ def _dq_tile(
                  dq.to(DQ.dtype.element_ty), mask=q_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["n_docs"])
+@triton.jit(do_not_specialize=["n_docs", "max_items"])
 def _bwd_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, items_ptr, num_items_ptr, cu_ptr, n_docs, num_heads, num_kv_heads,
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items, num_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, KIND: tl.constexpr,
-    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
+    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, HEAD_MAJOR: tl.constexpr,
 ):
     # KIND 0: both program kinds interleaved rank by rank; 1: dK/dV programs only; 2: dQ only
     pid = tl.program_id(0)
-    n_kv = F1 * num_kv_heads
-    if KIND == 2:
-        n_kv = 0
-    per_rank = n_kv + F2 * num_heads
-    if KIND == 1:
-        per_rank = n_kv
-    r = pid // per_rank
-    rem = pid % per_rank
     group = num_heads // num_kv_heads
+    if HEAD_MAJOR:
+        # one kv head after the other (its dK/dV programs and its query heads' dQ programs), ranks in
+        # decreasing cost inside a head: the programs in flight share one head's Q/K/V/dO in L2
+        n_kv = F1
+        if KIND == 2:
+            n_kv = 0
+        per_rank = n_kv + F2 * group
+        if KIND == 1:
+            per_rank = n_kv
+        hk0 = pid // (max_items * per_rank)
+        x = pid % (max_items * per_rank)
+        r = x // per_rank
+        rem = x % per_rank
+        e1 = r * F1 + rem
+        head1 = hk0
+        rem2 = rem - n_kv
+        e2 = r * F2 + rem2 // group
+        head2 = hk0 * group + rem2 % group
+    else:
+        # rank-major: every head of one work-list rank side by side, ranks in decreasing cost
+        n_kv = F1 * num_kv_heads
+        if KIND == 2:
+            n_kv = 0
+        per_rank = n_kv + F2 * num_heads
+        if KIND == 1:
+            per_rank = n_kv
+        r = pid // per_rank
+        rem = pid % per_rank
+        e1 = r * F1 + rem // num_kv_heads
+        head1 = rem % num_kv_heads
+        rem2 = rem - n_kv
+        e2 = r * F2 + rem2 // num_heads
+        head2 = rem2 % num_heads
     if r < tl.load(num_items_ptr):
         if rem < n_kv:
-            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, items_ptr, cu_ptr, n_docs,
-                       r * F1 + rem // num_kv_heads, rem % num_kv_heads, group,
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, items_ptr, cu_ptr, n_docs, e1, head1, group,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
                        qk_scale, sm_scale, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA)
         else:
-            rem2 = rem - n_kv
-            _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs,
-                     r * F2 + rem2 // num_heads, rem2 % num_heads, group,
+            _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e2, head2, group,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dqt, stride_dqh, stride_lh,
                      qk_scale, sm_scale, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA)
@@ -307,14 +329,15 @@ def flash_bwd(
         if n_prog == 0:
             continue
         _bwd_kernel[(n_prog,)](
-            q, k, v, do, lse, delta, dq, dk, dv, items, num_items, cu_seqlens, cu_seqlens.numel() - 1, H, Hkv,
+            q, k, v, do, lse, delta, dq, dk, dv, items, num_items, cu_seqlens, cu_seqlens.numel() - 1, items.shape[0],
+            H, Hkv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
             dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), delta.stride(0),
             float(softmax_scale) * LOG2E, float(softmax_scale),
             HEAD_DIM=D, BLOCK_M1=config.bwd_block_m1, BLOCK_N1=config.bwd_block_n1,
             BLOCK_M2=config.bwd_block_m2, BLOCK_N2=config.bwd_block_n2,
             F1=f1, F2=f2, WL_BM=config.wl_block_m, CAUSAL=bool(causal), KIND=kind,
-            MASKED_STAGES=config.bwd_masked_stages or stages, USE_TMA=use_tma,
+            MASKED_STAGES=config.bwd_masked_stages or stages, USE_TMA=use_tma, HEAD_MAJOR=config.bwd_head_major,
             num_warps=warps, num_stages=stages,
         )
     fill_tail(dq, cu_seqlens, 0.0)
