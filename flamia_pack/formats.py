@@ -47,8 +47,13 @@ shard whose file is listed (in the progress file or an old manifest) with the sa
 ``content_key`` and whose bytes still hash to the recorded ``sha256`` is kept; every other
 shard is rewritten. Only one writer per directory at a time is supported.
 
+Writers: :func:`write_packed` takes rows already in memory (a ``PackedRows``); :func:`write_plan`
+takes a ``PackPlan`` + the flat tokens and materialises one shard of rows at a time into reused
+buffers (what ``flamia pack`` uses: row memory is one shard, not the whole output). Both share
+the shard loop below and produce byte-identical shards for the same packing.
+
 Test hook: when the environment variable ``FLAMIA_TEST_CRASH_AFTER_SHARDS=N`` is set,
-``write_packed`` calls ``os._exit(86)`` right after it has written ``N`` new shards (before the
+``write_packed``/``write_plan`` call ``os._exit(86)`` right after it has written ``N`` new shards (before the
 manifest), to simulate a crash in tests. Never set it otherwise.
 
 Reading: :func:`read_manifest`, :func:`verify` (checksums, missing/extra shards) and
