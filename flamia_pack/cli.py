@@ -260,10 +260,12 @@ def plan_cmd(
     pass_: str = typer.Option("fwd_bwd", "--pass", help="fwd, bwd or fwd_bwd (one training call)."),
     capacity: int = typer.Option(None, "--capacity", help="Row capacity in tokens (default: the manifest's, "
                                  "else the tokens); sizes the packed-memory estimate."),
-    block_m: int = typer.Option(128, "--block-m", help="BLOCK_M: queries per work item (power of two, 16..256)."),
-    block_n: int = typer.Option(128, "--block-n", help="BLOCK_N: keys per tile (power of two >= 16)."),
-    merge_short: bool = typer.Option(False, "--merge-short", help="Coalesce whole short documents inside one "
-                                     "BLOCK_M window into one item."),
+    block_m: int = typer.Option(None, "--block-m", help="BLOCK_M: queries per work item (power of two, 16..256; "
+                                "default: the calibrated kernel's, 128)."),
+    block_n: int = typer.Option(None, "--block-n", help="BLOCK_N: keys per cost tile (power of two >= 16; "
+                                "default: the calibration's, 128)."),
+    merge_short: bool = typer.Option(None, "--merge-short/--no-merge-short", help="Coalesce whole short documents "
+                                     "inside one BLOCK_M window into one item (default: as the calibrated kernel does)."),
     policy: str = typer.Option("auto", "--policy", help="auto (rule: causal -> dynamic; non-causal -> dynamic "
                                "iff max_len >= 4 x mean_len), static or dynamic."),
     gpu: str = typer.Option("H200", "--gpu", help="GPU of the calibration table."),
@@ -313,8 +315,14 @@ def plan_cmd(
             rows, _ = _plan_read_lengths_file(source)
             what = f"lengths file {source}"
         cap = capacity if capacity is not None else man_capacity
-        config = TileConfig(block_m=block_m, block_n=block_n, causal=causal, merge_short=merge_short)
         table = load_calibration(calibration)
+        config = None  # the calibration entry's geometry = the work lists the kernel really builds
+        if (block_m, block_n, merge_short) != (None, None, None):
+            from flamia_pack.scheduler import kernel_path
+
+            ref = table.lookup(kernel_path(precision, pass_), head_dim, gpu)
+            config = TileConfig(block_m=block_m or ref.block_m, block_n=block_n or ref.block_n, causal=causal,
+                                merge_short=ref.merge_short if merge_short is None else merge_short)
         preds = [
             predict(lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=causal,
                     precision=precision, capacity=cap, gpu=gpu, config=config, num_sms=num_sms, pass_=pass_,

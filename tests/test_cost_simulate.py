@@ -216,10 +216,23 @@ def test_predict_options_and_errors():
 
 def test_predict_merge_short_makes_one_token_documents_cheap():
     lens = np.ones(8192, np.int64)
-    plain = predict(lens, pass_="fwd")
+    plain = predict(lens, pass_="fwd", config=TileConfig(merge_short=False))
     merged = predict(lens, pass_="fwd", config=TileConfig(merge_short=True))
     assert plain.items == 8192 and merged.items == 64
     assert merged.dynamic_ms < plain.dynamic_ms / 50
+
+
+def test_predict_default_geometry_follows_the_calibrated_kernel():
+    """Without a config, predict uses the calibration entry's tile geometry, i.e. the work lists the
+    kernel really builds (the bf16 kernels merge tiny documents), so S1-like mixes are not
+    predicted as 131,072 separate tiles."""
+    lens = np.ones(8192, np.int64)
+    cal = load_calibration().lookup("bf16_fwd", 128, "H200")
+    assert cal.merge_short
+    default = predict(lens, pass_="fwd")
+    explicit = predict(lens, pass_="fwd", config=TileConfig(block_m=cal.block_m, block_n=cal.block_n, merge_short=True))
+    assert default.merge_short and default.items == explicit.items == 64
+    assert default.dynamic_ms == explicit.dynamic_ms
 
 
 def test_predict_error_messages_name_the_real_problem():

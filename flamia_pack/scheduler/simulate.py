@@ -82,6 +82,9 @@ class Calibration:
     """fixed microseconds per unit (item, head) on one SM."""
     block_m: int = 128
     block_n: int = 128
+    merge_short: bool = False
+    """Whether the kernel's work lists coalesce tiny documents (``TileConfig.merge_short``); a
+    prediction without an explicit ``config`` uses this entry's (block_m, block_n, merge_short)."""
     version: str = ""
     source: str = ""
     """how the numbers were obtained (estimate from peers, or measured runs)."""
@@ -123,7 +126,7 @@ def load_calibration(path: str | Path | None = None) -> CalibrationTable:
     """Read a calibration JSON (default: the shipped ``scheduler/calibration.json``).
 
     Format: ``{"version": str, "description": str, "entries": [{kernel_path, head_dim, gpu,
-    a_us_per_tile, b_us_per_item, block_m, block_n, source, measured}, ...]}``.
+    a_us_per_tile, b_us_per_item, block_m, block_n, merge_short, source, measured}, ...]}``.
 
     Raises:
         FlamiaError: unreadable file or malformed content.
@@ -553,7 +556,7 @@ def predict(
     precision: str = "bf16",
     capacity: int | None = None,
     gpu: str = "H200",
-    config: TileConfig = TileConfig(),
+    config: TileConfig | None = None,
     num_sms: int | None = None,
     pass_: str = "fwd_bwd",
     policy: str | None = None,
@@ -575,7 +578,8 @@ def predict(
         precision: ``"bf16"`` or ``"fp8"``.
         capacity: row length T the buffers are sized for (default: the tokens); must be >= tokens.
         gpu: calibration key (``"H200"``); num_sms: default from the GPU (132 on H200).
-        config: tile geometry (block_m/block_n/merge_short).
+        config: tile geometry (block_m/block_n/merge_short); default: the calibration entry's
+            geometry, i.e. the work lists the calibrated kernel really builds.
         pass_: ``"fwd"``, ``"bwd"`` or ``"fwd_bwd"`` (one training call).
         policy: None/"auto" (rule), "static" or "dynamic".
         calibration: a table, one entry, or None for the shipped table.
@@ -615,13 +619,14 @@ def predict(
     if cap >= 2**31:
         raise FlamiaError(f"capacity {cap} does not fit int32 offsets (at most 2**31 - 1)")
     p = int(num_sms) if num_sms is not None else GPU_SMS.get(str(gpu).upper(), 132)
-    cfg = dataclasses.replace(config, causal=bool(causal))
-
     if isinstance(calibration, Calibration):
         cal = calibration
     else:
         table = calibration if calibration is not None else load_calibration()
         cal = table.lookup(path, int(head_dim), gpu)
+    if config is None:
+        config = TileConfig(block_m=cal.block_m, block_n=cal.block_n, merge_short=cal.merge_short)
+    cfg = dataclasses.replace(config, causal=bool(causal))
     a, b = cal.scaled_to(cfg)
 
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
