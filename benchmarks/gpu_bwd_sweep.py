@@ -17,7 +17,10 @@ Prints a table with ratios vs the default (> 1: faster) and writes ``$OUT/bwd_sw
 every number, the fastest correct candidate (geometric mean of the training-call ratios over the
 workloads), whether it beats the default by >= 5%, and ``recommended`` (that candidate, else
 ``default``) for ``FLAMIA_ATTN_CONFIG``. Stops timing new cells after ``--budget`` seconds.
-``--dry-run`` builds the configs and the work lists on the CPU (no kernels, no timing).
+``--dry-run`` builds the configs and the work lists on the CPU (no timing); with
+``TRITON_INTERPRET=1`` it also runs each candidate's correctness check in the Triton interpreter.
+``$OUT/recommended_config.txt`` holds the recommended name alone, for
+``FLAMIA_ATTN_CONFIG=$(cat $OUT/recommended_config.txt) python3 -m pytest tests/test_attention_gpu.py``.
 """
 from __future__ import annotations
 
@@ -44,16 +47,54 @@ def changes_forward(cfg, base) -> bool:
     return any(getattr(cfg, f) != getattr(base, f) for f in FWD_FIELDS)
 
 
-def check_correct(cfg, seed: int = 3) -> dict:
+def check_correct(cfg, seed: int = 3, total: int = 3000, device: str = "cuda") -> dict:
     """Correctness of one candidate on a small random packed row (GQA, causal, unaligned, padded)."""
     import numpy as np
 
     from flamia_pack.kernels.check import compare_with_reference, random_lengths
 
-    lengths = random_lengths(np.random.default_rng(seed), 3000, 40)
+    lengths = random_lengths(np.random.default_rng(seed), total, 40)
     r = compare_with_reference(lengths, num_heads=4, num_kv_heads=2, head_dim=128, causal=True, pad=5,
-                               device="cuda", seed=seed, config=cfg)
+                               device=device, seed=seed, config=cfg)
     return {k: (float(v) if isinstance(v, float) else v) for k, v in r.items()}
+
+
+def summarize(res: dict, names: list, workloads: list) -> tuple[str, dict]:
+    """Markdown table (ms and default/candidate ratios) and the summary dict of a sweep.
+
+    ``res[name]`` holds ``correct`` (bool), ``train_ms`` / ``fwd_ms`` ({workload: ms}); ``names[0]``
+    is the default. The fastest candidate is the correct one with the highest geometric mean of
+    the training-call ratios over all ``workloads`` (a candidate missing a workload is not ranked).
+    """
+    d = res[names[0]]
+    lines = ["| candidate | correct | " + " | ".join(f"train {w} ms (x)" for w in workloads) + " | geo x | "
+             + " | ".join(f"fwd {w} ms (x)" for w in workloads) + " |",
+             "|---|---|" + "---|" * (2 * len(workloads) + 1)]
+    best, best_geo = None, 0.0
+    for n in names:
+        r = res[n]
+        cells, ratios = [], []
+        for w in workloads:
+            tm, dm = r.get("train_ms", {}).get(w), d.get("train_ms", {}).get(w)
+            if tm and dm:
+                ratios.append(dm / tm)
+                cells.append(f"{tm:.3f} ({dm / tm:.3f})")
+            else:
+                cells.append("-")
+        geo = float(math.exp(sum(math.log(x) for x in ratios) / len(ratios))) if ratios and len(ratios) == len(workloads) else None
+        r["geo_train_speedup_vs_default"] = geo
+        fcells = []
+        for w in workloads:
+            fm, dm = r.get("fwd_ms", {}).get(w), d.get("fwd_ms", {}).get(w)
+            fcells.append(f"{fm:.3f} ({dm / fm:.3f})" if fm and dm else "-")
+        lines.append(f"| {n} | {r.get('correct')} | " + " | ".join(cells) + f" | {'-' if geo is None else f'{geo:.3f}'} | "
+                     + " | ".join(fcells) + " |")
+        if r.get("correct") and geo is not None and geo > best_geo:
+            best, best_geo = n, geo
+    beats = bool(best is not None and best != names[0] and best_geo >= 1.05)
+    summary = {"fastest": best, "fastest_geo_speedup_vs_default": best_geo if best else None,
+               "beats_default_by_5pct": beats, "recommended": best if beats else "default"}
+    return "\n".join(lines), summary
 
 
 def main(argv=None) -> int:
@@ -95,6 +136,9 @@ def main(argv=None) -> int:
                 wl = build_attention_work_list(cu, int(lens.sum()), causal=True, head_dim=128, config=c)
                 log(f"dry-run {n} {w}: T={int(lens.sum())} items={int(wl.num_items.item())}")
             log(f"dry-run {n}: overrides {diff} forward changed={changes_forward(c, base)}")
+            if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels in the Triton interpreter
+                r = check_correct(c, total=300, device="cpu")
+                log(f"dry-run check {n} (interpreter, 300 tokens): {'OK' if r['ok'] else 'FAIL'}")
         if not a.dry_run:
             log("no CUDA device: dry run only")
         return 0
@@ -110,6 +154,11 @@ def main(argv=None) -> int:
 
     # 1. correctness (also compiles the kernels of each candidate)
     for n, c in cfgs.items():
+        if n != "default" and time.time() - T0 > 0.6 * a.budget:
+            res[n]["correct"] = False
+            res[n]["error"] = "skipped: time budget (compilation slower than planned)"
+            log(f"check {n}: skipped (time budget)")
+            continue
         try:
             r = check_correct(c)
             res[n]["check"] = r
@@ -158,45 +207,26 @@ def main(argv=None) -> int:
         del fns, inp
         torch.cuda.empty_cache()
 
-    # 3. table and summary
-    d = res["default"]
-    lines = ["| candidate | correct | " + " | ".join(f"train {w} ms (x)" for w in workloads) + " | geo x | "
-             + " | ".join(f"fwd {w} ms (x)" for w in workloads) + " |",
-             "|---|---|" + "---|" * (2 * len(workloads) + 1)]
-    best, best_geo = None, 0.0
-    for n in names:
-        r = res[n]
-        cells, ratios = [], []
-        for w in workloads:
-            tm, dm = r["train_ms"].get(w), d["train_ms"].get(w)
-            if tm and dm:
-                ratios.append(dm / tm)
-                cells.append(f"{tm:.3f} ({dm / tm:.3f})")
-            else:
-                cells.append("-")
-        geo = float(math.exp(sum(math.log(x) for x in ratios) / len(ratios))) if len(ratios) == len(workloads) else None
-        r["geo_train_speedup_vs_default"] = geo
-        fcells = []
-        for w in workloads:
-            fm, dm = r["fwd_ms"].get(w), d["fwd_ms"].get(w)
-            fcells.append(f"{fm:.3f} ({dm / fm:.3f})" if fm and dm else "-")
-        lines.append(f"| {n} | {r['correct']} | " + " | ".join(cells) + f" | {geo if geo is None else round(geo, 3)} | "
-                     + " | ".join(fcells) + " |")
-        if r["correct"] and geo is not None and geo > best_geo:
-            best, best_geo = n, geo
-    beats = bool(best is not None and best != "default" and best_geo >= 1.05)
-    summary = {"fastest": best, "fastest_geo_speedup_vs_default": best_geo, "beats_default_by_5pct": beats,
-               "recommended": best if beats else "default", "workloads": workloads, "rep_ms": a.rep,
-               "passes": a.passes, "elapsed_s": time.time() - T0,
-               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    text = "\n".join(lines)
-    log("ms (ratio = default / candidate, > 1 faster)\n" + text)
-    log(f"fastest correct: {best} (geo-mean x{best_geo:.3f} vs default); beats default by >= 5%: {beats}; "
-        f"recommended FLAMIA_ATTN_CONFIG={summary['recommended']}")
+    # 3. table and summary (raw numbers are written even if the summary fails)
+    summary = {"workloads": workloads, "rep_ms": a.rep, "passes": a.passes, "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "triton": triton.__version__}
+    text = ""
+    try:
+        text, s2 = summarize(res, names, workloads)
+        summary.update(s2)
+        log("ms (ratio = default / candidate, > 1 faster)\n" + text)
+        log(f"fastest correct: {summary['fastest']} (geo-mean x{summary['fastest_geo_speedup_vs_default']}) vs default; "
+            f"beats default by >= 5%: {summary['beats_default_by_5pct']}; "
+            f"recommended FLAMIA_ATTN_CONFIG={summary['recommended']}")
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    summary["elapsed_s"] = time.time() - T0
     with open(os.path.join(out_dir, "bwd_sweep.json"), "w") as f:
         json.dump({"summary": summary, "table_md": text, "candidates": res}, f, indent=1, default=str)
     with open(os.path.join(out_dir, "bwd_sweep.md"), "w") as f:
         f.write(text + "\n")
+    with open(os.path.join(out_dir, "recommended_config.txt"), "w") as f:
+        f.write(str(summary.get("recommended", "default")) + "\n")
     return 0
 
 

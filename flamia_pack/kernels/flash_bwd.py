@@ -267,24 +267,17 @@ def _tma_scratch(size: int, alignment: int, stream):
 def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
     """True if TMA descriptors can address q, k, v, dO: 16-byte aligned bases and token/head strides.
 
-    On CUDA this also installs the scratch allocator in-kernel descriptors need (once). Under the
-    interpreter (CPU tensors) descriptors are emulated and need neither.
+    On CUDA this also installs the scratch allocator that in-kernel descriptors need. Triton keeps
+    the allocator in a ``ContextVar`` (per thread), and autograd runs the backward on its own
+    device thread, so it is set on every call, in the launching thread. Under the interpreter (CPU
+    tensors) descriptors are emulated and need none.
     """
     for x in (q, k, v, do):
         if x.data_ptr() % 16 or x.stride(0) % 8 or x.stride(1) % 8:
             return False
-    if q.device.type == "cuda" and not _TMA_ALLOCATOR_SET:
-        _set_tma_allocator()
+    if q.device.type == "cuda":
+        triton.set_allocator(_tma_scratch)
     return True
-
-
-_TMA_ALLOCATOR_SET = False
-
-
-def _set_tma_allocator() -> None:
-    global _TMA_ALLOCATOR_SET
-    triton.set_allocator(_tma_scratch)
-    _TMA_ALLOCATOR_SET = True
 
 
 def flash_bwd(
