@@ -56,7 +56,7 @@ cfgs = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
 D = int(cfgs.get("D", 128))
 for bm, bn, nw, ns, pers in cfgs.get("fwd", [(128, 64, 8, 3, False)]):
     report(f"fwd D{D} {bm}x{bn} w{nw} s{ns} pers={pers}", F._fwd_kernel, ptr,
-           dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, F=128 // bm, WL_BM=128, CAUSAL=True, PERSISTENT=pers), nw, ns)
+           dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, F=128 // bm, WL_BM=128, CAUSAL=True, PERSISTENT=pers, HEAD_MAJOR=False), nw, ns)
 for m1, n1, m2, n2, nw, ns, *extra in cfgs.get("bwd", [(64, 128, 128, 64, 8, 2)]):
     # optional 7th entry: {"KIND": 0|1|2, "MASKED_STAGES": s, "USE_TMA": bool, "HEAD_MAJOR": bool}
     kc = {**dict(KIND=0, MASKED_STAGES=ns, USE_TMA=False, HEAD_MAJOR=False), **(extra[0] if extra else {})}

@@ -123,3 +123,23 @@ def test_candidates_in_interpreter(interp_results, name, causal):
         assert r[f"ok_{x}"], f"{name}: {x} error {r[f'err_{x}']:.4g} > 2 x bf16 baseline {r[f'base_{x}']:.4g} + atol"
     # the TMA candidates really load through descriptors; the others never do
     assert (r["descriptor_loads"] > 0) == tma
+
+
+def test_sweep_summary_ranks_only_correct_complete_candidates():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import gpu_bwd_sweep as G
+
+    res = {
+        "default": {"correct": True, "train_ms": {"W1": 10.0, "W7": 2.0}, "fwd_ms": {"W1": 3.0, "W7": 0.6}},
+        "a": {"correct": True, "train_ms": {"W1": 9.0, "W7": 1.9}},  # 1.111x, 1.053x -> geo 1.081
+        "b": {"correct": False, "train_ms": {"W1": 5.0, "W7": 1.0}},  # fastest but wrong: never picked
+        "c": {"correct": True, "train_ms": {"W1": 8.0}},  # a workload missing: not ranked
+        "d": {"correct": True, "train_ms": {"W1": 9.9, "W7": 1.98}},  # 1.01x: does not beat by 5%
+    }
+    text, s = G.summarize(res, ["default", "a", "b", "c", "d"], ["W1", "W7"])
+    assert s["fastest"] == "a" and s["beats_default_by_5pct"] and s["recommended"] == "a"
+    assert abs(s["fastest_geo_speedup_vs_default"] - (10 / 9 * 2 / 1.9) ** 0.5) < 1e-9
+    assert "| b | False |" in text and "9.000 (1.111)" in text
+    del res["a"]
+    _, s = G.summarize(res, ["default", "b", "c", "d"], ["W1", "W7"])
+    assert s["fastest"] == "d" and not s["beats_default_by_5pct"] and s["recommended"] == "default"

@@ -28,10 +28,12 @@ CONFIG_ENV = "FLAMIA_ATTN_CONFIG"
 of its default (unset, empty or ``default``: the default). For device runs that pick a variant
 without code changes, e.g. ``FLAMIA_ATTN_CONFIG=bwd_tma pytest tests/test_attention_gpu.py``."""
 
-SCHEDULES = ("grid", "persistent")
+SCHEDULES = ("grid", "persistent", "grid_head_major")
 """``grid``: one program per (work-list entry, head), launched in the list's decreasing-cost order
 (CTAs are dispatched in launch order, which approximates LPT); ``persistent``: one program per SM
-slot taking the next (entry, head) from a global atomic counter (the dynamic policy of DESIGN.md §6)."""
+slot taking the next (entry, head) from a global atomic counter (the dynamic policy of DESIGN.md §6);
+``grid_head_major``: the grid with the head index slowest (one head's entries in decreasing-cost order,
+then the next head's), so the programs in flight share one head's K/V in L2."""
 
 
 def _pow2(x: int) -> bool:
@@ -144,13 +146,15 @@ CANDIDATES: dict[str, dict] = {
     "default": {},
     # walked Q/dO (dK/dV) and K/V (dQ) tiles through TMA descriptors: sm_90 spills 60 B instead of 172 B
     "bwd_tma": {"bwd_tma": True},
-    # head-major backward program order (L2 locality: in-flight programs share one head's tensors)
-    "bwd_head_major": {"bwd_head_major": True},
+    # head-major program order in forward and backward (L2 locality: the programs in flight share
+    # one head's tensors instead of every head of a few documents), pointer loads
+    "head_major": {"schedule": "grid_head_major", "bwd_head_major": True},
     # both
-    "bwd_tma_head_major": {"bwd_tma": True, "bwd_head_major": True},
+    "tma_head_major": {"bwd_tma": True, "schedule": "grid_head_major", "bwd_head_major": True},
     # both, plus a 64-query x 64-key forward with 4 warps (less causal-diagonal waste and per-program
     # work on short documents; spill-free, 251 registers, 115 KB shared memory)
-    "bwd_tma_head_major_fwd64": {"bwd_tma": True, "bwd_head_major": True, "block_m": 64, "num_warps": 4},
+    "tma_head_major_fwd64": {"bwd_tma": True, "schedule": "grid_head_major", "bwd_head_major": True,
+                             "block_m": 64, "num_warps": 4},
 }
 """Named override sets (field -> value) on top of :func:`kernel_config`'s default, screened on
 the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by

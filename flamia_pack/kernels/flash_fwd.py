@@ -16,7 +16,9 @@ kernel that only touches those rows.
 Launch orders (``AttentionKernelConfig.schedule``): ``grid`` = one program per (entry, head) in
 the list's decreasing-cost order, the head index fastest (heads of one GQA group run side by side
 and share K/V in L2); ``persistent`` = one program per SM slot taking the next (entry, head) from a
-global atomic counter (the dynamic policy).
+global atomic counter (the dynamic policy); ``grid_head_major`` = the grid with the head index
+slowest (all entries of head 0 in decreasing-cost order, then head 1, ...: the programs in flight
+share one head's K/V in L2, FlexAttention's grid order).
 """
 from __future__ import annotations
 
@@ -98,13 +100,14 @@ def _fwd_tile(
         tl.store(LSE + h * stride_lh + q_pos, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["n_docs"])
+@triton.jit(do_not_specialize=["n_docs", "max_entries"])
 def _fwd_kernel(
-    Q, K, V, O, LSE, items_ptr, num_items_ptr, cu_ptr, counter_ptr, n_docs, num_heads, group,
+    Q, K, V, O, LSE, items_ptr, num_items_ptr, cu_ptr, counter_ptr, n_docs, max_entries, num_heads, group,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     F: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, PERSISTENT: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
     total = tl.load(num_items_ptr) * F * num_heads
     if PERSISTENT:
@@ -115,6 +118,15 @@ def _fwd_kernel(
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
             tile = nxt
+    elif HEAD_MAJOR:
+        # one query head after the other, entries in decreasing cost inside a head (max_entries =
+        # rows of the work list x F; entries past the valid ones exit at once)
+        tile = tl.program_id(0)
+        e = tile % max_entries
+        if e < tl.load(num_items_ptr) * F:
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, tile // max_entries, group,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
     else:
         tile = tl.program_id(0)
         if tile < total:
@@ -209,12 +221,12 @@ def flash_fwd(
         grid = (max(1, n_entries),)
     if n_entries > 0:
         _fwd_kernel[grid](
-            q, k, v, o, lse, items, num_items, cu_seqlens, counter, n_docs, H, H // Hkv,
+            q, k, v, o, lse, items, num_items, cu_seqlens, counter, n_docs, items.shape[0] * f, H, H // Hkv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             o.stride(0), o.stride(1), lse.stride(0),
             float(softmax_scale) * LOG2E,
             HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, F=f, WL_BM=config.wl_block_m,
-            CAUSAL=bool(causal), PERSISTENT=persistent,
+            CAUSAL=bool(causal), PERSISTENT=persistent, HEAD_MAJOR=config.schedule == "grid_head_major",
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     fill_tail(o, cu_seqlens, 0.0, token_dim=0)
