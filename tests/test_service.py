@@ -204,12 +204,37 @@ def test_histogram_limits_checked_before_allocating():
         {"lengths": [1], "capacity": 0},
         {"lengths": [1], "policy": "random"},
         {"lengths": [1], "unknown_field": 1},
+        # JSON types must match the schema (strict): no strings or booleans for integers
+        {"lengths": [True]},
+        {"lengths": ["12"]},
+        {"histogram": [["8", 1]]},
+        {"lengths": [1], "causal": "yes"},
+        {"lengths": [1], "num_heads": "16"},
+        {"lengths": None},
+        {"distribution": None},
     ],
 )
 def test_predict_schema_errors_are_422(client, body):
     r = client.post("/v1/cost:predict", json=body)
     assert r.status_code == 422, r.text
     assert isinstance(r.json()["detail"], list)
+
+
+@pytest.mark.parametrize(
+    "body, loc",
+    [
+        ({"lengths": [5, -1]}, ["body", "lengths", 1]),
+        ({"histogram": [[1, 2**40]]}, ["body", "histogram", 0, 1]),
+        ({"distribution": {"sigma": -1}}, ["body", "distribution", "sigma"]),
+    ],
+)
+def test_schema_error_names_the_field_once(client, body, loc):
+    # one error per mistake, located at the field (no extra "Input should be null" branch, no
+    # "list[constrained-int]" union tags in loc)
+    r = client.post("/v1/cost:predict", json=body)
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert [d["loc"] for d in detail] == [loc], detail
 
 
 def test_invalid_json_is_422_and_input_not_echoed(client):
@@ -391,6 +416,13 @@ def test_page_submit_renders_both_gantt_charts(client, form):
         ({"mix": "lengths", "lengths": "100", "num_heads": "16", "num_kv_heads": "3"}, "multiple"),
         ({"mix": "lengths", "lengths": "100", "head_dim": "96"}, "head_dim"),
         ({"mix": "nonsense"}, "mix kind"),
+        # int() quirks must not become 500s: '²' passes str.isdigit(), >4300 digits raise
+        ({"mix": "lengths", "lengths": "12 \u00b2"}, "not an integer"),
+        ({"mix": "lengths", "lengths": "9" * 5000}, "not an integer"),
+        ({"mix": "lengths", "lengths": "1_000"}, "not an integer"),
+        ({"mix": "histogram", "histogram": "9" * 5000 + " x 1"}, "length x count"),
+        ({"mix": "lengths", "lengths": "100", "num_heads": "\u00b2"}, "not an integer"),
+        ({"mix": "lengths", "lengths": "5, -1"}, "lengths.1"),
     ],
 )
 def test_page_bad_form_is_400_with_reason_on_the_page(client, form, reason):

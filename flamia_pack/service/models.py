@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.json_schema import SkipJsonSchema
 
 _INT32_MAX = 2**31 - 1
 
@@ -55,13 +54,16 @@ class PredictRequest(BaseModel):
         json_schema_extra=_ONE_MIX,
     )
 
-    lengths: list[Length] | SkipJsonSchema[None] = Field(
+    # The mix fields are typed without ``| None`` (their default None just means "not given"): a
+    # union with None would make every schema error of a length also report a second, confusing
+    # "Input should be null" error and a ``list[constrained-int]`` step in ``loc``.
+    lengths: list[Length] = Field(  # type: ignore[assignment]
         None, description="Document lengths in tokens, in order.", examples=[[4096] * 16]
     )
-    histogram: list[tuple[Length, Count]] | SkipJsonSchema[None] = Field(
+    histogram: list[tuple[Length, Count]] = Field(  # type: ignore[assignment]
         None, description="[length, count] pairs, expanded in order.", examples=[[[8192, 1], [256, 224]]]
     )
-    distribution: LognormalMix | SkipJsonSchema[None] = Field(None, description="A random mix (seeded).")
+    distribution: LognormalMix = Field(None, description="A random mix (seeded).")  # type: ignore[assignment]
     num_heads: int = Field(16, ge=1, le=512, description="Query heads H_q.")
     num_kv_heads: int | None = Field(
         None, ge=1, le=512, description="Key/value heads H_kv (GQA); None = num_heads. Must divide num_heads."

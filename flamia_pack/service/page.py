@@ -71,16 +71,20 @@ def parse_form(body: bytes, content_type: str | None) -> PageForm:
 
 
 _SPLIT = re.compile(r"[\s,;]+")
-_PAIR = re.compile(r"^\s*(\d+)\s*(?:[x*:,]|\s)\s*(\d+)\s*$", re.IGNORECASE)
+_INT = re.compile(r"[+-]?[0-9]+")
+_PAIR = re.compile(r"^\s*([0-9]{1,20})\s*(?:[x*:,]|\s)\s*([0-9]{1,20})\s*$", re.IGNORECASE)
 
 
 def _ints(text: str, what: str) -> list[int]:
-    parts = [p for p in _SPLIT.split(text.strip()) if p]
-    try:
-        return [int(p) for p in parts]
-    except ValueError:
-        bad = next(p for p in parts if not p.lstrip("-").isdigit())
-        raise FormError(f"{what}: {bad!r} is not an integer") from None
+    out = []
+    for p in (p for p in _SPLIT.split(text.strip()) if p):
+        # ASCII digits only: int() also takes '1_000' and other scripts' digits, and raises for
+        # '²' (which str.isdigit() accepts) or for more than 4,300 digits
+        if not _INT.fullmatch(p) or len(p) > 20:
+            shown = p if len(p) <= 40 else p[:40] + "..."
+            raise FormError(f"{what}: {shown!r} is not an integer (ASCII digits, at most 20 of them)")
+        out.append(int(p))
+    return out
 
 
 def form_to_request(form: PageForm) -> PredictRequest:
