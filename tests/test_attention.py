@@ -60,6 +60,14 @@ def _bad_calls():
     yield "causal type", (q, k, v, cu, 7), {"causal": 1}, FlamiaError, "bool"
     yield "not a tensor", (q.numpy() if q.dtype != torch.bfloat16 else [1], k, v, cu, 7), {}, FlamiaError, "torch.Tensor"
     yield "work_list type", (q, k, v, cu, 7), {"work_list": object()}, FlamiaError, "WorkList"
+    # int64 values past int32 must be rejected, not wrapped by the int32 cast (2**32 + 12 -> 12)
+    yield "cu int64 wrap", (q, k, v, torch.tensor([0, 5, 2**32 + 12]), 7), {}, MetadataError, "non-decreasing|exceeds"
+    yield "cu int64 past T", (q, k, v, torch.tensor([0, 5, 13]), 8), {}, MetadataError, "exceeds"
+    yield "head_dim 0", (q[..., :0], k[..., :0], v[..., :0], cu, 7), {}, FlamiaError, "head_dim"
+    yield "config type", (q, k, v, cu, 7), {"config": 5}, FlamiaError, "AttentionKernelConfig"
+    yield "scale nan", (q, k, v, cu, 7), {"softmax_scale": float("nan")}, FlamiaError, "softmax_scale"
+    yield "scale tensor", (q, k, v, cu, 7), {"softmax_scale": torch.tensor(0.5)}, FlamiaError, "softmax_scale"
+    yield "max_seqlen bool", (q, k, v, cu, True), {}, FlamiaError, "max_seqlen"
 
 
 @pytest.mark.parametrize("case", list(_bad_calls()), ids=lambda c: c[0])
@@ -67,6 +75,17 @@ def test_validation_errors(case):
     _, args, kw, exc, msg = case
     with pytest.raises(exc, match=msg):
         varlen_attention(*args, **kw)
+
+
+def test_numpy_scalars_are_accepted():
+    # max_seqlen / softmax_scale often come out of numpy (np.diff(cu).max()); same result as ints
+    q, k, v, cu = _inputs([5, 7], h=4, hkv=2, d=64, dtype=torch.float32)
+    ref = varlen_attention(q, k, v, cu, 7, softmax_scale=0.25)
+    got = varlen_attention(q, k, v, cu, np.int64(7), softmax_scale=np.float32(0.25))
+    assert torch.equal(ref, got)
+    with pytest.raises(MetadataError, match="max_seqlen"):
+        varlen_attention(q, k, v, cu, np.int32(6))
+    assert torch.equal(varlen_attention(q, k, v, cu.long(), 7, softmax_scale=0.25), ref)
 
 
 def test_work_list_mismatch_is_rejected():

@@ -32,6 +32,7 @@ does no host synchronisation and can be captured in a CUDA graph for a fixed T.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Optional
 
@@ -106,7 +107,8 @@ def check_attention_inputs(
     Args:
         q: ``(T, H_q, D)``; k, v: ``(T, H_kv, D)``; ``H_q % H_kv == 0``; last dim contiguous.
         cu_seqlens: 1-D int32/int64 ``(n_docs + 1,)`` on q's device.
-        max_seqlen: int >= 0 (FlashAttention API parity; the values are checked with cu_seqlens).
+        max_seqlen: int >= 0 (Python or numpy integer; FlashAttention API parity; the values are
+            checked with cu_seqlens).
         kernel_path: the Triton path (bf16 and D in {64, 128} required) or the reference fallback
             (bf16/fp16/fp32/fp64, any D).
 
@@ -129,6 +131,8 @@ def check_attention_inputs(
     Hkv = k.shape[1]
     if H < 1 or Hkv < 1 or H % Hkv:
         raise FlamiaError(f"num_heads ({H}) must be a positive multiple of num_kv_heads ({Hkv})")
+    if D < 1:
+        raise FlamiaError(f"head_dim must be >= 1, got q of shape {tuple(q.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise FlamiaError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if kernel_path:
@@ -148,13 +152,14 @@ def check_attention_inputs(
         raise MetadataError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise MetadataError(f"cu_seqlens must be 1-D of shape (n_docs + 1,), got shape {tuple(cu_seqlens.shape)}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 0:
         raise FlamiaError(f"max_seqlen must be an int >= 0, got {max_seqlen!r}")
     if T >= 2**31 // max(1, H * D):
         raise FlamiaError(f"T * num_heads * head_dim must be < 2**31, got {T} * {H} * {D}")
     return T, H, Hkv, D
 
 
+@torch.compiler.disable
 def _check_cu_values(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> None:
     """Host check of the values of cu_seqlens (one device-to-host copy)."""
     from flamia_pack.varlen import validate_cu_seqlens
@@ -400,9 +405,10 @@ def varlen_attention(
         cu_seqlens: ``(n_docs + 1,)`` int32 (int64 is converted), row-local offsets: first 0,
             strictly increasing, last ``<= T``. Documents may start at any offset; tokens at or past
             ``cu_seqlens[-1]`` are row-end padding: ``o = 0``, ``lse = +inf``, zero gradients.
-        max_seqlen: longest document (int; FlashAttention API parity; checked, not needed).
+        max_seqlen: longest document (Python or numpy int; FlashAttention API parity; checked
+            against ``cu_seqlens`` when no ``work_list`` is given, otherwise not needed).
         causal: key ``j`` visible to query ``i`` only if ``j <= i`` (inside the document).
-        softmax_scale: default ``D ** -0.5``.
+        softmax_scale: finite real > 0 (Python or numpy float); default ``D ** -0.5``.
         precision: ``"bf16"``; ``"fp8"`` (token-block scaled, DESIGN.md §4) is not implemented yet.
         work_list: a prebuilt ``WorkList`` (:func:`build_attention_work_list`). Given one, the call
             trusts ``cu_seqlens`` (validated when the list was built) and does no host sync: use it
@@ -434,16 +440,20 @@ def varlen_attention(
     T, H, Hkv, D = check_attention_inputs(q, k, v, cu_seqlens, max_seqlen, kernel_path=use_kernels)
     if softmax_scale is None:
         softmax_scale = D ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not (
             math.isfinite(softmax_scale) and softmax_scale > 0):
         raise FlamiaError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
+    max_seqlen = int(max_seqlen)
+    if config is not None and not isinstance(config, AttentionKernelConfig):
+        raise FlamiaError(f"config must be an AttentionKernelConfig, got {type(config).__name__}")
+    if cu_seqlens.dtype == torch.int64 and work_list is None:
+        # check the int64 values themselves: the int32 cast below would wrap 2**32 + n to n
+        _check_cu_values(cu_seqlens, T, max_seqlen)
     cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     if not cu32.is_contiguous():
         cu32 = cu32.contiguous()
     if use_kernels:
         cfg = config if config is not None else kernel_config(D, causal)
-        if not isinstance(cfg, AttentionKernelConfig):
-            raise FlamiaError(f"config must be an AttentionKernelConfig, got {type(cfg).__name__}")
         if work_list is None:
             items, num_items = _default_work_list(cu32, T, max_seqlen, causal, cfg)
         else:
