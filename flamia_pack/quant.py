@@ -113,7 +113,13 @@ def _as_device_cu(cu_seqlens, device=None) -> torch.Tensor:
     if isinstance(cu_seqlens, torch.Tensor):
         cu = cu_seqlens
     else:
-        cu = torch.as_tensor(np.asarray(cu_seqlens))
+        arr = np.asarray(cu_seqlens)
+        if arr.dtype.kind not in "iu":
+            raise MetadataError(
+                f"cu_seqlens must be an int32/int64 tensor or array (n_docs + 1,), got {type(cu_seqlens).__name__}"
+                f" of dtype {arr.dtype}"
+            )
+        cu = torch.as_tensor(arr)
     if cu.dtype not in (torch.int32, torch.int64):
         raise MetadataError(f"cu_seqlens must be int32 or int64, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() == 0:
@@ -254,8 +260,11 @@ def _check_finite(ebyte: torch.Tensor, what: str, x: Optional[torch.Tensor] = No
 
 
 def _check_float(x: torch.Tensor, name: str = "x") -> None:
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.element_size() < 2:
-        raise FlamiaError(f"{name} must be a float16/bfloat16/float32 tensor, got {getattr(x, 'dtype', type(x))}")
+    if not isinstance(x, torch.Tensor):
+        raise FlamiaError(f"{name} must be a float16/bfloat16/float32 torch.Tensor, got {type(x).__name__}"
+                          + (f" of dtype {x.dtype}" if hasattr(x, "dtype") else ""))
+    if not x.is_floating_point() or x.element_size() < 2:
+        raise FlamiaError(f"{name} must be a float16/bfloat16/float32 tensor, got {x.dtype}")
     if x.dtype == torch.float64:
         raise FlamiaError(f"{name} must be float16/bfloat16/float32, got float64 (cast it first)")
 
@@ -294,12 +303,14 @@ def quantize_token_blocks(
         ``(T, H)`` uint8 (UE8M0, ``e + 127``), dense per token.
 
     Raises:
-        FlamiaError: wrong dtype/rank, non-finite input (with ``check_finite``);
-        MetadataError: invalid ``cu_seqlens``.
+        FlamiaError: not a tensor, wrong dtype/rank, ``D == 0``, bad granularity, non-finite
+            input (with ``check_finite``);
+        MetadataError: invalid ``cu_seqlens`` (dtype, shape, values, ``cu_seqlens[-1] > T``) or
+            ``group_start`` of the wrong shape.
     """
     _check_float(x)
-    if x.dim() != 3:
-        raise FlamiaError(f"x must be (T, H, D), got shape {tuple(x.shape)}")
+    if x.dim() != 3 or x.shape[2] < 1:
+        raise FlamiaError(f"x must be (T, H, D) with D >= 1, got shape {tuple(x.shape)}")
     T, H, _ = x.shape
     if group_start is None:
         group_start = scale_groups(cu_seqlens, T, granularity, group_size, validate=validate).group_start
@@ -327,12 +338,9 @@ def dequantize(codes: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
         float32 tensor of ``codes.shape``.
 
     Raises:
-        FlamiaError: dtype or shape mismatch.
+        FlamiaError: not tensors, dtype or shape mismatch.
     """
-    if codes.dtype != torch.float8_e4m3fn or exponents.dtype != torch.uint8:
-        raise FlamiaError(
-            f"dequantize expects float8_e4m3fn codes and uint8 exponents, got {codes.dtype}, {exponents.dtype}"
-        )
+    _check_pair(codes, exponents, "dequantize")
     if tuple(codes.shape[: exponents.dim()]) != tuple(exponents.shape):
         raise FlamiaError(
             f"exponents shape {tuple(exponents.shape)} must be a prefix of codes shape {tuple(codes.shape)}"
@@ -340,6 +348,24 @@ def dequantize(codes: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
     s = _pow2_from_ebyte(exponents)
     s = s.reshape(tuple(exponents.shape) + (1,) * (codes.dim() - exponents.dim()))
     return codes.float() * s
+
+
+def _check_pair(codes, exponents, what: str) -> None:
+    for name, t in (("codes", codes), ("exponents", exponents)):
+        if not isinstance(t, torch.Tensor):
+            raise FlamiaError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if codes.dtype != torch.float8_e4m3fn or exponents.dtype != torch.uint8:
+        raise FlamiaError(
+            f"{what} expects float8_e4m3fn codes and uint8 exponents, got {codes.dtype}, {exponents.dtype}"
+        )
+    if codes.device != exponents.device:
+        raise FlamiaError(f"{what}: codes and exponents must be on one device, got {codes.device}, {exponents.device}")
+
+
+def _check_block(block) -> int:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise FlamiaError(f"block must be an int >= 1, got {block!r}")
+    return block
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,6 +382,9 @@ def quantize_per_tensor(x: torch.Tensor, *, check_finite: bool = True) -> Quanti
 
     Returns:
         :class:`Quantized` with codes of ``x.shape`` and a 0-d uint8 exponent.
+
+    Raises:
+        FlamiaError: not a float16/bfloat16/float32 tensor; non-finite input (with ``check_finite``).
     """
     _check_float(x)
     amax = _abs_bits(x).amax() if x.numel() else torch.zeros((), dtype=torch.int32, device=x.device)
@@ -382,12 +411,21 @@ def quantize_mx_features(x: torch.Tensor, block: int = 32, *, check_finite: bool
     Same exponent rule as the token blocks (rounded up, no saturation). A trailing partial block
     (``D % block != 0``) gets its own exponent.
 
+    Args:
+        x: ``(..., D)`` float16/bfloat16/float32, ``D >= 1``. block: features per exponent (>= 1;
+            32 in the OCP MX formats). check_finite: as in :func:`quantize_token_blocks`.
+
     Returns:
         :class:`Quantized`: codes of ``x.shape``; exponents ``x.shape[:-1] + (ceil(D / block),)``.
+
+    Raises:
+        FlamiaError: wrong dtype, a 0-d or ``D == 0`` tensor, ``block < 1``, non-finite input
+            (with ``check_finite``).
     """
     _check_float(x)
-    if x.dim() < 1:
-        raise FlamiaError("quantize_mx_features needs at least one dimension")
+    _check_block(block)
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise FlamiaError(f"quantize_mx_features needs x of shape (..., D) with D >= 1, got {tuple(x.shape)}")
     D = x.shape[-1]
     bits = _pad_to(_abs_bits(x), -1, block)
     nb = bits.shape[-1] // block
@@ -400,7 +438,25 @@ def quantize_mx_features(x: torch.Tensor, block: int = 32, *, check_finite: bool
 
 
 def dequantize_mx_features(codes: torch.Tensor, exponents: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """Inverse of :func:`quantize_mx_features` (float32)."""
+    """Inverse of :func:`quantize_mx_features`: ``x_hat = q * 2**e`` per ``block`` features.
+
+    Args:
+        codes: ``(..., D)`` ``torch.float8_e4m3fn``.
+        exponents: uint8 UE8M0 ``(..., ceil(D / block))`` (255 decodes to NaN).
+        block: the ``block`` the codes were made with.
+
+    Returns:
+        float32 tensor of ``codes.shape``.
+
+    Raises:
+        FlamiaError: not tensors, wrong dtypes, ``block < 1``, or shapes that do not match ``block``.
+    """
+    _check_pair(codes, exponents, "dequantize_mx_features")
+    _check_block(block)
+    want = (*codes.shape[:-1], -(-codes.shape[-1] // block)) if codes.dim() else None
+    if want is None or tuple(exponents.shape) != want:
+        raise FlamiaError(f"dequantize_mx_features: exponents must have shape {want} for codes of shape "
+                          f"{tuple(codes.shape)} and block={block}, got {tuple(exponents.shape)}")
     s = _pow2_from_ebyte(exponents).repeat_interleave(block, dim=-1)[..., : codes.shape[-1]]
     return codes.float() * s
 
@@ -411,11 +467,17 @@ def quantize_blocks_2d(x: torch.Tensor, block: int = 32, *, check_finite: bool =
 
     Args:
         x: ``(..., M, N)`` float16/bfloat16/float32; partial edge blocks get their own exponent.
+        block: side of the square (>= 1). check_finite: as in :func:`quantize_token_blocks`.
 
     Returns:
         :class:`Quantized`: codes of ``x.shape``; exponents ``(..., ceil(M/block), ceil(N/block))``.
+
+    Raises:
+        FlamiaError: wrong dtype, fewer than 2 dimensions, ``block < 1``, non-finite input (with
+            ``check_finite``).
     """
     _check_float(x)
+    _check_block(block)
     if x.dim() < 2:
         raise FlamiaError(f"quantize_blocks_2d needs (..., M, N), got shape {tuple(x.shape)}")
     M, N = x.shape[-2:]
@@ -430,8 +492,28 @@ def quantize_blocks_2d(x: torch.Tensor, block: int = 32, *, check_finite: bool =
 
 
 def dequantize_blocks_2d(codes: torch.Tensor, exponents: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """Inverse of :func:`quantize_blocks_2d` (float32)."""
+    """Inverse of :func:`quantize_blocks_2d`: ``x_hat = q * 2**e`` per ``block x block`` square.
+
+    Args:
+        codes: ``(..., M, N)`` ``torch.float8_e4m3fn``.
+        exponents: uint8 UE8M0 ``(..., ceil(M / block), ceil(N / block))`` (255 decodes to NaN).
+        block: the ``block`` the codes were made with.
+
+    Returns:
+        float32 tensor of ``codes.shape``.
+
+    Raises:
+        FlamiaError: not tensors, wrong dtypes, ``block < 1``, or shapes that do not match ``block``.
+    """
+    _check_pair(codes, exponents, "dequantize_blocks_2d")
+    _check_block(block)
+    if codes.dim() < 2:
+        raise FlamiaError(f"dequantize_blocks_2d needs codes of shape (..., M, N), got {tuple(codes.shape)}")
     M, N = codes.shape[-2:]
+    want = (*codes.shape[:-2], -(-M // block), -(-N // block))
+    if tuple(exponents.shape) != want:
+        raise FlamiaError(f"dequantize_blocks_2d: exponents must have shape {want} for codes of shape "
+                          f"{tuple(codes.shape)} and block={block}, got {tuple(exponents.shape)}")
     s = _pow2_from_ebyte(exponents)
     s = s.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)[..., :M, :N]
     return codes.float() * s

@@ -301,6 +301,32 @@ def test_bad_inputs():
         dequantize(torch.zeros(3, 2, dtype=torch.float8_e4m3fn), torch.zeros(2, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize(
+    "call, exc, msg",
+    [
+        # each was an IndexError / ZeroDivisionError / AttributeError / RuntimeError before
+        (lambda x, cu: quantize_token_blocks(x[..., :0], cu), FlamiaError, "D >= 1"),
+        (lambda x, cu: quantize_token_blocks(x.numpy(), cu), FlamiaError, "torch.Tensor, got ndarray"),
+        (lambda x, cu: quantize_token_blocks(x, None), MetadataError, "int32/int64"),
+        (lambda x, cu: quantize_token_blocks(x, [0.0, 4.0]), MetadataError, "int32/int64"),
+        (lambda x, cu: dequantize(None, torch.zeros(4, 1, dtype=torch.uint8)), FlamiaError, "codes must be a torch.Tensor"),
+        (lambda x, cu: quantize_mx_features(x, 0), FlamiaError, "block must be an int >= 1"),
+        (lambda x, cu: quantize_mx_features(x, -1), FlamiaError, "block must be an int >= 1"),
+        (lambda x, cu: quantize_mx_features(x[..., :0]), FlamiaError, "D >= 1"),
+        (lambda x, cu: dequantize_mx_features(*quantize_mx_features(x, 32), block=16), FlamiaError, "must have shape"),
+        (lambda x, cu: dequantize_mx_features(*quantize_mx_features(x, 32), block=0), FlamiaError, "block"),
+        (lambda x, cu: quantize_blocks_2d(x, 0), FlamiaError, "block must be an int >= 1"),
+        (lambda x, cu: dequantize_blocks_2d(*quantize_blocks_2d(x, 32), block=8), FlamiaError, "must have shape"),
+        (lambda x, cu: dequantize_blocks_2d(quantize_blocks_2d(x, 32).codes, None), FlamiaError, "exponents must be"),
+    ],
+)
+def test_bad_inputs_raise_flamia_errors_with_reason(call, exc, msg):
+    x = torch.randn(4, 1, 40)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(exc, match=msg):
+        call(x, cu)
+
+
 @settings(max_examples=40, deadline=None)
 @given(lens=st.lists(st.integers(1, 70), min_size=2, max_size=6), pad=st.integers(0, 9),
        which=st.integers(0, 5), seed=st.integers(0, 2**31 - 1),

@@ -116,6 +116,12 @@ def test_interpreter_errors():
         quantize(x, cu, transposed=True, transposed_store="packed")
     with pytest.raises(FlamiaError, match="hw_cvt"):
         quantize(x, cu, hw_cvt=True)
+    with pytest.raises(FlamiaError, match="D >= 1"):  # was a ZeroDivisionError
+        quantize(x[..., :0], cu)
+    with pytest.raises(FlamiaError, match="torch.Tensor, got ndarray"):
+        quantize(x.numpy(), cu)
+    with pytest.raises(FlamiaError, match="num_warps"):
+        quantize(x, cu, num_warps=3)
     y = x.clone()
     y[3, 1, 2] = float("nan")
     with pytest.raises(FlamiaError, match="NaN or Inf"):

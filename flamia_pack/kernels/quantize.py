@@ -93,6 +93,14 @@ class LaunchConfig(NamedTuple):
 def launch_config(group: int, head_dim: int, transposed: bool = False) -> LaunchConfig:
     """Default tile for a token-group size, head dim and output layout.
 
+    Args:
+        group: tokens per scale group (32 for ``"block"``, 1 for ``"token"``).
+        head_dim: D (features per head).
+        transposed: whether the kernel also writes the ``(H, D, T)`` copy itself.
+
+    Returns:
+        :class:`LaunchConfig` (``block_rows``, ``num_warps``); a pure function, no checks.
+
     Measured on the H200 (benchmarks/bench_quant.py, RESULTS.md "Quantizer (issue 3)"), QKV at
     T = 65,536, 16 heads, D = 128, time over a same-bytes copy floor: 32-token groups with
     128 rows x 8 warps 1.20 (aligned documents) / 1.36 (unaligned), 256 rows x 8 warps 1.05 / 1.26
@@ -316,10 +324,12 @@ def _search_steps(n_docs: int) -> int:
 def _check_inputs(xs: list[torch.Tensor]) -> None:
     x0 = xs[0]
     for i, x in enumerate(xs):
-        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise FlamiaError(f"input {i} must be a bfloat16/float16/float32 tensor, got {getattr(x, 'dtype', type(x))}")
-        if x.dim() != 3:
-            raise FlamiaError(f"input {i} must be (T, H, D), got shape {tuple(x.shape)}")
+        if not isinstance(x, torch.Tensor):
+            raise FlamiaError(f"input {i} must be a bfloat16/float16/float32 torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise FlamiaError(f"input {i} must be a bfloat16/float16/float32 tensor, got {x.dtype}")
+        if x.dim() != 3 or x.shape[2] < 1:
+            raise FlamiaError(f"input {i} must be (T, H, D) with D >= 1, got shape {tuple(x.shape)}")
         if x.dtype != x0.dtype or x.device != x0.device:
             raise FlamiaError(f"inputs must share dtype and device; input {i} is {x.dtype} on {x.device}, "
                               f"input 0 is {x0.dtype} on {x0.device}")
@@ -378,6 +388,8 @@ def _quantize_many(
     if block_r & (block_r - 1) or block_r < 16:
         raise FlamiaError(f"block_rows must be a power of two >= 16, got {block_r}")
     warps = int(num_warps or cfg.num_warps)
+    if warps & (warps - 1) or not 1 <= warps <= 32:
+        raise FlamiaError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
     if hw_cvt is None:
         hw_cvt = dev.type == "cuda"
     elif hw_cvt and dev.type != "cuda":
@@ -473,7 +485,9 @@ def quantize(
         :class:`QuantizedOperand`; bitwise equal to ``quant.quantize_token_blocks``.
 
     Raises:
-        FlamiaError: bad dtype/shape/tile, non-finite input; MetadataError: bad ``cu_seqlens``.
+        FlamiaError: bad dtype/shape (``D == 0`` included)/tile (``block_rows`` not a power of two
+            >= 16, ``num_warps`` not a power of two <= 32), non-finite input; MetadataError: bad
+            ``cu_seqlens``.
     """
     return _quantize_many([x], cu_seqlens, granularity, transposed=transposed, group_start=group_start,
                           check_finite=check_finite, validate=validate, block_rows=block_rows,
@@ -504,6 +518,11 @@ def quantize_qkv(
 
     Returns:
         ``(q_quant, k_quant, v_quant)`` :class:`QuantizedOperand` each.
+
+    Raises:
+        FlamiaError: an input that is not a float16/bfloat16/float32 ``(T, H, D)`` tensor, inputs
+            that differ in T, D, dtype or device, a bad tile override, non-finite input (with
+            ``check_finite``); MetadataError: bad ``cu_seqlens`` or ``group_start``.
     """
     qq, kq, vq = _quantize_many([q, k, v], cu_seqlens, granularity, transposed=transposed,
                                 group_start=group_start, check_finite=check_finite, validate=validate,
