@@ -16,9 +16,9 @@ kernel that only touches those rows.
 Launch orders (``AttentionKernelConfig.schedule``): ``grid`` = one program per (entry, head) in
 the list's decreasing-cost order, the head index fastest (heads of one GQA group run side by side
 and share K/V in L2); ``persistent`` = one program per SM slot taking the next (entry, head) from a
-global atomic counter (the dynamic policy); ``grid_head_major`` = the grid with the head index
-slowest (all entries of head 0 in decreasing-cost order, then head 1, ...: the programs in flight
-share one head's K/V in L2, FlexAttention's grid order).
+global atomic counter (the dynamic policy); ``grid_head_major`` = the grid with the kv head index
+slowest (all entries of kv head 0 in decreasing-cost order, its GQA query heads side by side, then
+kv head 1, ...: the programs in flight share one head's K/V in L2, FlexAttention's grid order).
 """
 from __future__ import annotations
 
@@ -119,12 +119,14 @@ def _fwd_kernel(
                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
             tile = nxt
     elif HEAD_MAJOR:
-        # one query head after the other, entries in decreasing cost inside a head (max_entries =
-        # rows of the work list x F; entries past the valid ones exit at once)
+        # one kv head after the other, entries in decreasing cost inside it, the query heads of its
+        # GQA group side by side (max_entries = rows of the work list x F; entries past the valid
+        # ones exit at once)
         tile = tl.program_id(0)
-        e = tile % max_entries
+        x = tile % (max_entries * group)
+        e = x // group
         if e < tl.load(num_items_ptr) * F:
-            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, tile // max_entries, group,
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, (tile // (max_entries * group)) * group + x % group, group,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
     else:
