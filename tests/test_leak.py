@@ -132,6 +132,44 @@ def test_probe_input_errors():
         probe_paths(["nope"], **SMALL)
 
 
+def _detached(q, k, v, cu, m):
+    return packed_attention_reference(q, k, v, cu).detach()
+
+
+@pytest.mark.parametrize(
+    "fn, kw, msg",
+    [
+        # each was a TypeError / RuntimeError / ZeroDivisionError (or a silent wrong verdict) before
+        (5, {}, "callable"),
+        (lambda q, k, v: q, {}, "attn_fn raised TypeError"),
+        (_detached, {}, "differentiable"),
+        (lambda q, k, v, cu, m: q * float("nan"), {}, "NaN/Inf"),
+        (PATHS["reference"], {"cut": 50.5}, "cut must be an int"),
+        (PATHS["reference"], {"head_dim": 0}, "head_dim"),
+        (PATHS["reference"], {"head_dim": -3}, "head_dim"),
+        (PATHS["block"], {"magnitude": 0.0}, "magnitude"),  # a vacuous positive control said "exact"
+        (PATHS["block"], {"magnitude": float("nan")}, "magnitude"),
+        (PATHS["reference"], {"device": "tpu0"}, "unknown device"),
+        (PATHS["reference"], {"dtype": torch.int32}, "floating-point"),
+        (PATHS["reference"], {"cu_seqlens": ()}, "at least one document"),
+    ],
+)
+def test_probe_bad_arguments_are_flamia_errors(fn, kw, msg):
+    args = {**SMALL, **kw}
+    with pytest.raises(FlamiaError, match=msg):
+        probe_leak(fn, **args)
+
+
+def test_probe_accepts_unused_inputs_and_one_path_name():
+    # o independent of k and v: their gradients are zero, not an autograd error
+    r = probe_leak(lambda q, k, v, cu, m: q * 2, cu_seqlens=(0, 40, 100), num_heads=1, head_dim=8)
+    assert r.verdict == "exact" and r.dk_prefix == 0.0
+    # float64 inputs for the exact reference (the exponent check quantizes a float32 copy)
+    assert probe_leak(PATHS["reference"], dtype=torch.float64, **SMALL).verdict == "exact"
+    (rep,) = probe_paths("token", cu_seqlens=(0, 40, 100), num_heads=1, head_dim=8)  # a str is one name
+    assert rep.path == "token"
+
+
 def test_single_document_has_no_negative_control():
     r = probe_leak(PATHS["token"], cu_seqlens=(0, 70), num_heads=1, head_dim=16)
     assert r.neg_doc is None and r.neg_outside is None and r.verdict == "exact"
@@ -169,7 +207,8 @@ def test_cli_probe_leak_json_and_table():
 
 
 @pytest.mark.parametrize("bad", [["--path", "nope"], ["--cu-seqlens", "0,5,x"], ["--device", "tpu"],
-                                 ["--cut", "1000"]])
+                                 ["--cut", "1000"], ["--head-dim", "0"], ["--magnitude", "0"],
+                                 ["--cu-seqlens", ""]])
 def test_cli_probe_leak_errors(bad):
     res = CliRunner().invoke(app, ["probe-leak", "--num-heads", "1", "--head-dim", "8"] + bad)
     assert res.exit_code == 2

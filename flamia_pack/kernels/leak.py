@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -333,9 +334,41 @@ def probe_leak(
         :class:`LeakReport`.
 
     Raises:
-        FlamiaError: invalid ``cu_seqlens``, ``doc``/``cut``/``neg_doc`` out of range, a document
-            too short to cut, unavailable device, or shapes the callable rejects.
+        FlamiaError: ``attn_fn`` not callable; invalid ``cu_seqlens``; ``doc``/``cut``/``neg_doc``
+            out of range or not integers; a document too short to cut; ``num_heads``/``head_dim``
+            < 1; ``magnitude`` not finite and > 0; ``dtype`` not floating point; an unknown or
+            unavailable device; ``attn_fn`` raising (its error is chained), returning something
+            other than an ``o`` of shape ``(T, H, D)``, or returning an ``o`` that is not
+            differentiable with respect to q, k, v.
     """
+    if not callable(attn_fn):
+        raise FlamiaError(f"attn_fn must be callable as f(q, k, v, cu_seqlens, max_seqlen) -> o, got "
+                          f"{type(attn_fn).__name__}")
+
+    def as_int(name: str, val, allow_none: bool = True):
+        if val is None and allow_none:
+            return None
+        if isinstance(val, bool) or not isinstance(val, numbers.Integral):
+            raise FlamiaError(f"{name} must be an int, got {val!r}")
+        return int(val)
+
+    total_tokens, doc, cut, neg_doc, num_kv_heads = (
+        as_int(n, x) for n, x in (("total_tokens", total_tokens), ("doc", doc), ("cut", cut),
+                                  ("neg_doc", neg_doc), ("num_kv_heads", num_kv_heads)))
+    num_heads, head_dim, seed = (as_int(n, x, False) for n, x in (("num_heads", num_heads),
+                                                                  ("head_dim", head_dim), ("seed", seed)))
+    if head_dim < 1:
+        raise FlamiaError(f"head_dim must be >= 1, got {head_dim}")
+    if isinstance(magnitude, bool) or not isinstance(magnitude, numbers.Real) or not (
+            math.isfinite(magnitude) and magnitude > 0):
+        raise FlamiaError(f"magnitude must be a finite number > 0 (the positive control needs a real "
+                          f"perturbation), got {magnitude!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise FlamiaError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = list(cu_seqlens)
+        if not cu_seqlens:
+            raise FlamiaError("probe_leak needs at least one document in cu_seqlens, got an empty sequence")
     cu_list = validate_cu_seqlens(torch.as_tensor(cu_seqlens)).tolist()
     n_docs = len(cu_list) - 1
     if n_docs < 1:
@@ -363,7 +396,10 @@ def probe_leak(
     hkv = hq if num_kv_heads is None else int(num_kv_heads)
     if hq < 1 or hkv < 1 or hq % hkv:
         raise FlamiaError(f"num_heads ({hq}) must be a positive multiple of num_kv_heads ({hkv})")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise FlamiaError(f"unknown device {device!r} (use 'cpu' or 'cuda'): {exc}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FlamiaError("device 'cuda' requested but torch.cuda.is_available() is False")
 
@@ -392,16 +428,30 @@ def probe_leak(
 
     def run(inp: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         q, k, v = (inp[key].to(dtype).to(device).requires_grad_(True) for key in ("q", "k", "v"))
-        o = attn_fn(q, k, v, cu_dev, max_seqlen)
+        try:
+            o = attn_fn(q, k, v, cu_dev, max_seqlen)
+        except FlamiaError:
+            raise
+        except Exception as exc:
+            raise FlamiaError(f"attn_fn raised {type(exc).__name__}: {exc} (it is called as "
+                              f"f(q, k, v, cu_seqlens, max_seqlen) with q {(T, hq, D)} {dtype})") from exc
         if not isinstance(o, torch.Tensor) or tuple(o.shape) != (T, hq, D):
             raise FlamiaError(f"attn_fn must return o of shape {(T, hq, D)}, got "
                               f"{getattr(o, 'shape', type(o))}")
-        dq, dk, dv = torch.autograd.grad(o, (q, k, v), grad_outputs=inp["do"].to(dtype).to(device).to(o.dtype))
+        if not o.requires_grad:
+            raise FlamiaError("attn_fn must return an o that is differentiable with respect to q, k, v "
+                              "(it has no grad_fn: detached, or computed under no_grad)")
+        # an input o does not depend on gets a zero gradient (materialize_grads), not an error
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), grad_outputs=inp["do"].to(dtype).to(device).to(o.dtype),
+                                         allow_unused=True, materialize_grads=True)
         return [t.detach().to("cpu", torch.float64) for t in (o, dq, dk, dv)]
 
     ref = run(base)
     again = run(base)
-    scales = [float(t.abs().max()) for t in ref]
+    scales = [float(t.abs().max()) if t.numel() else 0.0 for t in ref]
+    if not all(math.isfinite(x) for x in scales):
+        raise FlamiaError("attn_fn returned NaN/Inf in O or in a gradient for finite N(0, 1) inputs; "
+                          "the probe needs a finite baseline")
     noise = max(_rel(a - b, s) for a, b, s in zip(again, ref, scales))
 
     res_pos = run(pos)
@@ -426,9 +476,10 @@ def probe_leak(
     group_start = d0 + ((cut - d0) // GROUP_SIZE) * GROUP_SIZE
     exponent_changed = False
     cu_cpu = torch.tensor(cu_list, dtype=torch.int32)
+    qdtype = dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     for key in ("q", "k", "v"):
-        e0 = quantize_token_blocks(base[key].to(dtype), cu_cpu, "block", check_finite=False).exponents
-        e1 = quantize_token_blocks(pos[key].to(dtype), cu_cpu, "block", check_finite=False).exponents
+        e0 = quantize_token_blocks(base[key].to(qdtype), cu_cpu, "block", check_finite=False).exponents
+        e1 = quantize_token_blocks(pos[key].to(qdtype), cu_cpu, "block", check_finite=False).exponents
         exponent_changed |= bool((e0[group_start] != e1[group_start]).any())
 
     return LeakReport(
@@ -443,12 +494,20 @@ def probe_leak(
     )
 
 
-def probe_paths(names: Sequence[str] | None = None, **kwargs) -> list[LeakReport]:
+def probe_paths(names: Sequence[str] | str | None = None, **kwargs) -> list[LeakReport]:
     """Run :func:`probe_leak` on built-in :data:`PATHS` (all by default); kwargs as there.
 
+    Args:
+        names: path names (a list, or one name as a string); None = every path in :data:`PATHS`.
+
+    Returns:
+        One :class:`LeakReport` per name, in order.
+
     Raises:
-        FlamiaError: unknown path name.
+        FlamiaError: unknown path name, or what :func:`probe_leak` raises.
     """
+    if isinstance(names, str):
+        names = [names]
     names = list(PATHS) if names is None else list(names)
     for n in names:
         if n not in PATHS:
