@@ -15,6 +15,14 @@ both start with their most expensive work:
   heads of the group, so dK/dV are summed in registers and written once (no atomics);
 - dQ programs own ``bwd_block_m2`` queries of one query head and walk the visible key tiles.
 
+Options (``AttentionKernelConfig``): ``bwd_head_major`` launches one kv head after the other
+(its dK/dV programs and its group's dQ programs interleaved rank by rank) instead of every head of
+a rank side by side; ``bwd_tma`` loads the walked tiles (Q/dO in dK/dV programs, K/V in dQ
+programs) through in-kernel TMA descriptors bounded at the walked span's end (rows past it read as
+zero, replacing the load masks); ``bwd_masked_stages`` sets the pipelining depth of the masked
+loops; ``bwd_fused=False`` runs the two program kinds as two launches, the dQ launch with its own
+``bwd_dq_num_warps`` / ``bwd_dq_num_stages``.
+
 No atomics anywhere: the backward is deterministic (bitwise reproducible run to run), so
 ``deterministic=True`` needs no separate path. The price is recomputing QK^T and dO V^T in both
 program kinds (7 matrix products per tile pair instead of 5), as in FlashAttention-2's Triton
