@@ -524,6 +524,15 @@ def e4m3_rne_bits(y: torch.Tensor) -> torch.Tensor:
     only; returns the uint8 code bits. Mirrors the Triton kernel's portable encoder (the Triton
     CPU interpreter's own float8 cast does not round to nearest even), so both can be tested
     against ``torch``'s cast.
+
+    Args:
+        y: float tensor of any shape (cast to float32), finite with ``|y| <= 448`` -- already
+            scaled by ``2**-e``; larger or non-finite values give unspecified bits (no check:
+            this is the inner step of the quantizers, which guarantee the range).
+
+    Returns:
+        uint8 tensor of ``y.shape``: the ``torch.float8_e4m3fn`` bit patterns
+        (``.view(torch.float8_e4m3fn)`` gives the codes).
     """
     yf = y.float().contiguous()
     b = yf.view(torch.int32)

@@ -88,6 +88,14 @@ def test_numpy_scalars_are_accepted():
     assert torch.equal(varlen_attention(q, k, v, cu.long(), 7, softmax_scale=0.25), ref)
 
 
+def test_kernels_available_unknown_device_is_a_flamia_error():
+    from flamia_pack.kernels.attention import kernels_available
+
+    assert kernels_available("cpu") in (True, False)
+    with pytest.raises(FlamiaError, match="unknown device"):  # was torch's RuntimeError
+        kernels_available("gpu0")
+
+
 def test_work_list_mismatch_is_rejected():
     q, k, v, cu = _inputs([40, 30], d=64)
     wl = build_attention_work_list(cu, q.shape[0], causal=False, head_dim=64)

@@ -170,6 +170,11 @@ def test_probe_accepts_unused_inputs_and_one_path_name():
     assert rep.path == "token"
 
 
+def test_leak_table_needs_a_report():
+    with pytest.raises(FlamiaError, match="at least one"):  # was an IndexError
+        leak_table([])
+
+
 def test_single_document_has_no_negative_control():
     r = probe_leak(PATHS["token"], cu_seqlens=(0, 70), num_heads=1, head_dim=16)
     assert r.neg_doc is None and r.neg_outside is None and r.verdict == "exact"

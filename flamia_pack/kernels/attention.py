@@ -73,8 +73,20 @@ def kernels_available(device: torch.device | str) -> bool:
     """True if tensors on ``device`` run the Triton kernels (else the torch reference).
 
     CUDA devices need triton; CPU tensors use the kernels only under ``TRITON_INTERPRET=1``.
+
+    Args:
+        device: a ``torch.device`` or its name (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+
+    Returns:
+        bool.
+
+    Raises:
+        FlamiaError: a device name torch does not know.
     """
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise FlamiaError(f"unknown device {device!r}: {exc}") from None
     if not _triton_importable():
         return False
     if device.type == "cuda":
@@ -202,6 +214,11 @@ def build_attention_work_list(
 
     Returns:
         ``flamia_pack.scheduler.worklist.WorkList``.
+
+    Raises:
+        FlamiaError: ``head_dim`` without a kernel configuration (not 64 or 128) when no ``config``
+            is given; MetadataError: invalid ``cu_seqlens`` (with ``validate``), as
+            ``build_work_list`` reports it.
     """
     from flamia_pack.scheduler.worklist import build_work_list
 

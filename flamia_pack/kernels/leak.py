@@ -168,9 +168,23 @@ class LeakReport:
 
 
 def leak_table(reports: Sequence[LeakReport]):
-    """One ``rich.table.Table``: a row per metric, a column per report (path)."""
+    """One ``rich.table.Table``: a row per metric, a column per report (path).
+
+    Args:
+        reports: at least one :class:`LeakReport`; the title shows the first one's problem
+            (cu_seqlens, heads, head_dim, magnitude, seed, device).
+
+    Returns:
+        ``rich.table.Table`` (print it with a ``rich.console.Console``).
+
+    Raises:
+        FlamiaError: no reports.
+    """
     from rich.table import Table
 
+    reports = list(reports)
+    if not reports:
+        raise FlamiaError("leak_table needs at least one LeakReport")
     r0 = reports[0]
     title = (f"causal leak probe: cu_seqlens={list(r0.cu_seqlens)}, H={r0.num_heads}/{r0.num_kv_heads}, "
              f"D={r0.head_dim}, magnitude={r0.magnitude:g}, seed={r0.seed}, {r0.device}")
@@ -276,7 +290,16 @@ PATH_HELP = {
 def default_cut(doc_start: int, doc_end: int, group_size: int = GROUP_SIZE) -> int:
     """A cut in the middle of a document that is *not* the last token of its scale group, so the
     cut's group holds perturbed tokens after it (what makes a within-group leak visible):
-    13 tokens into the group that contains the document's midpoint (clipped to ``doc_end - 2``)."""
+    13 tokens into the group that contains the document's midpoint (clipped to ``doc_end - 2``).
+
+    Args:
+        doc_start, doc_end: the document's token range ``[doc_start, doc_end)`` (row offsets,
+            ``doc_end - doc_start >= 2`` for a valid cut).
+        group_size: scale-group size (32, DESIGN.md §4).
+
+    Returns:
+        The cut (int, a row offset in ``[doc_start, doc_end - 2]``); no checks (pure arithmetic).
+    """
     n = doc_end - doc_start
     rel = ((n // 2) // group_size) * group_size + min(13, group_size - 2)
     return doc_start + max(0, min(rel, n - 2))
