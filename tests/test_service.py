@@ -112,6 +112,16 @@ def test_predict_w1_matches_scheduler_and_packer(client):
     assert b["memory"]["padded_over_packed"] == pytest.approx(1.0)
     assert b["calibration_version"] == load_calibration().version
     assert b["gpu"] == "H200" and b["num_sms"] == 132
+    assert b["calibration_measured"] is ref.calibration_measured
+
+
+@pytest.mark.parametrize("precision, head_dim", [("bf16", 128), ("bf16", 64), ("fp8", 128)])
+def test_predict_says_whether_the_calibration_was_measured(client, precision, head_dim):
+    # the API must flag estimates (fp8 has no kernels yet) like `flamia plan --json` does
+    r = client.post("/v1/cost:predict", json={"lengths": [1000, 3000], "precision": precision, "head_dim": head_dim})
+    assert r.status_code == 200, r.text
+    ref = predict(np.array([1000, 3000]), num_heads=16, head_dim=head_dim, precision=precision, pass_="fwd_bwd")
+    assert r.json()["calibration_measured"] is ref.calibration_measured
 
 
 def test_predict_multi_row_uses_packed_segments(client):

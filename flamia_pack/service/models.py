@@ -142,6 +142,11 @@ class PredictResponse(BaseModel):
     gpu: str
     num_sms: int
     calibration_version: str
+    calibration_measured: bool = Field(
+        description="True if (a, b) of this (precision, head_dim, gpu) were fitted to measured runs of our "
+        "kernels; False = an estimate (e.g. fp8, whose kernels are not built yet): treat predicted_ms as rough. "
+        "Same flag as `flamia plan --json` settings.calibration_measured."
+    )
 
 
 class RunRequest(PredictRequest):

@@ -49,6 +49,7 @@ def to_response(mp: MixPrediction) -> PredictResponse:
         gpu=p.gpu,
         num_sms=int(p.num_sms),
         calibration_version=str(p.calibration_version),
+        calibration_measured=bool(p.calibration_measured),
     )
 
 
