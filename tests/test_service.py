@@ -9,7 +9,9 @@ import time
 
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
+
+pytest.importorskip("fastapi", reason="the service extra (fastapi) is not installed; the GPU dispatcher is exercised without it by python -m flamia_pack.service.dispatch")
+from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import given, settings as hsettings, strategies as st
 
 from flamia_pack.errors import FlamiaError

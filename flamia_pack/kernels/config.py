@@ -149,6 +149,8 @@ CANDIDATES: dict[str, dict] = {
     # head-major program order in forward and backward (L2 locality: the programs in flight share
     # one head's tensors instead of every head of a few documents), pointer loads
     "head_major": {"schedule": "grid_head_major", "bwd_head_major": True},
+    # the previous default: (entry, head) programs in plain decreasing-cost order (heads fastest)
+    "grid_order": {"schedule": "grid", "bwd_head_major": False},
     # both
     "tma_head_major": {"bwd_tma": True, "schedule": "grid_head_major", "bwd_head_major": True},
     # both, plus a 64-query x 64-key forward with 4 warps (less causal-diagonal waste and per-program
@@ -178,7 +180,10 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16") -
 
     Chosen on the H200 (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)"): forward 128 x 64
     tiles, 8 warps, 3 stages, grid order (spill-free, cp.async-pipelined wgmma; beat 128 x 128 and
-    2 stages by 15-30% and the persistent atomic-counter order by 3-6% on W1/W6/W7); backward
+    2 stages by 15-30% and the persistent atomic-counter order by 3-6% on W1/W6/W7), launched
+    head-major (one head's items in decreasing-cost order, then the next head's: the programs in
+    flight share one head's K/V in L2; 1.065x geo-mean on the training call, up to 1.14x on the
+    forward, vs heads-fastest order in gpu_bwd_sweep.py on 2026-11-29); backward
     128-key x 32-query dK/dV and 128 x 64 dQ programs, 8 warps, 3 stages, one fused launch
     (12.06 ms on W1 vs 14.3 ms for 128 x 64 and 16.8-21.6 ms for 64-key programs, despite ~170 B
     of register spills; the spill-free 64-key tiles re-read Q and dO twice as often).
@@ -208,9 +213,12 @@ def _default_config(head_dim: int, causal: bool, precision: str) -> AttentionKer
         raise FlamiaError(f"head_dim must be 64 or 128, got {head_dim!r}")
     if precision not in ("bf16", "fp8"):
         raise FlamiaError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
+    # head-major program order (forward and backward): measured 1.065x geo-mean on the training call
+    # over W1/W4/W6/W7 and 1.03-1.14x on the forward (gpu_bwd_sweep.py, H200, 2026-11-29)
+    order = dict(schedule="grid_head_major", bwd_head_major=True)
     if head_dim == 64:
-        return AttentionKernelConfig(block_n=128, num_warps=8, num_stages=3)
-    return AttentionKernelConfig()
+        return AttentionKernelConfig(block_n=128, num_warps=8, num_stages=3, **order)
+    return AttentionKernelConfig(**order)
 
 
 def work_list_tile_config(config: AttentionKernelConfig, causal: bool):
