@@ -680,6 +680,29 @@ def predict(
     )
 
 
+def nnls2(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``argmin ||A x - y||^2`` over ``x >= 0`` for a two-column ``A`` (shape ``(n, 2)``).
+
+    The optimum is the unconstrained least-squares solution when it is non-negative, else the best
+    fit with one variable alone (the other at 0). Used by :func:`fit_calibration` and the service's
+    refit, so both fit (a, b) the same way.
+
+    Returns:
+        ``np.ndarray`` float64 of shape ``(2,)``.
+    """
+    cands = []
+    sol, *_ = np.linalg.lstsq(A, y, rcond=None)
+    if sol.min() >= 0:
+        cands.append(sol)
+    for j in range(2):
+        col = A[:, j]
+        v = np.zeros(2)
+        if col @ col > 0:
+            v[j] = max(float(col @ y / (col @ col)), 0.0)
+        cands.append(v)
+    return min(cands, key=lambda v: float(((A @ v - y) ** 2).sum()))
+
+
 def fit_calibration(samples, *, num_sms: int = 132, config: TileConfig = TileConfig()) -> tuple[float, float]:
     """Fit (a, b) to measured call times.
 
@@ -704,21 +727,5 @@ def fit_calibration(samples, *, num_sms: int = 132, config: TileConfig = TileCon
         rhs.append(1.0)
     if not rows:
         raise FlamiaError("fit_calibration needs at least one sample")
-    A, y = np.asarray(rows), np.asarray(rhs)
-    best = None
-    # 2-variable non-negative least squares: unconstrained, then each variable alone
-    cands = []
-    sol, *_ = np.linalg.lstsq(A, y, rcond=None)
-    if sol.min() >= 0:
-        cands.append(sol)
-    for j in range(2):
-        col = A[:, j]
-        x = float(col @ y / (col @ col)) if col @ col > 0 else 0.0
-        v = np.zeros(2)
-        v[j] = max(x, 0.0)
-        cands.append(v)
-    for v in cands:
-        r = float(((A @ v - y) ** 2).sum())
-        if best is None or r < best[0]:
-            best = (r, v)
-    return float(best[1][0]), float(best[1][1])
+    a, b = nnls2(np.asarray(rows), np.asarray(rhs))
+    return float(a), float(b)

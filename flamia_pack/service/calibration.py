@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flamia_pack.errors import FlamiaError
-from flamia_pack.scheduler.simulate import Calibration, CalibrationTable, predict
+from flamia_pack.scheduler.simulate import Calibration, CalibrationTable, nnls2, predict
 
 from flamia_pack.service.engine import critical_load, fwd_bwd_path
 
@@ -62,21 +62,6 @@ class EntryFit:
     runs: int
     rms_error_pct: float
     """RMS of 100 * (predicted - measured) / measured over the runs, with the new (a, b)."""
-
-
-def _nnls2(A: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """argmin ||A x - y||^2 over x >= 0 for two columns (unconstrained, or one column alone)."""
-    cands = []
-    sol, *_ = np.linalg.lstsq(A, y, rcond=None)
-    if sol.min() >= 0:
-        cands.append(sol)
-    for j in range(2):
-        col = A[:, j]
-        v = np.zeros(2)
-        if col @ col > 0:
-            v[j] = max(float(col @ y / (col @ col)), 0.0)
-        cands.append(v)
-    return min(cands, key=lambda v: float(((A @ v - y) ** 2).sum()))
 
 
 def _predict_ms(run: FitRun, cal: Calibration, *, keep: bool):
@@ -129,7 +114,7 @@ def refit(runs: list[FitRun], table: CalibrationTable, *, version: str) -> tuple
         m_us = np.array([r.measured_ms * 1e3 for r in grp])
         for _ in range(ROUNDS):
             A = np.array([critical_load(r.seqlens, _predict_ms(r, cal, keep=True)) for r in grp])
-            x = _nnls2(A / m_us[:, None], np.ones(len(grp)))
+            x = nnls2(A / m_us[:, None], np.ones(len(grp)))
             cal = dataclasses.replace(
                 start,
                 a_us_per_tile=max(float(x[0]), _A_MIN),
