@@ -243,6 +243,19 @@ def _plan_fmt_bytes(n: float) -> str:
     return str(n)  # pragma: no cover
 
 
+def _plan_rows_reason(preds) -> str:
+    """Policy reason over several rows: how many rows got each policy, with the first such row's reason.
+
+    (Joining every row's reason made one unreadable line cut at 500 characters, since each row's
+    reason carries its own numbers.) Per-row reasons stay in ``--json``'s ``per_row``.
+    """
+    parts = []
+    for pol in sorted({p.policy for p in preds}):
+        rows = [i for i, p in enumerate(preds) if p.policy == pol]
+        parts.append(f"{pol} on {len(rows)} of {len(preds)} rows (e.g. row {rows[0]}: {preds[rows[0]].reason})")
+    return "; ".join(parts)
+
+
 @app.command("plan")
 def plan_cmd(
     source: str = typer.Argument(None, help="Text file with one document length per line, or a packed "
@@ -348,7 +361,7 @@ def plan_cmd(
         "items": tot("items"),
         "tiles_per_head": tot("tiles"),
         "policy": policies[0] if len(policies) == 1 else "mixed",
-        "reason": p0.reason if len(preds) == 1 else "; ".join(sorted({p.reason for p in preds}))[:500],
+        "reason": p0.reason if len(preds) == 1 else _plan_rows_reason(preds),
         "static_ms": tot("static_ms"),
         "dynamic_ms": tot("dynamic_ms"),
         "predicted_ms": tot("predicted_ms"),

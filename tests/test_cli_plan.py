@@ -73,6 +73,31 @@ def test_packed_directory(tmp_path):
     assert _json(out, "--rows", 1)["rows"] == 1
 
 
+def test_packed_directory_reason_counts_rows_per_policy(tmp_path):
+    """Several rows: the reason says how many rows got each policy (was: every row's reason joined, cut at 500)."""
+    from flamia_pack import formats
+    from flamia_pack.pack import PackConfig, pack_documents
+
+    rng = np.random.default_rng(1)
+    # rows with one long document and short fillers (non-causal: dynamic) and rows of similar short ones (static)
+    lens = [2000] * 4 + [int(n) for n in rng.integers(8, 12, size=16)] + [int(n) for n in rng.integers(150, 200, size=60)]
+    docs = [rng.integers(0, 1000, size=n) for n in lens]
+    out = tmp_path / "packed"
+    formats.write_packed(out, pack_documents(docs, PackConfig(capacity=2048)), shard_rows=3)
+    d = _json(out, "--no-causal")
+    per = d["per_row"]
+    policies = sorted({r["policy"] for r in per})
+    assert policies == ["dynamic", "static"] and d["policy"] == "mixed"
+    parts = []
+    for pol in policies:
+        rows = [i for i, r in enumerate(per) if r["policy"] == pol]
+        parts.append(f"{pol} on {len(rows)} of {len(per)} rows (e.g. row {rows[0]}: {per[rows[0]]['reason']})")
+    assert d["reason"] == "; ".join(parts)
+    r = _run(out, "--no-causal")
+    assert r.exit_code == 0, r.output
+    assert "mixed" in r.stdout and "rows (e.g. row" in " ".join(r.stdout.split())
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [
