@@ -437,9 +437,11 @@ def probe_leak_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed of inputs and perturbations."),
     magnitude: float = typer.Option(64.0, "--magnitude", help="Perturbation scale (inputs are N(0, 1))."),
 ) -> None:
-    """Causal leak probe (DESIGN.md §5): perturb q/k/v/dO after a cut inside one document and report
-    how much O and dQ before the cut change (positive control), and whether anything outside a
-    second perturbed document changes (negative control, must be 0).
+    """Causal leak probe (DESIGN.md §5): is an attention path causally safe?
+
+    Perturbs q/k/v/dO after a cut inside one document and reports how much O and dQ before the cut
+    change (positive control), and whether anything outside a second perturbed document changes
+    (negative control, must be 0).
 
     Verdicts: exact, within-group (only the cut's 32-token scale group moves), prefix-leak,
     cross-document, nondeterministic. Bad options print one red line and exit with code 2.
