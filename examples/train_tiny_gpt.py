@@ -146,6 +146,10 @@ def make_loader(args: argparse.Namespace, cuda: bool):
     if args.packed is not None:
         ds = PackedDataset(args.packed, shuffle=True, seed=args.seed)
         capacity = ds.capacity
+        vocab = (getattr(ds.manifest, "tokenizer", None) or {}).get("vocab_size")
+        if vocab is not None and int(vocab) > VOCAB:  # token ids would index past the byte embedding
+            raise SystemExit(f"--packed {args.packed}: its tokenizer has vocab_size {vocab}, but this example's "
+                             f"model is byte-level (vocab {VOCAB}); pack with the default bytes tokenizer")
     else:
         ds = StreamingPackedDataset(args.source, capacity=args.capacity, buffer_docs=args.buffer_docs,
                                     shuffle=True, seed=args.seed)
