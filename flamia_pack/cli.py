@@ -272,7 +272,11 @@ def plan_cmd(
     precision: str = typer.Option("bf16", "--precision", help="bf16 or fp8."),
     pass_: str = typer.Option("fwd_bwd", "--pass", help="fwd, bwd or fwd_bwd (one training call)."),
     capacity: int = typer.Option(None, "--capacity", help="Row capacity in tokens (default: the manifest's, "
-                                 "else the tokens); sizes the packed-memory estimate."),
+                                 "else the tokens); sizes the packed-memory estimate. A lengths file or "
+                                 "--lognormal mix longer than this is packed into rows (best-fit-decreasing) "
+                                 "and planned as one call over the packed segments, as the service does."),
+    long_docs: str = typer.Option("split", "--long-docs", help="When packing into rows: split, truncate or drop "
+                                  "documents longer than --capacity, or error."),
     block_m: int = typer.Option(None, "--block-m", help="BLOCK_M: queries per work item (power of two, 16..256; "
                                 "default: the calibrated kernel's, 128)."),
     block_n: int = typer.Option(None, "--block-n", help="BLOCK_N: keys per cost tile (power of two >= 16; "
@@ -291,7 +295,7 @@ def plan_cmd(
 
     Prints documents, tokens, visible pairs, FLOPs, work items and tiles, the policy and why, the predicted time under both schedules (scheduler/simulate.py; calibration estimate unless measured) and packed vs padded-to-longest memory.
 
-    For a packed directory every row is one call; totals are summed over rows. Errors in the input print one red line on stderr and exit with code 2.
+    For a packed directory every row is one call; totals are summed over rows. A lengths file or --lognormal mix longer than --capacity is packed into rows with best-fit-decreasing and planned as one call over the packed segments (the service's prediction; rows and fill are printed). Errors in the input print one red line on stderr and exit with code 2.
     """
     import json
 
@@ -336,12 +340,22 @@ def plan_cmd(
             ref = table.lookup(kernel_path(precision, pass_), head_dim, gpu)
             config = TileConfig(block_m=block_m or ref.block_m, block_n=block_n or ref.block_n, causal=causal,
                                 merge_short=ref.merge_short if merge_short is None else merge_short)
-        preds = [
-            predict(lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=causal,
-                    precision=precision, capacity=cap, gpu=gpu, config=config, num_sms=num_sms, pass_=pass_,
-                    policy=policy, calibration=table, max_intervals=0)
-            for lens in rows
-        ]
+        kw = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=causal, precision=precision,
+                  gpu=gpu, config=config, num_sms=num_sms, pass_=pass_, policy=policy, calibration=table,
+                  max_intervals=0)
+        packing = None
+        if man_capacity is None and cap is not None and int(rows[0].sum()) > cap:
+            # longer than one row: pack into rows and plan one call over the packed segments -- the
+            # service's code path (flamia_pack.service.engine.predict_mix), not a copy of it
+            from flamia_pack.scheduler.mix import predict_packed_mix
+
+            mp = predict_packed_mix(rows[0], capacity=cap, long_docs=long_docs, **kw)
+            preds = [mp.prediction]
+            packing = {"rows": mp.pack.rows, "capacity": cap, "fill": mp.pack.fill, "long_docs": long_docs,
+                       "documents": int((mp.lengths > 0).sum()), "segments": int(mp.seqlens.size),
+                       "docs_split": mp.pack.docs_split, "tokens_dropped": mp.pack.tokens_dropped}
+        else:
+            preds = [predict(lens, capacity=cap, **kw) for lens in rows]
     except FlamiaError as e:
         fail(str(e))
     except OSError as e:
@@ -377,6 +391,9 @@ def plan_cmd(
         },
     }
     summary["predicted_tflops"] = summary["flops"] / (summary["predicted_ms"] * 1e-3) / 1e12 if summary["predicted_ms"] else 0.0
+    if packing is not None:  # "rows" = packed rows; one call over their segments ("documents" counts segments)
+        summary["rows"] = packing["rows"]
+        summary["packing"] = packing
     if json_out:
         if len(preds) > 1:
             summary["per_row"] = [p.to_dict() for p in preds]
@@ -396,8 +413,12 @@ def plan_cmd(
                       f"{s['gpu']} ({s['num_sms']} SMs)")
     per = " per row, summed" if len(preds) > 1 else ""
     # a packed directory holds segments: a document split across rows counts once per piece
-    t.add_row("segments (document pieces)" if what.startswith("packed dataset") else "documents",
-              f"{summary['documents']:,} (max length {summary['max_len']:,})")
+    if packing is not None:
+        t.add_row("packing", f"{packing['documents']:,} documents -> {packing['rows']:,} rows of {cap:,} tokens "
+                             f"(best-fit-decreasing), fill {packing['fill']:.1%}, {packing['docs_split']:,} split, "
+                             f"{packing['tokens_dropped']:,} tokens dropped; one call over the packed segments")
+    t.add_row("segments (document pieces)" if what.startswith("packed dataset") or packing is not None
+              else "documents", f"{summary['documents']:,} (max length {summary['max_len']:,})")
     t.add_row("tokens", f"{summary['tokens']:,}")
     t.add_row("visible pairs", f"{summary['visible_pairs']:,}")
     t.add_row("FLOPs", f"{summary['flops']:.4g}")

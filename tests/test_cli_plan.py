@@ -104,7 +104,8 @@ def test_packed_directory_reason_counts_rows_per_policy(tmp_path):
         ((), "exactly one of"),
         (("--lognormal", 6, 1, -5), "total_tokens"),
         (("LENS", "--block-m", 100), "power of two"),
-        (("LENS", "--capacity", 10), "capacity"),
+        (("LENS", "--capacity", 0), "capacity"),
+        (("LENS", "--capacity", 150, "--long-docs", "error"), "longer than capacity"),
         (("LENS", "--precision", "fp4"), "precision"),
         (("LENS", "--head-dim", 96), "no calibration"),
         (("LENS", "--policy", "fast"), "policy"),
@@ -145,3 +146,33 @@ def test_packed_directory_with_a_deleted_shard(tmp_path):
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: shard"), r.output
     assert shard.name in lines[0] and "is missing" in lines[0] and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("source", ["file", "lognormal"])
+def test_mix_longer_than_capacity_packs_like_the_service(tmp_path, source):
+    """A mix over --capacity is packed into rows (BFD) and planned like the service (was refused)."""
+    from flamia_pack.service.engine import MixParams, predict_mix
+
+    cap = 4096
+    if source == "file":
+        lens = np.random.default_rng(11).integers(1, 3000, size=40)
+        lens[3] = 9000  # longer than a row: split
+        f = tmp_path / "lens.txt"
+        f.write_text("\n".join(map(str, lens.tolist())) + "\n")
+        args = (f,)
+    else:
+        lens = lognormal_lengths(6.0, 1.0, 30_000, 5)
+        args = ("--lognormal", 6.0, 1.0, 30_000, "--seed", 5)
+    d = _json(*args, "--capacity", cap, "--heads", 8, "--kv-heads", 2, "--head-dim", 64)
+    mp = predict_mix(lens, MixParams(num_heads=8, num_kv_heads=2, head_dim=64, capacity=cap))
+    assert mp.pack.rows > 1 and d["rows"] == mp.pack.rows >= -(-int(lens.sum()) // cap)
+    assert d["packing"]["fill"] == pytest.approx(mp.pack.fill) and 0 < d["packing"]["fill"] <= 1
+    assert d["packing"]["segments"] == mp.seqlens.size == d["documents"]
+    assert d["tokens"] == int(mp.seqlens.sum()) == int(lens.sum())
+    p = mp.prediction
+    assert (d["items"], d["static_ms"], d["dynamic_ms"]) == (p.items, p.static_ms, p.dynamic_ms)
+    assert d["policy"] == p.policy and d["predicted_ms"] == p.predicted_ms
+    r = _run(*args, "--capacity", cap)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert f"{mp.pack.rows} rows of {cap:,} tokens" in text and "fill" in text

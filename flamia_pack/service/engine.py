@@ -15,7 +15,8 @@ Layout of the predicted (and dispatched) call:
   packed *segments* of all rows, in row order, as one varlen batch (``cu_seqlens`` of the rows' used
   tokens laid end to end; row padding is not part of the call).
 
-Rows needed and fill always come from the best-fit-decreasing plan.
+Rows needed and fill always come from the best-fit-decreasing plan. The packing + prediction itself is
+:func:`flamia_pack.scheduler.mix.predict_packed_mix`, shared with ``flamia plan --capacity``.
 """
 from __future__ import annotations
 
@@ -24,18 +25,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from flamia_pack.errors import FlamiaError
-from flamia_pack.pack import PackConfig, PackStats, plan_packing
+from flamia_pack.scheduler.mix import LONG_DOCS as _LONG_DOCS
+from flamia_pack.scheduler.mix import MixPrediction, predict_packed_mix
 from flamia_pack.scheduler.simulate import (
     CalibrationTable,
     Prediction,
     kernel_path,
-    predict,
 )
 from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba
 
 __all__ = ["MixParams", "MixPrediction", "critical_load", "fwd_bwd_path", "predict_mix", "unit_costs"]
-
-_LONG_DOCS = ("split", "truncate", "drop", "error")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,21 +78,6 @@ class MixParams:
         return int(self.num_heads if self.num_kv_heads is None else self.num_kv_heads)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MixPrediction:
-    """A mix, how it packs, and the scheduler's prediction for its attention call."""
-
-    lengths: np.ndarray
-    """int64 ``(n_docs,)``: the mix as given (including empty documents)."""
-    seqlens: np.ndarray
-    """int64 ``(n_segs,)``: segment lengths of the call (all >= 1): the given order for a one-row mix,
-    else the packed segments in row order (see the module docstring)."""
-    pack: PackStats
-    """Rows, fill, splits, drops (:func:`flamia_pack.pack.plan_packing`)."""
-    prediction: Prediction
-    """:func:`flamia_pack.scheduler.simulate.predict` on ``seqlens``."""
-
-
 def predict_mix(
     lengths: np.ndarray,
     params: MixParams,
@@ -121,40 +105,11 @@ def predict_mix(
             ``long_docs="error"``; everything dropped; heads not divisible; no calibration for
             (precision, head_dim, gpu); more than ``max_segments`` pieces.
     """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.size == 0 or int(lengths.sum()) == 0:
-        raise FlamiaError("the mix has no tokens: give at least one document of length >= 1")
-    cap = int(params.capacity)
-    long_docs = params.long_docs
-    if long_docs == "error":
-        too_long = np.flatnonzero(lengths > cap)
-        if too_long.size:
-            i = int(too_long[0])
-            raise FlamiaError(
-                f"document {i} has {int(lengths[i])} tokens, longer than capacity {cap}, and long_docs='error' "
-                f"({too_long.size} such documents); use long_docs='split', 'truncate' or 'drop', or a larger capacity"
-            )
-        long_docs = "split"
-    if max_segments is not None and long_docs == "split":
-        pieces = int(np.maximum(-(-lengths // cap), (lengths > 0).astype(np.int64)).sum())
-        if pieces > max_segments:
-            raise FlamiaError(
-                f"splitting the mix into rows of {cap} tokens makes {pieces} pieces; this service accepts at most "
-                f"{max_segments} (use a larger capacity, or long_docs='truncate' or 'drop')"
-            )
-    plan = plan_packing(lengths, PackConfig(capacity=cap, algorithm="bfd", long_docs=long_docs))
-    if plan.n_segs == 0:
-        raise FlamiaError(
-            f"nothing left to attend to: long_docs={long_docs!r} dropped all {plan.stats.tokens_dropped} tokens "
-            f"(every document is longer than capacity {cap})"
-        )
-    st = plan.stats
-    if st.rows == 1 and st.docs_split == 0 and st.tokens_dropped == 0:
-        seqlens = lengths[lengths > 0]  # one row: keep the given order
-    else:
-        seqlens = plan.seg_len.astype(np.int64)
-    pred = predict(
-        seqlens,
+    return predict_packed_mix(
+        lengths,
+        capacity=int(params.capacity),
+        long_docs=params.long_docs,
+        max_segments=max_segments,
         num_heads=int(params.num_heads),
         num_kv_heads=params.kv_heads,
         head_dim=int(params.head_dim),
@@ -166,7 +121,6 @@ def predict_mix(
         calibration=calibration,
         max_intervals=int(max_intervals),
     )
-    return MixPrediction(lengths=lengths, seqlens=seqlens, pack=plan.stats, prediction=pred)
 
 
 def unit_costs(seqlens: np.ndarray, pred: Prediction) -> np.ndarray:
