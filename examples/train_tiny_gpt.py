@@ -122,15 +122,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cuda' or 'cpu'")
     p.add_argument("--capacity", type=int, default=None, help="tokens per packed row (default 16384 on GPU, 512 on CPU)")
     p.add_argument("--batch-rows", type=int, default=None, help="packed rows per batch (default 4 on GPU, 2 on CPU)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=256, help="model width (embedding size; a multiple of --heads)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (head_dim = d_model / heads; 64 or 128 on GPU)")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (20-step warm-up, cosine decay)")
     p.add_argument("--workers", type=int, default=None, help="DataLoader workers (default 4 on GPU, 0 on CPU)")
     p.add_argument("--buffer-docs", type=int, default=256, help="look-ahead buffer of the streaming packer")
     p.add_argument("--packed", type=pathlib.Path, default=None, help="read a `flamia pack` output directory instead of streaming")
     p.add_argument("--source", type=pathlib.Path, default=SAMPLE, help="document source to stream (default: bundled sample)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model init and the data shuffle")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--warmup-steps", type=int, default=5, help="steps excluded from the throughput figures")
     p.add_argument("--max-seconds", type=float, default=None, help="stop early after this many seconds of training")
@@ -150,16 +150,39 @@ def make_loader(args: argparse.Namespace, cuda: bool):
         if vocab is not None and int(vocab) > VOCAB:  # token ids would index past the byte embedding
             raise SystemExit(f"--packed {args.packed}: its tokenizer has vocab_size {vocab}, but this example's "
                              f"model is byte-level (vocab {VOCAB}); pack with the default bytes tokenizer")
+        pad_id = ds.pad_id  # padding moved to the batch tail holds the dataset's own pad id
+        if not 0 <= pad_id < VOCAB:
+            raise SystemExit(f"--packed {args.packed}: its pad_id is {pad_id}, outside this example's byte "
+                             f"vocabulary (ids 0..{VOCAB - 1}); pack with a pad_id in that range")
     else:
         ds = StreamingPackedDataset(args.source, capacity=args.capacity, buffer_docs=args.buffer_docs,
                                     shuffle=True, seed=args.seed)
         capacity = args.capacity
+        pad_id = 0
     loader = torch.utils.data.DataLoader(
-        ds, batch_size=args.batch_rows, collate_fn=PackedCollator(pad_id=0, scale_groups=None),
+        ds, batch_size=args.batch_rows, collate_fn=PackedCollator(pad_id=pad_id, scale_groups=None),
         num_workers=args.workers, pin_memory=cuda, prefetch_factor=4 if args.workers else None,
         persistent_workers=args.workers > 0, drop_last=False,  # persistent workers move to the next epoch themselves
     )
     return ds, loader, capacity
+
+
+def check_token_ids(cpu_batch: dict[str, Any], where: str) -> None:
+    """Exit with one message if the batch holds token ids outside the byte vocabulary ``[0, VOCAB)``.
+
+    One ``aminmax`` over the CPU batch ``input_ids`` (int64 ``(B, capacity)``, pad tail included)
+    before the host -> device copy: a few microseconds per batch, instead of an embedding
+    ``IndexError`` (CPU) or a device-side assert (CUDA) deep inside the model.
+
+    Raises:
+        SystemExit: an id < 0 or >= ``VOCAB``, with the data source named in ``where``.
+    """
+    lo, hi = (int(v) for v in torch.aminmax(cpu_batch["input_ids"]))
+    if lo < 0 or hi >= VOCAB:
+        bad = hi if hi >= VOCAB else lo
+        raise SystemExit(f"{where}: token id {bad} is outside this example's byte vocabulary (ids 0..{VOCAB - 1}); "
+                         "the model is byte-level: use a text source with the default bytes tokenizer, "
+                         "not pre-tokenized ids from a larger vocabulary")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -186,6 +209,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     ds, loader, capacity = make_loader(args, cuda)
+    where = f"--packed {args.packed}" if args.packed is not None else f"--source {args.source}"
     wl_cfg = work_list_tile_config(kernel_config(model.head_dim, True), True) if cuda else None
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
@@ -219,6 +243,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 it = iter(loader)
                 cpu_batch = next(it)
             t1 = time.perf_counter()
+            check_token_ids(cpu_batch, where)
             batch = to_device(cpu_batch, device, wl_cfg)
             t2 = time.perf_counter()
             with amp:

@@ -61,3 +61,64 @@ def test_packed_input_with_a_larger_vocabulary_is_refused(example, tmp_path):
     s = example.main(["--device", "cpu", "--steps", "2", "--packed", str(small), "--layers", "1", "--d-model", "32",
                       "--heads", "2", "--warmup-steps", "1", "--no-progress"])
     assert s["capacity"] == 128 and len(s["losses"]) == 2
+
+
+def test_pretokenized_source_with_ids_past_the_byte_vocabulary_exits_clearly(example, tmp_path):
+    """A pre-tokenized --source with ids >= 256 crashed with an embedding IndexError (regression)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 256, size=int(n)).astype(np.int32) for n in rng.integers(20, 80, size=12)]
+    big = [d.copy() for d in docs]
+    big[5][3] = 300  # one id past the byte vocabulary
+    small_src, big_src = tmp_path / "small.parquet", tmp_path / "big.parquet"
+    for path, ds in ((small_src, docs), (big_src, big)):
+        pq.write_table(pa.table({"input_ids": pa.array([d.tolist() for d in ds], pa.list_(pa.int32()))}), path)
+    common = ["--device", "cpu", "--capacity", "1024", "--batch-rows", "1", "--layers", "1", "--d-model", "32",
+              "--heads", "2", "--warmup-steps", "1", "--no-progress"]
+    with pytest.raises(SystemExit, match=r"token id 300 is outside .*byte vocabulary") as e:
+        example.main(["--source", str(big_src), "--steps", "1", *common])
+    assert str(big_src) in str(e.value)
+    s = example.main(["--source", str(small_src), "--steps", "2", *common])  # ids 0..255 of the same layout train
+    assert len(s["losses"]) == 2 and s["tokens"] > 0
+
+
+def test_packed_uses_the_manifest_pad_id(example, tmp_path):
+    """The batch's padding tail holds the dataset's pad_id (was always 0); one outside the vocabulary is refused."""
+    import argparse
+
+    import numpy as np
+
+    from flamia_pack import formats
+    from flamia_pack.pack import PackConfig, pack_documents
+
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(0, 200, size=int(n)) for n in rng.integers(5, 50, size=15)]
+    common = dict(shard_rows=4, source={"path": "test", "format": "synthetic"},
+                  tokenizer={"name": "bytes", "vocab_size": 256})
+    seven, bad = tmp_path / "seven", tmp_path / "bad"
+    formats.write_packed(seven, pack_documents(docs, PackConfig(capacity=128, pad_id=251)), **common)
+    args = argparse.Namespace(packed=seven, seed=0, batch_rows=3, workers=0)
+    ds, loader, cap = example.make_loader(args, False)
+    assert cap == 128 and ds.pad_id == 251
+    pads = 0
+    for batch in loader:
+        flat = batch["input_ids"].reshape(-1)
+        tail = flat[int(batch["num_real_tokens"]):]
+        assert bool((tail == 251).all())
+        pads += tail.numel()
+    assert pads > 0  # some batch really had padding
+    formats.write_packed(bad, pack_documents(docs, PackConfig(capacity=128, pad_id=300)), **common)
+    with pytest.raises(SystemExit, match="pad_id is 300"):
+        example.main(["--device", "cpu", "--steps", "1", "--packed", str(bad), "--no-progress"])
+
+
+def test_model_options_have_help(example, capsys):
+    with pytest.raises(SystemExit):
+        example.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for opt in ("--layers LAYERS transformer blocks", "--d-model D_MODEL model width", "--lr LR peak AdamW",
+                "--seed SEED seed of"):
+        assert opt in out, opt
