@@ -90,6 +90,27 @@ def test_openapi_has_colon_routes(client):
     assert client.get("/docs").status_code == 200
 
 
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_pages_load_their_assets_from_this_server(client, page):
+    """/docs and /redoc were blank offline: their JS/CSS came from a CDN (cdn.jsdelivr.net)."""
+    r = client.get(page)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    html = r.text
+    assert "://" not in html and "cdn" not in html.lower()  # no external host anywhere in the page
+    refs = re.findall(r'(?:src|href|spec-url)="([^"]*)"', html) + re.findall(r"url: '([^']*)'", html)
+    kinds = {ref.rsplit(".", 1)[-1] for ref in refs}
+    assert {"js", "json"} <= kinds and (page == "/redoc" or "css" in kinds), refs
+    for ref in refs:
+        assert ref.startswith("/") and not ref.startswith("//"), ref
+        a = client.get(ref)
+        assert a.status_code == 200 and len(a.content) > 100, ref
+        if ref.endswith(".js"):
+            assert "javascript" in a.headers["content-type"]
+    if page == "/docs":
+        assert client.get("/docs/oauth2-redirect").status_code == 200
+        assert '"validatorUrl": null' in html
+
+
 # ---------------------------------------------------------------------------------------------
 # POST /v1/cost:predict
 # ---------------------------------------------------------------------------------------------

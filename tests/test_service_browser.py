@@ -223,3 +223,17 @@ def test_page_renders_submits_and_shows_both_gantt_charts(server, browser, tmp_p
     text = _wait_for(cdp, session, "document.getElementById('error') && document.getElementById('error').innerText")
     assert "no tokens" in text
     assert _eval(cdp, session, "document.querySelectorAll('#gantt-static svg').length") == 0
+
+
+def test_docs_render_swagger_ui_from_local_assets(server, browser):
+    """/docs shows the API's operations with the assets this server ships (was blank offline: CDN)."""
+    cdp = browser
+    target = cdp.send("Target.createTarget", {"url": server + "/docs"})["targetId"]
+    session = cdp.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+    cdp.send("Runtime.enable", session=session)
+    _wait_for(cdp, session, "document.querySelectorAll('.opblock').length >= 5")
+    paths = _eval(cdp, session, "[...document.querySelectorAll('.opblock-summary-path')].map(e => e.innerText)")
+    assert any("cost:predict" in p for p in paths), paths
+    assert not _eval(cdp, session, "!!document.querySelector('.errors-wrapper, .version-pragma')")  # spec rendered
+    hosts = _eval(cdp, session, "[...new Set(performance.getEntriesByType('resource').map(e => new URL(e.name).host))]")
+    assert hosts == [server.split("//", 1)[1]], hosts  # every resource came from this server

@@ -11,7 +11,11 @@ Routes (one ``APIRouter`` per resource, ``flamia_pack.service.routes``)::
     POST /v1/runs                   predict, then time a real training call on the local GPU
     GET  /v1/runs, /v1/runs/{id}    recorded runs (SQLite)
     POST /v1/calibration:refit      least-squares refit of (a, b) from the runs, new version
-    GET  /, POST /                  HTML page (form + SVG pictures); OpenAPI at /docs
+    GET  /, POST /                  HTML page (form + SVG pictures); OpenAPI at /docs (Swagger UI), /redoc
+
+The /docs and /redoc pages load Swagger UI / ReDoc from this server (``/static-docs``, the assets
+shipped in the ``fastapi-offline`` wheel, FastAPI's "self-hosting JavaScript and CSS for docs"
+recipe), not from a CDN, so they work offline.
 
 Status codes: 422 schema errors (pydantic), 400 impossible mixes (``FlamiaError``, with the reason),
 404 unknown run, 409 busy / nothing to refit, 413 body too large (FastAPI ``max_body_size``), 503 no GPU, 504 past the request
@@ -99,6 +103,54 @@ def _load_table(settings: Settings, store: RunStore):
     return shipped, shipped.version
 
 
+DOCS_STATIC_URL = "/static-docs"
+"""Where the Swagger UI / ReDoc assets are served."""
+
+
+def _add_offline_docs(app: FastAPI) -> None:
+    """``/docs`` (Swagger UI 5), its OAuth2 redirect and ``/redoc`` with JS/CSS/favicon served locally.
+
+    FastAPI's self-hosting recipe (``docs_url=None`` + :func:`get_swagger_ui_html` pointing at
+    :class:`StaticFiles`); the files are the ``fastapi_offline`` package's copies of swagger-ui-dist
+    (Apache-2.0) and redoc (MIT). ``root_path`` is honoured as in FastAPI's own pages.
+    """
+    from importlib.resources import files
+
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+    from fastapi.responses import HTMLResponse
+    from fastapi.staticfiles import StaticFiles
+
+    static_dir = files("fastapi_offline") / "static"
+    app.mount(DOCS_STATIC_URL, StaticFiles(directory=str(static_dir)), name="static-docs")
+    oauth2_url = app.swagger_ui_oauth2_redirect_url or "/docs/oauth2-redirect"
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_swagger_ui_html(
+            openapi_url=f"{root}{app.openapi_url}", title=f"{app.title} - Swagger UI",
+            oauth2_redirect_url=f"{root}{oauth2_url}",
+            swagger_js_url=f"{root}{DOCS_STATIC_URL}/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}{DOCS_STATIC_URL}/swagger-ui.css",
+            swagger_favicon_url=f"{root}{DOCS_STATIC_URL}/favicon.png",
+            # no validator badge: it would load an image from validator.swagger.io
+            swagger_ui_parameters={**(app.swagger_ui_parameters or {}), "validatorUrl": None},
+        )
+
+    @app.get(oauth2_url, include_in_schema=False)
+    async def swagger_ui_redirect() -> HTMLResponse:
+        return get_swagger_ui_oauth2_redirect_html()
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_redoc_html(
+            openapi_url=f"{root}{app.openapi_url}", title=f"{app.title} - ReDoc",
+            redoc_js_url=f"{root}{DOCS_STATIC_URL}/redoc.standalone.js",
+            redoc_favicon_url=f"{root}{DOCS_STATIC_URL}/favicon.png", with_google_fonts=False,
+        )
+
+
 def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None = None) -> FastAPI:
     """Build the service.
 
@@ -142,7 +194,10 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
         ),
         lifespan=lifespan,
         max_body_size=settings.max_body_bytes,
+        docs_url=None,  # served below from local assets (no CDN)
+        redoc_url=None,
     )
+    _add_offline_docs(app)
     app.add_middleware(TimeoutMiddleware, timeout_s=settings.request_timeout_s, run_timeout_s=settings.run_timeout_s)
 
     @app.exception_handler(FlamiaError)
