@@ -5,6 +5,7 @@
 - :mod:`.policy`    static vs dynamic rule
 - :mod:`.simulate`  calibration table, schedule simulator, :func:`predict`
 - :mod:`.workloads` WORKLOADS.md length mixes and the lognormal generator
+- :mod:`.mix`       pack a length mix into rows (BFD), then predict it (shared by `flamia plan` and the service)
 """
 from flamia_pack.scheduler.cost import attention_flops, tile_count, visible_pairs
 from flamia_pack.scheduler.policy import choose_policy
