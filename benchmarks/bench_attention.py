@@ -338,10 +338,11 @@ def _header() -> str:
 
 def fit_and_report(rows) -> str:
     """Fit (a, b) for bf16_fwd and bf16_fwd_bwd at D = 128 from the W rows and report the error."""
+    from flamia_pack.kernels.config import kernel_config, work_list_tile_config
     from flamia_pack.scheduler.simulate import Calibration, fit_calibration, predict
-    from flamia_pack.scheduler.worklist import TileConfig
 
-    cfg = TileConfig(block_m=128, block_n=128, causal=True)
+    # cost tiles = the work lists the kernels build (BLOCK_M 128, the forward's 64-key tile, merge_short)
+    cfg = work_list_tile_config(kernel_config(HEAD_DIM, True), True)
     lines = ["| wl | pass | measured ms | predicted ms | error % |", "|---|---|---|---|---|"]
     fits = {}
     for key, path in (("fwd_ms", "bf16_fwd"), ("train_ms", "bf16_fwd_bwd")):
@@ -352,7 +353,8 @@ def fit_and_report(rows) -> str:
         a, b = fit_calibration(samples, num_sms=132, config=cfg)
         fits[path] = (a, b)
         cal = Calibration(kernel_path=path, head_dim=HEAD_DIM, gpu="H200", a_us_per_tile=a, b_us_per_item=b,
-                          block_m=128, block_n=128, measured=True, source="fit (bench_attention.py)")
+                          block_m=cfg.block_m, block_n=cfg.block_n, merge_short=cfg.merge_short, measured=True,
+                          source="fit (bench_attention.py)")
         for r in rows:
             if not r["name"].startswith("W") or key not in r["impl"].get("ours", {}):
                 continue

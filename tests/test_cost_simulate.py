@@ -170,7 +170,11 @@ def test_fit_calibration_recovers_known_model():
 def test_predict_w1_and_reports_everything():
     p = predict(workload_lengths("W1"))
     assert p.docs == 16 and p.tokens == 65536 and p.pairs == 134_250_496
-    assert p.items == 16 * 32 and p.tiles == 16 * 32 * 33 // 2 and p.units == p.items * 16
+    # default geometry = the calibration's: query tile i of a 4,096-token document sees
+    # (i + 1) * 128 keys, i.e. (i + 1) * 128 / BLOCK_N key tiles
+    per_tile = 128 // p.block_n
+    assert p.block_m == 128 and p.block_n in (64, 128)
+    assert p.items == 16 * 32 and p.tiles == 16 * per_tile * 32 * 33 // 2 and p.units == p.items * 16
     assert p.flops == attention_flops(workload_lengths("W1"), 16, 128, mode="fwd_bwd")
     assert p.policy == "dynamic" and p.predicted_ms == p.dynamic_ms
     # both schedules are at least the balanced lower bound
