@@ -199,6 +199,41 @@ class Schedule:
         return d
 
 
+_sift_kernel = None
+
+
+def _get_sift():
+    """Min-heap sift-down shared by the dynamic simulators: moves ``(ht[i], hs[i])`` down the
+    binary heap of (SM free time, SM id), ordered by time, ties by SM id (numba, compiled lazily)."""
+    global _sift_kernel
+    if _sift_kernel is None:
+        import numba
+
+        @numba.njit(cache=True, nogil=True, inline="always")
+        def _sift(ht, hs, i, p):  # pragma: no cover - compiled
+            t = ht[i]
+            s = hs[i]
+            while True:
+                l = 2 * i + 1
+                if l >= p:
+                    break
+                c = l
+                r = l + 1
+                if r < p and (ht[r] < ht[l] or (ht[r] == ht[l] and hs[r] < hs[l])):
+                    c = r
+                if ht[c] < t or (ht[c] == t and hs[c] < s):
+                    ht[i] = ht[c]
+                    hs[i] = hs[c]
+                    i = c
+                else:
+                    break
+            ht[i] = t
+            hs[i] = s
+
+        _sift_kernel = _sift
+    return _sift_kernel
+
+
 _dyn_kernel = None
 
 
@@ -206,6 +241,8 @@ def _get_dynamic_kernel():
     global _dyn_kernel
     if _dyn_kernel is None:
         import numba
+
+        _sift = _get_sift()
 
         @numba.njit(cache=True, nogil=True)
         def _dynamic(times, p, keep):  # pragma: no cover - compiled
@@ -227,24 +264,10 @@ def _get_dynamic_kernel():
                     sm_out[u] = s
                     st_out[u] = t0
                     en_out[u] = t1
-                # replace root and sift down
-                i = 0
-                while True:
-                    l = 2 * i + 1
-                    if l >= p:
-                        break
-                    c = l
-                    r = l + 1
-                    if r < p and (ht[r] < ht[l] or (ht[r] == ht[l] and hs[r] < hs[l])):
-                        c = r
-                    if ht[c] < t1 or (ht[c] == t1 and hs[c] < s):
-                        ht[i] = ht[c]
-                        hs[i] = hs[c]
-                        i = c
-                    else:
-                        break
-                ht[i] = t1
-                hs[i] = s
+                # replace the root by (t1, s) and sift it down
+                ht[0] = t1
+                hs[0] = s
+                _sift(ht, hs, 0, p)
             makespan = 0.0
             for i in range(p):
                 if ht[i] > makespan:
@@ -277,26 +300,7 @@ def _get_fast_kernels():
     if _fast_kernels is None:
         import numba
 
-        @numba.njit(cache=True, nogil=True, inline="always")
-        def _sift(ht, hs, i, p):  # pragma: no cover - compiled
-            t = ht[i]
-            s = hs[i]
-            while True:
-                l = 2 * i + 1
-                if l >= p:
-                    break
-                c = l
-                r = l + 1
-                if r < p and (ht[r] < ht[l] or (ht[r] == ht[l] and hs[r] < hs[l])):
-                    c = r
-                if ht[c] < t or (ht[c] == t and hs[c] < s):
-                    ht[i] = ht[c]
-                    hs[i] = hs[c]
-                    i = c
-                else:
-                    break
-            ht[i] = t
-            hs[i] = s
+        _sift = _get_sift()
 
         @numba.njit(cache=True, nogil=True)
         def _static_items(costs, h, p, a, b):  # pragma: no cover - compiled
