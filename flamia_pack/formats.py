@@ -62,8 +62,8 @@ Reading: :func:`read_manifest`, :func:`verify` (checksums, missing/extra shards)
 """
 from __future__ import annotations
 
-import datetime as _dt
 import contextlib
+import datetime as _dt
 import hashlib
 import json
 import math
