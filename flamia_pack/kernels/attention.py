@@ -31,6 +31,8 @@ does no host synchronisation and can be captured in a CUDA graph for a fixed T.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import numbers
 import os
@@ -432,8 +434,11 @@ def varlen_attention(
             for CUDA graphs and in training loops. Without one, ``cu_seqlens`` is validated on the
             host (one sync) and a list is built on the device.
         return_lse: also return the LSE ``(H_q, T)`` float32 (natural log; differentiable).
-        deterministic: accepted for API parity; the kernels never use atomics, so results are
-            always bitwise reproducible.
+        deterministic: bitwise reproducible gradients. With ``False`` (default) a configuration
+            with ``bwd_dq_atomic`` accumulates dQ with fp32 atomics (5 matrix products per tile pair,
+            the order of the additions varies run to run); ``True`` turns that off and runs the
+            atomic-free backward (separate dQ programs, 7 products; FlashAttention's
+            ``deterministic`` flag). The forward, dK and dV are deterministic either way.
         config: tile/launch configuration (default :func:`flamia_pack.kernels.config.kernel_config`).
 
     Returns:
@@ -471,6 +476,8 @@ def varlen_attention(
         cu32 = cu32.contiguous()
     if use_kernels:
         cfg = config if config is not None else kernel_config(D, causal)
+        if deterministic and cfg.bwd_dq_atomic:
+            cfg = dataclasses.replace(cfg, bwd_dq_atomic=False)
         if work_list is None:
             items, num_items = _default_work_list(cu32, T, max_seqlen, causal, cfg)
         else:

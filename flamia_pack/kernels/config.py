@@ -95,6 +95,11 @@ class AttentionKernelConfig:
     """Backward, two launches only: warps of the dQ launch; 0 = ``bwd_num_warps``."""
     bwd_dq_num_stages: int = 0
     """Backward, two launches only: pipelining depth of the dQ launch; 0 = ``bwd_num_stages``."""
+    bwd_dq_atomic: bool = False
+    """Backward: the dK/dV programs also compute ``dQ += dS^T K`` and add it into an fp32
+    accumulator with atomics (5 matrix products per tile pair instead of 7; no dQ programs; one
+    cast to bf16 at the end). Not bitwise reproducible (the order of the fp32 additions varies),
+    so ``varlen_attention(..., deterministic=True)`` turns it off."""
 
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
@@ -127,7 +132,7 @@ class AttentionKernelConfig:
                               "(one fused launch has one warp count and one stage count)")
         if self.schedule not in SCHEDULES:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major"):
+        for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -157,6 +162,15 @@ CANDIDATES: dict[str, dict] = {
     # work on short documents; spill-free, 251 registers, 115 KB shared memory)
     "tma_head_major_fwd64": {"bwd_tma": True, "schedule": "grid_head_major", "bwd_head_major": True,
                              "block_m": 64, "num_warps": 4},
+    # dQ by fp32 atomics from the dK/dV programs (5 products instead of 7; not bitwise reproducible)
+    "dq_atomic": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_dq_atomic": True},
+    # the same, masked loops unpipelined (164 B of spills instead of 280 B on sm_90)
+    "dq_atomic_ms1": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_dq_atomic": True,
+                      "bwd_masked_stages": 1},
+    # dq_atomic plus the 64-query x 64-key forward with 4 warps (two programs per SM: hides the
+    # per-program prologue on rows of short documents)
+    "dq_atomic_fwd64": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_dq_atomic": True,
+                        "block_m": 64, "num_warps": 4},
 }
 """Named override sets (field -> value) on top of :func:`kernel_config`'s default, screened on
 the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by

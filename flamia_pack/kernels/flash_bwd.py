@@ -57,13 +57,13 @@ def _bwd_preprocess(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, str
 
 @triton.jit
 def _dkdv_tile(
-    Q, K, V, DO, LSE, DELTA, DK, DV, items_ptr, cu_ptr, n_docs, e, hk, group,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, items_ptr, cu_ptr, n_docs, e, hk, group,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     F1: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
-    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
+    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
         items_ptr, cu_ptr, e, F1, WL_BM, BLOCK_N1, BLOCK_M1, True, CAUSAL)
@@ -86,6 +86,8 @@ def _dkdv_tile(
             do_ptrs = DO + o_lo.to(tl.int64) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :]
             l_ptrs = LSE + h * stride_lh + o_lo + offs_m
             d_ptrs = DELTA + h * stride_lh + o_lo + offs_m
+            # dQ^T tile (HEAD_DIM x BLOCK_M1) of the fp32 accumulator, added with atomics
+            aq_ptrs = DQACC + o_lo.to(tl.int64) * stride_aqt + h * stride_aqh + offs_m[None, :] * stride_aqt + offs_d[:, None]
             if USE_TMA:
                 # TMA descriptors over rows [0, o_hi) of this head: rows >= o_hi read as zero
                 q_desc = tl.make_tensor_descriptor(Q + h * stride_qh, shape=[o_hi, HEAD_DIM], strides=[stride_qt, 1],
@@ -110,6 +112,9 @@ def _dkdv_tile(
                 dp_t = tl.dot(v, tl.trans(do))
                 ds_t = p_t * (dp_t - delta[None, :])
                 dk = tl.dot(ds_t.to(q.dtype), q, dk)
+                if DQ_ATOMIC:
+                    dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype)) * sm_scale
+                    tl.atomic_add(aq_ptrs + t * BLOCK_M1 * stride_aqt, dq_t, sem="relaxed")
             # masked query tiles: causal diagonal, document end, merged short documents
             for jj in tl.range(0, u0 + n - u1, num_stages=MASKED_STAGES):
                 t = masked_tile_index(jj, u0, u1)
@@ -132,6 +137,9 @@ def _dkdv_tile(
                 dp_t = tl.dot(v, tl.trans(do))
                 ds_t = p_t * (dp_t - delta[None, :])
                 dk = tl.dot(ds_t.to(q.dtype), q, dk)
+                if DQ_ATOMIC:
+                    dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype)) * sm_scale
+                    tl.atomic_add(aq_ptrs + t * BLOCK_M1 * stride_aqt, dq_t, mask=q_ok[None, :], sem="relaxed")
         dk = dk * sm_scale
         tl.store(DK + rs.to(tl.int64) * stride_dkt + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
                  dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
@@ -209,14 +217,14 @@ def _dq_tile(
 
 @triton.jit(do_not_specialize=["n_docs", "max_items"])
 def _bwd_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items, num_heads, num_kv_heads,
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQACC, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items, num_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, KIND: tl.constexpr,
-    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, HEAD_MAJOR: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     # KIND 0: both program kinds interleaved rank by rank; 1: dK/dV programs only; 2: dQ only
     pid = tl.program_id(0)
@@ -256,10 +264,11 @@ def _bwd_kernel(
         head2 = rem2 % num_heads
     if r < tl.load(num_items_ptr):
         if rem < n_kv:
-            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, items_ptr, cu_ptr, n_docs, e1, head1, group,
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, items_ptr, cu_ptr, n_docs, e1, head1, group,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                       stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-                       qk_scale, sm_scale, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA)
+                       stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
+                       qk_scale, sm_scale, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
+                       DQ_ATOMIC)
         else:
             _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e2, head2, group,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -320,28 +329,39 @@ def flash_bwd(
     f2 = config.wl_block_m // config.bwd_block_m2
     nw, ns = config.bwd_num_warps, config.bwd_num_stages
     nw2, ns2 = config.bwd_dq_num_warps or nw, config.bwd_dq_num_stages or ns
-    if config.bwd_fused:
-        launches = [(0, f1 * Hkv + f2 * H, nw, ns)]
+    atomic = bool(config.bwd_dq_atomic)
+    if atomic:
+        # dQ accumulated in fp32 by the dK/dV programs (5 products per tile pair), cast at the end
+        dq_acc = torch.zeros((T, H, D), dtype=torch.float32, device=q.device)
+        launches = [(1, f1 * Hkv, nw, ns)]
     else:
-        launches = [(1, f1 * Hkv, nw, ns), (2, f2 * H, nw2, ns2)]
+        dq_acc = delta  # unused
+        if config.bwd_fused:
+            launches = [(0, f1 * Hkv + f2 * H, nw, ns)]
+        else:
+            launches = [(1, f1 * Hkv, nw, ns), (2, f2 * H, nw2, ns2)]
     use_tma = bool(config.bwd_tma) and _tma_ok(q, k, v, do)
     for kind, per_rank, warps, stages in launches:
         n_prog = items.shape[0] * per_rank
         if n_prog == 0:
             continue
         _bwd_kernel[(n_prog,)](
-            q, k, v, do, lse, delta, dq, dk, dv, items, num_items, cu_seqlens, cu_seqlens.numel() - 1, items.shape[0],
-            H, Hkv,
+            q, k, v, do, lse, delta, dq, dk, dv, dq_acc, items, num_items, cu_seqlens, cu_seqlens.numel() - 1,
+            items.shape[0], H, Hkv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-            dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), delta.stride(0),
+            dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            dq_acc.stride(0) if atomic else 0, dq_acc.stride(1) if atomic else 0, delta.stride(0),
             float(softmax_scale) * LOG2E, float(softmax_scale),
             HEAD_DIM=D, BLOCK_M1=config.bwd_block_m1, BLOCK_N1=config.bwd_block_n1,
             BLOCK_M2=config.bwd_block_m2, BLOCK_N2=config.bwd_block_n2,
             F1=f1, F2=f2, WL_BM=config.wl_block_m, CAUSAL=bool(causal), KIND=kind,
             MASKED_STAGES=config.bwd_masked_stages or stages, USE_TMA=use_tma, HEAD_MAJOR=config.bwd_head_major,
-            num_warps=warps, num_stages=stages,
+            DQ_ATOMIC=atomic, num_warps=warps, num_stages=stages,
         )
-    fill_tail(dq, cu_seqlens, 0.0)
+    if atomic:
+        dq.copy_(dq_acc)  # padding rows are zero in the accumulator
+    else:
+        fill_tail(dq, cu_seqlens, 0.0)
     fill_tail(dk, cu_seqlens, 0.0)
     fill_tail(dv, cu_seqlens, 0.0)
     return dq, dk, dv
