@@ -85,8 +85,9 @@ extra = {  # knob combinations no candidate uses: two launches with their own dQ
 }
 for name, over in list(CANDIDATES.items()) + list(extra.items()):
     over = dict(over)
-    if "block_m" in over:
-        over["block_m"] = 16
+    for f in ("block_m", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
+        if f in over:  # the candidate's tile shape scaled to this small row (wl_block_m = 32)
+            over[f] = max(16, over[f] // 4)
     cfg = AttentionKernelConfig(**{**small, **over})
     for causal in (True, False):
         n_desc[0] = 0

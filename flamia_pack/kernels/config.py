@@ -164,13 +164,18 @@ CANDIDATES: dict[str, dict] = {
                              "block_m": 64, "num_warps": 4},
     # dQ by fp32 atomics from the dK/dV programs (5 products instead of 7; not bitwise reproducible)
     "dq_atomic": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_dq_atomic": True},
-    # the same, masked loops unpipelined (164 B of spills instead of 280 B on sm_90)
-    "dq_atomic_ms1": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_dq_atomic": True,
-                      "bwd_masked_stages": 1},
-    # dq_atomic plus the 64-query x 64-key forward with 4 warps (two programs per SM: hides the
-    # per-program prologue on rows of short documents)
-    "dq_atomic_fwd64": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_dq_atomic": True,
-                        "block_m": 64, "num_warps": 4},
+    # small-footprint backward: 64-key x 16-query dK/dV and 64 x 32 dQ programs with 4 warps
+    # (spill-free, 252 registers, 82 KB shared memory: two programs per SM hide each other's
+    # prologue and epilogue, which dominate on rows of short documents)
+    "bwd_small": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_block_n1": 64, "bwd_block_m1": 16,
+                  "bwd_block_m2": 64, "bwd_block_n2": 32, "bwd_num_warps": 4},
+    # the same with the 64 x 64 forward (4 warps, two programs per SM)
+    "small": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_block_n1": 64, "bwd_block_m1": 16,
+              "bwd_block_m2": 64, "bwd_block_n2": 32, "bwd_num_warps": 4, "block_m": 64, "num_warps": 4},
+    # small, backward dQ walks 64-key tiles with 2 stages (spill-free, 255 registers, 99 KB)
+    "small_n2_64": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_block_n1": 64, "bwd_block_m1": 16,
+                    "bwd_block_m2": 64, "bwd_block_n2": 64, "bwd_num_warps": 4, "bwd_num_stages": 2,
+                    "block_m": 64, "num_warps": 4},
 }
 """Named override sets (field -> value) on top of :func:`kernel_config`'s default, screened on
 the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by

@@ -30,7 +30,7 @@ import numpy as np
 from flamia_pack.errors import FlamiaError
 from flamia_pack.scheduler.cost import PASS_FACTORS, attention_flops, lengths_from, visible_pairs
 from flamia_pack.scheduler.policy import POLICIES, choose_policy
-from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba
+from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba, walked_tiles
 
 __all__ = [
     "Calibration",
@@ -635,10 +635,11 @@ def predict(
 
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     items = build_work_list_numba(cu, cfg)
+    walk = walked_tiles(items, cu, cfg)  # time unit: the tiles the kernels walk (queue order: the list's)
     if items.shape[0] * h > max_intervals:  # no intervals wanted: item-level fast path, same numbers
-        scheds = {pol: _simulate_items(items[:, 3], h, p, a, b, pol) for pol in POLICIES}
+        scheds = {pol: _simulate_items(walk, h, p, a, b, pol) for pol in POLICIES}
     else:
-        unit_costs = np.repeat(items[:, 3].astype(np.float64), h)
+        unit_costs = np.repeat(walk.astype(np.float64), h)
         scheds = {pol: simulate_schedule(unit_costs, p, a, b, pol, max_intervals=max_intervals) for pol in POLICIES}
     chosen, reason = choose_policy(lens, bool(causal), policy)
     flops = attention_flops(lens, h, int(head_dim), bool(causal), mode=pass_)
@@ -725,7 +726,7 @@ def fit_calibration(samples, *, num_sms: int = 132, config: TileConfig = TileCon
         lens = lengths_from(lens)
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         it = build_work_list_numba(cu, config)
-        tiles = float(it[:, 3].astype(np.int64).sum()) * h / num_sms
+        tiles = float(walked_tiles(it, cu, config).sum()) * h / num_sms
         units = float(it.shape[0]) * h / num_sms
         rows.append([tiles / t_us, units / t_us])
         rhs.append(1.0)

@@ -75,6 +75,7 @@ __all__ = [
     "build_work_list_numba",
     "max_work_items",
     "static_assignment",
+    "walked_tiles",
     "work_list_to_numpy",
 ]
 
@@ -259,6 +260,36 @@ def build_work_list_numba(cu_seqlens, config: TileConfig = TileConfig()) -> np.n
     if cu[-1] >= 2**31:
         raise MetadataError(f"cu_seqlens[-1]={int(cu[-1])} does not fit the int32 item table")
     return _get_numba_kernel()(cu, config.block_m, config.block_n, config.causal, config.merge_short)
+
+
+def walked_tiles(items: np.ndarray, cu_seqlens, config: TileConfig = TileConfig()) -> np.ndarray:
+    """Key tiles a kernel program really walks for each item (the simulator's time unit).
+
+    The ``cost`` column counts tiles on the ROW's grid (the sort key of DESIGN.md §6), so an
+    unaligned document can cost one tile more than the kernels run; the kernels walk tiles of
+    ``BLOCK_N`` keys starting at the document start (``kernels/tiles.py``: ``o_lo = span_lo``)::
+
+        non-merged item:  ceil((last_key - doc_start + 1) / BLOCK_N),
+                          last_key = q_end - 1 (causal) | doc_end - 1 (non-causal)
+        merged item:      ceil((q_end - q_start) / BLOCK_N)
+
+    Args:
+        items: ``(n_items, 4)`` int work list rows ``(doc, q_start, q_end, cost)``.
+        cu_seqlens: ``(n_docs + 1,)`` ints the list was built from (not re-validated).
+        config: the list's tile geometry (``block_n``, ``causal``).
+
+    Returns:
+        int64 ``(n_items,)``; equals ``cost`` when every document starts on a ``BLOCK_N`` boundary.
+    """
+    it = np.asarray(items, dtype=np.int64).reshape(-1, 4)
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    doc, qs, qe = it[:, 0], it[:, 1], it[:, 2]
+    ds, de = cu[doc], cu[doc + 1]
+    merged = qe > de
+    lo = np.where(merged, qs, ds)
+    hi = np.where(merged | bool(config.causal), qe, de)
+    bn = int(config.block_n)
+    return (hi - lo + bn - 1) // bn
 
 
 # ----------------------------------------------------------------------------------------------

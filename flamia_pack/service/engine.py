@@ -32,7 +32,7 @@ from flamia_pack.scheduler.simulate import (
     Prediction,
     kernel_path,
 )
-from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba
+from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba, walked_tiles
 
 __all__ = ["MixParams", "MixPrediction", "critical_load", "fwd_bwd_path", "predict_mix", "unit_costs"]
 
@@ -124,7 +124,8 @@ def predict_mix(
 
 
 def unit_costs(seqlens: np.ndarray, pred: Prediction) -> np.ndarray:
-    """Visible key tiles of every (item, head) unit in queue order (what the simulator schedules).
+    """Walked key tiles of every (item, head) unit in queue order (what the simulator schedules:
+    :func:`flamia_pack.scheduler.worklist.walked_tiles`).
 
     Rebuilds the work list with the prediction's tile geometry
     (:func:`flamia_pack.scheduler.worklist.build_work_list_numba`, the builder ``predict`` uses).
@@ -136,7 +137,7 @@ def unit_costs(seqlens: np.ndarray, pred: Prediction) -> np.ndarray:
     np.cumsum(seqlens, out=cu[1:])
     cfg = TileConfig(block_m=pred.block_m, block_n=pred.block_n, causal=pred.causal, merge_short=pred.merge_short)
     items = build_work_list_numba(cu, cfg)
-    return np.repeat(items[:, 3].astype(np.float64), pred.num_heads)
+    return np.repeat(walked_tiles(items, cu, cfg).astype(np.float64), pred.num_heads)
 
 
 def critical_load(seqlens: np.ndarray, pred: Prediction) -> tuple[float, float]:
