@@ -39,6 +39,25 @@ def test_env_var_selects_candidate(monkeypatch):
     assert kernel_config(128) == base
 
 
+def test_small_tiles_for_rows_of_short_documents(monkeypatch):
+    from flamia_pack.kernels.config import SMALL_MAX_SEQLEN
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    small = candidate_config("small")
+    assert small.block_m == 64 and small.bwd_block_n1 == 64 and small.bwd_num_warps == 4
+    assert kernel_config(128, max_seqlen=SMALL_MAX_SEQLEN) == small
+    assert kernel_config(128, max_seqlen=1) == small
+    assert kernel_config(128, max_seqlen=SMALL_MAX_SEQLEN + 1) == kernel_config(128)
+    assert kernel_config(128, max_seqlen=None) == kernel_config(128) != small
+    assert kernel_config(64, max_seqlen=256) == kernel_config(64)  # D = 64: not measured, default tiles
+    # same work-list geometry: a list built for one tile set serves the other
+    assert (small.wl_block_m, small.merge_short) == (kernel_config(128).wl_block_m, kernel_config(128).merge_short)
+    monkeypatch.setenv(CONFIG_ENV, "default")  # an explicit choice wins over the rule
+    assert kernel_config(128, max_seqlen=256) == kernel_config(128)
+    monkeypatch.setenv(CONFIG_ENV, "bwd_tma")
+    assert kernel_config(128, max_seqlen=256) == candidate_config("bwd_tma")
+
+
 def test_env_var_unknown_name_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(CONFIG_ENV, "no_such_variant")
     with pytest.raises(FlamiaError, match="unknown attention config candidate 'no_such_variant'.*bwd_tma"):

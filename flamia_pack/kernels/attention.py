@@ -475,7 +475,7 @@ def varlen_attention(
     if not cu32.is_contiguous():
         cu32 = cu32.contiguous()
     if use_kernels:
-        cfg = config if config is not None else kernel_config(D, causal)
+        cfg = config if config is not None else kernel_config(D, causal, max_seqlen=max_seqlen)
         if deterministic and cfg.bwd_dq_atomic:
             cfg = dataclasses.replace(cfg, bwd_dq_atomic=False)
         if work_list is None:

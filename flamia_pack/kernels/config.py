@@ -21,11 +21,19 @@ from dataclasses import astuple, dataclass, replace
 from flamia_pack.errors import FlamiaError
 
 __all__ = ["AttentionKernelConfig", "kernel_config", "work_list_tile_config", "SCHEDULES", "CANDIDATES",
-           "CONFIG_ENV", "candidate_config"]
+           "CONFIG_ENV", "candidate_config", "SMALL_MAX_SEQLEN"]
+
+SMALL_MAX_SEQLEN = 1024
+"""Calls whose ``max_seqlen`` is at most this (head_dim 128) run the ``small`` tile set of
+:data:`CANDIDATES`: on the H200 it made the training call 1.26x faster on W7 (256-token
+documents) and 1.07x on W3 (1,024), but 0.95x on W1 (4,096) and 0.86x on W4 (65,536)
+(gpu_bwd_sweep.py, 2026-11-29; benchmarks/NOTES.md). ``max_seqlen`` is a host int, so the choice
+costs no device sync."""
 
 CONFIG_ENV = "FLAMIA_ATTN_CONFIG"
 """Environment variable naming a :data:`CANDIDATES` entry that :func:`kernel_config` applies on top
-of its default (unset, empty or ``default``: the default). For device runs that pick a variant
+of its default (unset or empty: the default, with the ``max_seqlen`` rule of :func:`kernel_config`;
+``default``: the default tiles for every call). For device runs that pick a variant
 without code changes, e.g. ``FLAMIA_ATTN_CONFIG=bwd_tma pytest tests/test_attention_gpu.py``."""
 
 SCHEDULES = ("grid", "persistent", "grid_head_major")
@@ -194,7 +202,8 @@ def candidate_config(name: str, head_dim: int = 128, causal: bool = True, precis
     return replace(_default_config(head_dim, causal, precision), **CANDIDATES[name])
 
 
-def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16") -> AttentionKernelConfig:
+def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
+                  max_seqlen: int | None = None) -> AttentionKernelConfig:
     """The default configuration for a head dimension, mask type and precision (pure function).
 
     Chosen on the H200 (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)"): forward 128 x 64
@@ -207,10 +216,18 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16") -
     (12.06 ms on W1 vs 14.3 ms for 128 x 64 and 16.8-21.6 ms for 64-key programs, despite ~170 B
     of register spills; the spill-free 64-key tiles re-read Q and dO twice as often).
 
+    Rows of short documents only (``max_seqlen <= SMALL_MAX_SEQLEN``, head_dim 128) get the
+    ``small`` tile set instead: 64 x 64 forward and 64-key x 16-query dK/dV / 64 x 32 dQ backward
+    programs with 4 warps, spill-free, two programs per SM, so one program's prologue and epilogue
+    (which dominate when each program walks only a few tiles) overlap another's tiles.
+
     Args:
         head_dim: D, 64 or 128.
         causal: causal mask (kept for the signature; both use the same tiles today).
         precision: ``"bf16"`` (``"fp8"`` shares the tiles; its kernels are a later issue).
+        max_seqlen: the call's longest document (host int), or None (not known: the default
+            tiles). Both tile sets use the same work-list geometry (``wl_block_m`` 128), so a work
+            list built without it serves either.
 
     If the environment variable :data:`CONFIG_ENV` (``FLAMIA_ATTN_CONFIG``) names a
     :data:`CANDIDATES` entry, that entry's overrides are applied (read on every call).
@@ -222,8 +239,10 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16") -
         FlamiaError: unsupported head_dim or precision; an unknown ``FLAMIA_ATTN_CONFIG`` name.
     """
     name = os.environ.get(CONFIG_ENV, "").strip()
-    if name and name != "default":
+    if name:  # an explicit choice (``default`` included) wins over the max_seqlen rule
         return candidate_config(name, head_dim, causal, precision)
+    if max_seqlen is not None and head_dim == 128 and 0 <= int(max_seqlen) <= SMALL_MAX_SEQLEN:
+        return candidate_config("small", head_dim, causal, precision)
     return _default_config(head_dim, causal, precision)
 
 
