@@ -389,3 +389,28 @@ def test_work_list_builder_cuda_graph():
         assert builder.use_graph
         _check_builder(builder, rng, 8, "cuda")
         assert builder._graph is not None
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("merge_short", [True, False])
+def test_walked_tiles_are_the_kernels_walk(causal, merge_short):
+    """walked_tiles (the simulator's time unit) == the key tiles a forward program of the kernels
+    walks (kernels/tiles.py host mirror), on random rows with unaligned documents; equal to the
+    cost column when every document starts on a BLOCK_N boundary, never larger."""
+    from flamia_pack.kernels.tiles import program_geometry_host
+    from flamia_pack.scheduler.worklist import walked_tiles
+
+    rng = np.random.default_rng(7)
+    cfg = TileConfig(block_m=128, block_n=64, causal=causal, merge_short=merge_short)
+    for _ in range(20):
+        lens = rng.integers(1, 700, size=int(rng.integers(1, 40)))
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        items = build_work_list_numba(cu, cfg)
+        w = walked_tiles(items, cu, cfg)
+        g = program_geometry_host(items, cu, wl_block_m=128, block_rows=128, block_other=64,
+                                  rows_are_keys=False, causal=causal)
+        np.testing.assert_array_equal(w, g["n_tiles"])
+        assert (w <= items[:, 3]).all() and (w >= 1).all()
+        aligned = np.concatenate([[0], np.cumsum(lens * 64)])
+        it2 = build_work_list_numba(aligned, cfg)
+        np.testing.assert_array_equal(walked_tiles(it2, aligned, cfg), it2[:, 3])
