@@ -108,6 +108,12 @@ class AttentionKernelConfig:
     accumulator with atomics (5 matrix products per tile pair instead of 7; no dQ programs; one
     cast to bf16 at the end). Not bitwise reproducible (the order of the fp32 additions varies),
     so ``varlen_attention(..., deterministic=True)`` turns it off."""
+    bwd_dq_tma: int = 0
+    """Backward, with ``bwd_dq_atomic``: 0 = per-thread vector atomics; 1 or 2 = one TMA bulk
+    reduce-add per dQ tile from shared memory (``cp.reduce.async.bulk.tensor``, as
+    FlashAttention-3), the tile computed as ``(K^T dS)^T`` (wgmma, then a transpose: 1) or as
+    ``dS^T K`` (M = ``bwd_block_m1`` rows: mma.sync, fewer spills: 2). Ignored without
+    ``bwd_dq_atomic``."""
 
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
@@ -138,6 +144,8 @@ class AttentionKernelConfig:
         if self.bwd_fused and (self.bwd_dq_num_warps or self.bwd_dq_num_stages):
             raise FlamiaError("AttentionKernelConfig.bwd_dq_num_warps / bwd_dq_num_stages need bwd_fused=False "
                               "(one fused launch has one warp count and one stage count)")
+        if self.bwd_dq_tma not in (0, 1, 2) or isinstance(self.bwd_dq_tma, bool):
+            raise FlamiaError(f"AttentionKernelConfig.bwd_dq_tma must be 0, 1 or 2, got {self.bwd_dq_tma!r}")
         if self.schedule not in SCHEDULES:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic"):
@@ -172,6 +180,9 @@ CANDIDATES: dict[str, dict] = {
                              "block_m": 64, "num_warps": 4},
     # dQ by fp32 atomics from the dK/dV programs (5 products instead of 7; not bitwise reproducible)
     "dq_atomic": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_dq_atomic": True},
+    # dQ tiles added by TMA bulk reduce-add (one instruction per tile) instead of per-thread atomics
+    "dq_tma": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_dq_atomic": True, "bwd_dq_tma": 1},
+    "dq_tma_mma2": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_dq_atomic": True, "bwd_dq_tma": 2},
     # small-footprint backward: 64-key x 16-query dK/dV and 64 x 32 dQ programs with 4 warps
     # (spill-free, 252 registers, 82 KB shared memory: two programs per SM hide each other's
     # prologue and epilogue, which dominate on rows of short documents)

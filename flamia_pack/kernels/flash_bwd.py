@@ -57,13 +57,13 @@ def _bwd_preprocess(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, str
 
 @triton.jit
 def _dkdv_tile(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, items_ptr, cu_ptr, n_docs, e, hk, group,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e, hk, group,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     F1: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
-    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
         items_ptr, cu_ptr, e, F1, WL_BM, BLOCK_N1, BLOCK_M1, True, CAUSAL)
@@ -113,8 +113,15 @@ def _dkdv_tile(
                 ds_t = p_t * (dp_t - delta[None, :])
                 dk = tl.dot(ds_t.to(q.dtype), q, dk)
                 if DQ_ATOMIC:
-                    dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype)) * sm_scale
-                    tl.atomic_add(aq_ptrs + t * BLOCK_M1 * stride_aqt, dq_t, sem="relaxed")
+                    if DQ_TMA > 0:  # one bulk reduce-add of the (BLOCK_M1, HEAD_DIM) tile from shared memory
+                        if DQ_TMA == 1:
+                            dq_t = tl.trans(tl.dot(tl.trans(k), ds_t.to(k.dtype))) * sm_scale
+                        else:
+                            dq_t = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * sm_scale
+                        dq_desc.atomic_add([o_lo + t * BLOCK_M1, h * HEAD_DIM], dq_t)
+                    else:
+                        dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype)) * sm_scale
+                        tl.atomic_add(aq_ptrs + t * BLOCK_M1 * stride_aqt, dq_t, sem="relaxed")
             # masked query tiles: causal diagonal, document end, merged short documents
             for jj in tl.range(0, u0 + n - u1, num_stages=MASKED_STAGES):
                 t = masked_tile_index(jj, u0, u1)
@@ -138,8 +145,15 @@ def _dkdv_tile(
                 ds_t = p_t * (dp_t - delta[None, :])
                 dk = tl.dot(ds_t.to(q.dtype), q, dk)
                 if DQ_ATOMIC:
-                    dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype)) * sm_scale
-                    tl.atomic_add(aq_ptrs + t * BLOCK_M1 * stride_aqt, dq_t, mask=q_ok[None, :], sem="relaxed")
+                    if DQ_TMA > 0:  # rows past T are clipped; invisible rows add dS = 0
+                        if DQ_TMA == 1:
+                            dq_t = tl.trans(tl.dot(tl.trans(k), ds_t.to(k.dtype))) * sm_scale
+                        else:
+                            dq_t = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * sm_scale
+                        dq_desc.atomic_add([o_lo + t * BLOCK_M1, h * HEAD_DIM], dq_t)
+                    else:
+                        dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype)) * sm_scale
+                        tl.atomic_add(aq_ptrs + t * BLOCK_M1 * stride_aqt, dq_t, mask=q_ok[None, :], sem="relaxed")
         dk = dk * sm_scale
         tl.store(DK + rs.to(tl.int64) * stride_dkt + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
                  dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
@@ -217,7 +231,7 @@ def _dq_tile(
 
 @triton.jit(do_not_specialize=["n_docs", "max_items"])
 def _bwd_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQACC, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items, num_heads, num_kv_heads,
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQACC, dq_desc, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items, num_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
     qk_scale, sm_scale,
@@ -225,6 +239,7 @@ def _bwd_kernel(
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, KIND: tl.constexpr,
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, HEAD_MAJOR: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    DQ_TMA: tl.constexpr,
 ):
     # KIND 0: both program kinds interleaved rank by rank; 1: dK/dV programs only; 2: dQ only
     pid = tl.program_id(0)
@@ -264,11 +279,11 @@ def _bwd_kernel(
         head2 = rem2 % num_heads
     if r < tl.load(num_items_ptr):
         if rem < n_kv:
-            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, items_ptr, cu_ptr, n_docs, e1, head1, group,
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e1, head1, group,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
                        qk_scale, sm_scale, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
-                       DQ_ATOMIC)
+                       DQ_ATOMIC, DQ_TMA)
         else:
             _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e2, head2, group,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -330,10 +345,16 @@ def flash_bwd(
     nw, ns = config.bwd_num_warps, config.bwd_num_stages
     nw2, ns2 = config.bwd_dq_num_warps or nw, config.bwd_dq_num_stages or ns
     atomic = bool(config.bwd_dq_atomic)
+    dq_desc = None
     if atomic:
         # dQ accumulated in fp32 by the dK/dV programs (5 products per tile pair), cast at the end
         dq_acc = torch.zeros((T, H, D), dtype=torch.float32, device=q.device)
         launches = [(1, f1 * Hkv, nw, ns)]
+        if config.bwd_dq_tma and T > 0:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            # (T, H * D) view: tile rows are tokens, columns one head's D features
+            dq_desc = TensorDescriptor(dq_acc, [T, H * D], [H * D, 1], [config.bwd_block_m1, D])
     else:
         dq_acc = delta  # unused
         if config.bwd_fused:
@@ -346,7 +367,7 @@ def flash_bwd(
         if n_prog == 0:
             continue
         _bwd_kernel[(n_prog,)](
-            q, k, v, do, lse, delta, dq, dk, dv, dq_acc, items, num_items, cu_seqlens, cu_seqlens.numel() - 1,
+            q, k, v, do, lse, delta, dq, dk, dv, dq_acc, dq_desc, items, num_items, cu_seqlens, cu_seqlens.numel() - 1,
             items.shape[0], H, Hkv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
             dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
@@ -356,7 +377,7 @@ def flash_bwd(
             BLOCK_M2=config.bwd_block_m2, BLOCK_N2=config.bwd_block_n2,
             F1=f1, F2=f2, WL_BM=config.wl_block_m, CAUSAL=bool(causal), KIND=kind,
             MASKED_STAGES=config.bwd_masked_stages or stages, USE_TMA=use_tma, HEAD_MAJOR=config.bwd_head_major,
-            DQ_ATOMIC=atomic, num_warps=warps, num_stages=stages,
+            DQ_ATOMIC=atomic, DQ_TMA=int(config.bwd_dq_tma) if dq_desc is not None else 0, num_warps=warps, num_stages=stages,
         )
     if atomic:
         dq.copy_(dq_acc)  # padding rows are zero in the accumulator

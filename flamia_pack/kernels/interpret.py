@@ -8,7 +8,9 @@ patched here, in the interpreter only (nothing changes for compiled kernels):
 - ``tl.dot`` on bfloat16 operands multiplies their raw uint16 storage: we widen to float32
   first (exact, and what the tensor cores do: bf16 products accumulated in fp32);
 - a loaded scalar used as a ``range`` bound fails ``__index__`` (a 1-element array is no longer
-  convertible to int).
+  convertible to int);
+- tensor-descriptor ``atomic_add`` (TMA bulk reduce) is not implemented: emulated as a masked
+  read-add-write of the block.
 """
 from __future__ import annotations
 
@@ -54,5 +56,22 @@ def patch_triton_interpreter() -> bool:
         return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     interp.InterpreterBuilder.create_dot = create_dot
+
+    if not hasattr(interp.InterpreterBuilder, "create_descriptor_reduce"):
+        from triton._C.libtriton import ir as _ir
+
+        def create_descriptor_reduce(self, kind, desc, value, indices):
+            # TMA bulk reduce-add (tensor descriptor ``atomic_add``): read, add, write back the
+            # in-bounds part of the block (the interpreter runs one program at a time)
+            if kind != _ir.DESCRIPTOR_REDUCE_KIND.ADD:
+                raise NotImplementedError(f"descriptor reduce {kind} in the interpreter")
+            ptrs, mask = desc.materialize_pointers(indices)
+            zero = interp.TensorHandle(np.zeros_like(value.data), value.dtype.scalar)
+            old = self.create_masked_load(ptrs, mask, zero, cache_modifier=None, eviction_policy=None,
+                                          is_volatile=False)
+            summed = interp.TensorHandle(old.data + value.data, value.dtype.scalar)
+            return self.create_masked_store(ptrs, summed, mask, None, None)
+
+        interp.InterpreterBuilder.create_descriptor_reduce = create_descriptor_reduce
     _PATCHED = True
     return True
