@@ -89,6 +89,9 @@ import json, sys
 import triton.runtime.interpreter as I
 from flamia_pack.kernels.check import compare_with_reference
 from flamia_pack.kernels.config import AttentionKernelConfig, CANDIDATES
+import flamia_pack.kernels.config as C
+# the hybrid candidate's second launch uses SMALL_TILES: scaled like the candidates' tiles below
+C.SMALL_TILES.update({f: max(16, v // 4) for f, v in C.SMALL_TILES.items() if f.startswith(("block_", "bwd_block_"))})
 n_desc = [0]
 orig = I.InterpreterBuilder.create_descriptor_load
 def counted(self, *a, **k):
@@ -107,6 +110,8 @@ for name, over in list(CANDIDATES.items()) + list(extra.items()):
     for f in ("block_m", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
         if f in over:  # the candidate's tile shape scaled to this small row (wl_block_m = 32)
             over[f] = max(16, over[f] // 4)
+    if "hybrid_short_len" in over:  # documents 40 and 23 in the long launch, the rest (merged too) in the short one
+        over["hybrid_short_len"] = 20
     cfg = AttentionKernelConfig(**{**small, **over})
     for causal in (True, False):
         n_desc[0] = 0
@@ -137,6 +142,7 @@ _EXTRA_TMA = {"split_head_major_tma_ms1": True, "split_rank_major": False}
 @pytest.mark.parametrize("causal", [True, False])
 def test_candidates_in_interpreter(interp_results, name, causal):
     r = interp_results[f"{name}/{causal}"]
+    # every output element written exactly by one launch: the poisoned (NaN) outputs would fail
     tma = _EXTRA_TMA[name] if name in _EXTRA_TMA else bool(CANDIDATES[name].get("bwd_tma", False))
     assert r["pad_ok"], r
     for x in ("o", "dq", "dk", "dv"):
@@ -163,3 +169,18 @@ def test_sweep_summary_ranks_only_correct_complete_candidates():
     del res["a"]
     _, s = G.summarize(res, ["default", "b", "c", "d"], ["W1", "W7"])
     assert s["fastest"] == "d" and not s["beats_default_by_5pct"] and s["recommended"] == "default"
+
+
+def test_hybrid_launch_parts_and_validation():
+    from flamia_pack.kernels.config import SMALL_TILES
+
+    cfg = candidate_config("hybrid")
+    (long_cfg, s1), (small_cfg, s2) = cfg.launch_parts()
+    assert (s1, s2) == (1024, -1024) and long_cfg.hybrid_short_len == 0 == small_cfg.hybrid_short_len
+    assert long_cfg.block_m == kernel_config(128).block_m
+    assert all(getattr(small_cfg, f) == v for f, v in SMALL_TILES.items())
+    assert kernel_config(128).launch_parts() == [(kernel_config(128), 0)]
+    with pytest.raises(FlamiaError, match="hybrid_short_len"):
+        AttentionKernelConfig(hybrid_short_len=-1)
+    with pytest.raises(FlamiaError, match="bwd_dq_atomic"):
+        AttentionKernelConfig(hybrid_short_len=64, bwd_dq_atomic=True)

@@ -21,7 +21,7 @@ from dataclasses import astuple, dataclass, replace
 from flamia_pack.errors import FlamiaError
 
 __all__ = ["AttentionKernelConfig", "kernel_config", "work_list_tile_config", "SCHEDULES", "CANDIDATES",
-           "CONFIG_ENV", "candidate_config", "SMALL_MAX_SEQLEN"]
+           "CONFIG_ENV", "candidate_config", "SMALL_MAX_SEQLEN", "SMALL_TILES"]
 
 SMALL_MAX_SEQLEN = 1024
 """Calls whose ``max_seqlen`` is at most this (head_dim 128) run the ``small`` tile set of
@@ -108,6 +108,11 @@ class AttentionKernelConfig:
     accumulator with atomics (5 matrix products per tile pair instead of 7; no dQ programs; one
     cast to bf16 at the end). Not bitwise reproducible (the order of the fp32 additions varies),
     so ``varlen_attention(..., deterministic=True)`` turns it off."""
+    hybrid_short_len: int = 0
+    """0: one launch per pass with these tiles. ``L > 0``: items of documents longer than ``L``
+    tokens run with these tiles, and items of documents of at most ``L`` tokens (and merged items)
+    in a second launch with the :data:`SMALL_TILES` (two programs per SM); each launch's programs
+    for the other class exit at once (:meth:`launch_parts`)."""
     bwd_dq_tma: int = 0
     """Backward, with ``bwd_dq_atomic``: 0 = per-thread vector atomics; 1 or 2 = one TMA bulk
     reduce-add per dQ tile from shared memory (``cp.reduce.async.bulk.tensor``, as
@@ -146,11 +151,26 @@ class AttentionKernelConfig:
                               "(one fused launch has one warp count and one stage count)")
         if self.bwd_dq_tma not in (0, 1, 2) or isinstance(self.bwd_dq_tma, bool):
             raise FlamiaError(f"AttentionKernelConfig.bwd_dq_tma must be 0, 1 or 2, got {self.bwd_dq_tma!r}")
+        if isinstance(self.hybrid_short_len, bool) or not isinstance(self.hybrid_short_len, int) or self.hybrid_short_len < 0:
+            raise FlamiaError(f"AttentionKernelConfig.hybrid_short_len must be an int >= 0, got {self.hybrid_short_len!r}")
+        if self.hybrid_short_len and self.bwd_dq_atomic:
+            raise FlamiaError("AttentionKernelConfig.hybrid_short_len needs bwd_dq_atomic=False (one dQ path per call)")
         if self.schedule not in SCHEDULES:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
+
+    def launch_parts(self) -> list[tuple["AttentionKernelConfig", int]]:
+        """The launches of one pass as ``(config, sel)`` pairs (``sel`` as ``program_geometry``'s).
+
+        ``[(self, 0)]``, or with ``hybrid_short_len = L``: ``[(self, L), (small, -L)]`` where
+        ``small`` is this configuration with :data:`SMALL_TILES` applied.
+        """
+        if not self.hybrid_short_len:
+            return [(self, 0)]
+        small = replace(self, hybrid_short_len=0, **SMALL_TILES)
+        return [(replace(self, hybrid_short_len=0), self.hybrid_short_len), (small, -self.hybrid_short_len)]
 
     def key(self) -> tuple:
         """The configuration as a flat tuple (compile-cache key, custom-op argument)."""
@@ -162,6 +182,13 @@ class AttentionKernelConfig:
         names = [f for f in cls.__dataclass_fields__]
         return cls(**dict(zip(names, key)))
 
+
+SMALL_TILES: dict = {"block_m": 64, "num_warps": 4, "bwd_block_n1": 64, "bwd_block_m1": 16, "bwd_block_m2": 64,
+                     "bwd_block_n2": 32, "bwd_num_warps": 4}
+"""The small-footprint tile set: 64 x 64 forward and 64-key x 16-query dK/dV / 64 x 32 dQ backward
+programs with 4 warps (spill-free on sm_90: 251-252 registers, 82-115 KB shared memory, so two
+programs per SM). Used for rows of short documents (``max_seqlen <= SMALL_MAX_SEQLEN``) and for
+the short-document launch of ``hybrid_short_len``."""
 
 CANDIDATES: dict[str, dict] = {
     "default": {},
@@ -189,8 +216,9 @@ CANDIDATES: dict[str, dict] = {
     "bwd_small": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_block_n1": 64, "bwd_block_m1": 16,
                   "bwd_block_m2": 64, "bwd_block_n2": 32, "bwd_num_warps": 4},
     # the same with the 64 x 64 forward (4 warps, two programs per SM)
-    "small": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_block_n1": 64, "bwd_block_m1": 16,
-              "bwd_block_m2": 64, "bwd_block_n2": 32, "bwd_num_warps": 4, "block_m": 64, "num_warps": 4},
+    "small": {"schedule": "grid_head_major", "bwd_head_major": True, **SMALL_TILES},
+    # default tiles for items of documents > 1,024 tokens, small tiles (second launch) for the rest
+    "hybrid": {"schedule": "grid_head_major", "bwd_head_major": True, "hybrid_short_len": 1024},
     # small, backward dQ walks 64-key tiles with 2 stages (spill-free, 255 registers, 99 KB)
     "small_n2_64": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_block_n1": 64, "bwd_block_m1": 16,
                     "bwd_block_m2": 64, "bwd_block_n2": 64, "bwd_num_warps": 4, "bwd_num_stages": 2,

@@ -57,7 +57,7 @@ def _bwd_preprocess(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, str
 
 @triton.jit
 def _dkdv_tile(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e, hk, group,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e, hk, group, sel,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
     qk_scale, sm_scale,
@@ -66,7 +66,7 @@ def _dkdv_tile(
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
-        items_ptr, cu_ptr, e, F1, WL_BM, BLOCK_N1, BLOCK_M1, True, CAUSAL)
+        items_ptr, cu_ptr, e, sel, F1, WL_BM, BLOCK_N1, BLOCK_M1, True, CAUSAL)
     if rs < re:
         offs_n = tl.arange(0, BLOCK_N1)
         offs_m = tl.arange(0, BLOCK_M1)
@@ -163,7 +163,7 @@ def _dkdv_tile(
 
 @triton.jit
 def _dq_tile(
-    Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e, h, group,
+    Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e, h, group, sel,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lh,
     qk_scale, sm_scale,
@@ -172,7 +172,7 @@ def _dq_tile(
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
-        items_ptr, cu_ptr, e, F2, WL_BM, BLOCK_M2, BLOCK_N2, False, CAUSAL)
+        items_ptr, cu_ptr, e, sel, F2, WL_BM, BLOCK_M2, BLOCK_N2, False, CAUSAL)
     if rs < re:
         hk = h // group
         offs_m = tl.arange(0, BLOCK_M2)
@@ -229,9 +229,10 @@ def _dq_tile(
                  dq.to(DQ.dtype.element_ty), mask=q_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["n_docs", "max_items"])
+@triton.jit(do_not_specialize=["n_docs", "max_items", "sel"])
 def _bwd_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQACC, dq_desc, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items, num_heads, num_kv_heads,
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQACC, dq_desc, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items, num_heads,
+    num_kv_heads, sel,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
     qk_scale, sm_scale,
@@ -279,13 +280,13 @@ def _bwd_kernel(
         head2 = rem2 % num_heads
     if r < tl.load(num_items_ptr):
         if rem < n_kv:
-            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e1, head1, group,
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e1, head1, group, sel,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
                        qk_scale, sm_scale, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
                        DQ_ATOMIC, DQ_TMA)
         else:
-            _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e2, head2, group,
+            _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e2, head2, group, sel,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dqt, stride_dqh, stride_lh,
                      qk_scale, sm_scale, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA)
@@ -340,45 +341,47 @@ def flash_bwd(
         _bwd_preprocess[(triton.cdiv(T, blk), H)](
             o, do, dlse if has_dlse else lse, delta, T, o.stride(0), o.stride(1), do.stride(0), do.stride(1),
             delta.stride(0), HAS_DLSE=has_dlse, BLOCK=blk, HEAD_DIM=D, num_warps=4)
-    f1 = config.wl_block_m // config.bwd_block_n1
-    f2 = config.wl_block_m // config.bwd_block_m2
-    nw, ns = config.bwd_num_warps, config.bwd_num_stages
-    nw2, ns2 = config.bwd_dq_num_warps or nw, config.bwd_dq_num_stages or ns
-    atomic = bool(config.bwd_dq_atomic)
+    atomic = bool(config.bwd_dq_atomic)  # never with hybrid_short_len (config validation)
     dq_desc = None
+    dq_acc = delta  # unused unless atomic
     if atomic:
         # dQ accumulated in fp32 by the dK/dV programs (5 products per tile pair), cast at the end
         dq_acc = torch.zeros((T, H, D), dtype=torch.float32, device=q.device)
-        launches = [(1, f1 * Hkv, nw, ns)]
         if config.bwd_dq_tma and T > 0:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             # (T, H * D) view: tile rows are tokens, columns one head's D features
             dq_desc = TensorDescriptor(dq_acc, [T, H * D], [H * D, 1], [config.bwd_block_m1, D])
-    else:
-        dq_acc = delta  # unused
-        if config.bwd_fused:
+    use_tma = bool(config.bwd_tma) and _tma_ok(q, k, v, do)
+    for cfg, sel in config.launch_parts():
+        f1 = cfg.wl_block_m // cfg.bwd_block_n1
+        f2 = cfg.wl_block_m // cfg.bwd_block_m2
+        nw, ns = cfg.bwd_num_warps, cfg.bwd_num_stages
+        nw2, ns2 = cfg.bwd_dq_num_warps or nw, cfg.bwd_dq_num_stages or ns
+        if atomic:
+            launches = [(1, f1 * Hkv, nw, ns)]
+        elif cfg.bwd_fused:
             launches = [(0, f1 * Hkv + f2 * H, nw, ns)]
         else:
             launches = [(1, f1 * Hkv, nw, ns), (2, f2 * H, nw2, ns2)]
-    use_tma = bool(config.bwd_tma) and _tma_ok(q, k, v, do)
-    for kind, per_rank, warps, stages in launches:
-        n_prog = items.shape[0] * per_rank
-        if n_prog == 0:
-            continue
-        _bwd_kernel[(n_prog,)](
-            q, k, v, do, lse, delta, dq, dk, dv, dq_acc, dq_desc, items, num_items, cu_seqlens, cu_seqlens.numel() - 1,
-            items.shape[0], H, Hkv,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-            dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            dq_acc.stride(0) if atomic else 0, dq_acc.stride(1) if atomic else 0, delta.stride(0),
-            float(softmax_scale) * LOG2E, float(softmax_scale),
-            HEAD_DIM=D, BLOCK_M1=config.bwd_block_m1, BLOCK_N1=config.bwd_block_n1,
-            BLOCK_M2=config.bwd_block_m2, BLOCK_N2=config.bwd_block_n2,
-            F1=f1, F2=f2, WL_BM=config.wl_block_m, CAUSAL=bool(causal), KIND=kind,
-            MASKED_STAGES=config.bwd_masked_stages or stages, USE_TMA=use_tma, HEAD_MAJOR=config.bwd_head_major,
-            DQ_ATOMIC=atomic, DQ_TMA=int(config.bwd_dq_tma) if dq_desc is not None else 0, num_warps=warps, num_stages=stages,
-        )
+        for kind, per_rank, warps, stages in launches:
+            n_prog = items.shape[0] * per_rank
+            if n_prog == 0:
+                continue
+            _bwd_kernel[(n_prog,)](
+                q, k, v, do, lse, delta, dq, dk, dv, dq_acc, dq_desc, items, num_items, cu_seqlens,
+                cu_seqlens.numel() - 1, items.shape[0], H, Hkv, sel,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+                dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                dq_acc.stride(0) if atomic else 0, dq_acc.stride(1) if atomic else 0, delta.stride(0),
+                float(softmax_scale) * LOG2E, float(softmax_scale),
+                HEAD_DIM=D, BLOCK_M1=cfg.bwd_block_m1, BLOCK_N1=cfg.bwd_block_n1,
+                BLOCK_M2=cfg.bwd_block_m2, BLOCK_N2=cfg.bwd_block_n2,
+                F1=f1, F2=f2, WL_BM=cfg.wl_block_m, CAUSAL=bool(causal), KIND=kind,
+                MASKED_STAGES=cfg.bwd_masked_stages or stages, USE_TMA=use_tma, HEAD_MAJOR=cfg.bwd_head_major,
+                DQ_ATOMIC=atomic, DQ_TMA=int(cfg.bwd_dq_tma) if dq_desc is not None else 0,
+                num_warps=warps, num_stages=stages,
+            )
     if atomic:
         dq.copy_(dq_acc)  # padding rows are zero in the accumulator
     else:

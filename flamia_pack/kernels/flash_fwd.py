@@ -37,14 +37,14 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _fwd_tile(
-    Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, h, group,
+    Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, h, group, sel,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     F: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
-        items_ptr, cu_ptr, e, F, WL_BM, BLOCK_M, BLOCK_N, False, CAUSAL)
+        items_ptr, cu_ptr, e, sel, F, WL_BM, BLOCK_M, BLOCK_N, False, CAUSAL)
     if rs < re:
         hk = h // group
         offs_m = tl.arange(0, BLOCK_M)
@@ -100,9 +100,9 @@ def _fwd_tile(
         tl.store(LSE + h * stride_lh + q_pos, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["n_docs", "max_entries"])
+@triton.jit(do_not_specialize=["n_docs", "max_entries", "sel"])
 def _fwd_kernel(
-    Q, K, V, O, LSE, items_ptr, num_items_ptr, cu_ptr, counter_ptr, n_docs, max_entries, num_heads, group,
+    Q, K, V, O, LSE, items_ptr, num_items_ptr, cu_ptr, counter_ptr, n_docs, max_entries, num_heads, group, sel,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -114,7 +114,7 @@ def _fwd_kernel(
         tile = tl.atomic_add(counter_ptr, 1)
         while tile < total:
             nxt = tl.atomic_add(counter_ptr, 1)
-            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group,
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group, sel,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
             tile = nxt
@@ -126,13 +126,13 @@ def _fwd_kernel(
         x = tile % (max_entries * group)
         e = x // group
         if e < tl.load(num_items_ptr) * F:
-            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, (tile // (max_entries * group)) * group + x % group, group,
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, (tile // (max_entries * group)) * group + x % group, group, sel,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
     else:
         tile = tl.program_id(0)
         if tile < total:
-            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group,
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group, sel,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
 
@@ -211,26 +211,27 @@ def flash_fwd(
     Hkv = k.shape[1]
     o = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
-    f = config.wl_block_m // config.block_m
-    n_entries = items.shape[0] * f * H
     n_docs = cu_seqlens.numel() - 1
-    persistent = config.schedule == "persistent"
-    if persistent:
-        counter = torch.zeros((1,), dtype=torch.int32, device=q.device)
-        grid = (max(1, min(n_entries, 2 * _num_sms(q.device))),)
-    else:
-        counter = num_items  # unused
-        grid = (max(1, n_entries),)
-    if n_entries > 0:
-        _fwd_kernel[grid](
-            q, k, v, o, lse, items, num_items, cu_seqlens, counter, n_docs, items.shape[0] * f, H, H // Hkv,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            o.stride(0), o.stride(1), lse.stride(0),
-            float(softmax_scale) * LOG2E,
-            HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, F=f, WL_BM=config.wl_block_m,
-            CAUSAL=bool(causal), PERSISTENT=persistent, HEAD_MAJOR=config.schedule == "grid_head_major",
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+    for cfg, sel in config.launch_parts():
+        f = cfg.wl_block_m // cfg.block_m
+        n_entries = items.shape[0] * f * H
+        persistent = cfg.schedule == "persistent"
+        if persistent:
+            counter = torch.zeros((1,), dtype=torch.int32, device=q.device)
+            grid = (max(1, min(n_entries, 2 * _num_sms(q.device))),)
+        else:
+            counter = num_items  # unused
+            grid = (max(1, n_entries),)
+        if n_entries > 0:
+            _fwd_kernel[grid](
+                q, k, v, o, lse, items, num_items, cu_seqlens, counter, n_docs, items.shape[0] * f, H, H // Hkv, sel,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                o.stride(0), o.stride(1), lse.stride(0),
+                float(softmax_scale) * LOG2E,
+                HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, F=f, WL_BM=cfg.wl_block_m,
+                CAUSAL=bool(causal), PERSISTENT=persistent, HEAD_MAJOR=cfg.schedule == "grid_head_major",
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
     fill_tail(o, cu_seqlens, 0.0, token_dim=0)
     fill_tail(lse, cu_seqlens, math.inf, token_dim=1)
     return o, lse

@@ -11,11 +11,16 @@ import triton.language as tl
 
 @triton.jit
 def program_geometry(
-    items_ptr, cu_ptr, e,
+    items_ptr, cu_ptr, e, sel,
     F: tl.constexpr, WL_BM: tl.constexpr, B_R: tl.constexpr, B_O: tl.constexpr,
     ROWS_ARE_KEYS: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """Geometry of work-list entry ``e`` (item ``e // F``, part ``e % F``); see tiles.py."""
+    """Geometry of work-list entry ``e`` (item ``e // F``, part ``e % F``); see tiles.py.
+
+    ``sel`` selects items by document length for split launches (``hybrid_short_len``): 0 = every
+    item; ``L > 0`` = only items of documents longer than ``L`` tokens; ``-L`` = only items of
+    documents of at most ``L`` tokens and merged items. An unselected entry is empty (``rs == re``).
+    """
     it = e // F
     j = e % F
     doc = tl.load(items_ptr + it * 4)
@@ -36,6 +41,10 @@ def program_geometry(
         end = tl.where(merged, qe, tl.minimum(mb + WL_BM, de))
     rs = base + j * B_R
     re = tl.minimum(rs + B_R, end)
+    if sel != 0:
+        short = merged | (de - ds <= tl.abs(sel))
+        keep = tl.where(sel > 0, ~short, short)
+        re = tl.where(keep, re, rs)
     if ROWS_ARE_KEYS:
         o_hi = span_hi
         if CAUSAL:
