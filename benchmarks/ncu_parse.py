@@ -6,9 +6,9 @@ data = collections.OrderedDict()
 for r in rows:
     if r and r[0] == "ID":
         hdr = r; continue
-    if hdr is None or len(r) != len(hdr):
+    if hdr is None or len(r) < 15:
         continue
-    d = dict(zip(hdr, r))
+    d = dict(zip(hdr, r))  # rows without a rule stop after "Metric Value"
     key = (d["ID"], d["Kernel Name"][:60])
     data.setdefault(key, []).append((d["Section Name"], d["Metric Name"], d["Metric Unit"], d["Metric Value"]))
 for (i, name), ms in data.items():

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from flamia_pack.kernels.config import AttentionKernelConfig
-from flamia_pack.kernels.flash_fwd import LOG2E, fill_tail
+from flamia_pack.kernels.flash_fwd import LOG2E, doc_major_order, fill_tail
 from flamia_pack.kernels.tiles_triton import masked_tile_index, program_geometry, relative_doc, tile_visible
 
 
@@ -57,16 +57,17 @@ def _bwd_preprocess(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, str
 
 @triton.jit
 def _dkdv_tile(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e, hk, group, sel,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e, hk, group, sel, order_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     F1: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
+    DOC_MAJOR: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
-        items_ptr, cu_ptr, e, sel, F1, WL_BM, BLOCK_N1, BLOCK_M1, True, CAUSAL)
+        items_ptr, cu_ptr, e, sel, order_ptr, F1, WL_BM, BLOCK_N1, BLOCK_M1, True, CAUSAL, DOC_MAJOR)
     if rs < re:
         offs_n = tl.arange(0, BLOCK_N1)
         offs_m = tl.arange(0, BLOCK_M1)
@@ -163,16 +164,16 @@ def _dkdv_tile(
 
 @triton.jit
 def _dq_tile(
-    Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e, h, group, sel,
+    Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e, h, group, sel, order_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lh,
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
-    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
+    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
-        items_ptr, cu_ptr, e, sel, F2, WL_BM, BLOCK_M2, BLOCK_N2, False, CAUSAL)
+        items_ptr, cu_ptr, e, sel, order_ptr, F2, WL_BM, BLOCK_M2, BLOCK_N2, False, CAUSAL, DOC_MAJOR)
     if rs < re:
         hk = h // group
         offs_m = tl.arange(0, BLOCK_M2)
@@ -232,7 +233,7 @@ def _dq_tile(
 @triton.jit(do_not_specialize=["n_docs", "max_items", "sel"])
 def _bwd_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQACC, dq_desc, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items, num_heads,
-    num_kv_heads, sel,
+    num_kv_heads, sel, order_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
     qk_scale, sm_scale,
@@ -240,7 +241,7 @@ def _bwd_kernel(
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, KIND: tl.constexpr,
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, HEAD_MAJOR: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    DQ_TMA: tl.constexpr,
+    DQ_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr,
 ):
     # KIND 0: both program kinds interleaved rank by rank; 1: dK/dV programs only; 2: dQ only
     pid = tl.program_id(0)
@@ -280,16 +281,17 @@ def _bwd_kernel(
         head2 = rem2 % num_heads
     if r < tl.load(num_items_ptr):
         if rem < n_kv:
-            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e1, head1, group, sel,
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e1, head1, group, sel, order_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
                        qk_scale, sm_scale, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
-                       DQ_ATOMIC, DQ_TMA)
+                       DQ_ATOMIC, DQ_TMA, DOC_MAJOR)
         else:
-            _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e2, head2, group, sel,
+            _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e2, head2, group, sel, order_ptr,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dqt, stride_dqh, stride_lh,
-                     qk_scale, sm_scale, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA)
+                     qk_scale, sm_scale, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
+                     DOC_MAJOR)
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -353,6 +355,7 @@ def flash_bwd(
             # (T, H * D) view: tile rows are tokens, columns one head's D features
             dq_desc = TensorDescriptor(dq_acc, [T, H * D], [H * D, 1], [config.bwd_block_m1, D])
     use_tma = bool(config.bwd_tma) and _tma_ok(q, k, v, do)
+    order = doc_major_order(items) if config.doc_major else items
     for cfg, sel in config.launch_parts():
         f1 = cfg.wl_block_m // cfg.bwd_block_n1
         f2 = cfg.wl_block_m // cfg.bwd_block_m2
@@ -370,7 +373,7 @@ def flash_bwd(
                 continue
             _bwd_kernel[(n_prog,)](
                 q, k, v, do, lse, delta, dq, dk, dv, dq_acc, dq_desc, items, num_items, cu_seqlens,
-                cu_seqlens.numel() - 1, items.shape[0], H, Hkv, sel,
+                cu_seqlens.numel() - 1, items.shape[0], H, Hkv, sel, order,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
                 dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                 dq_acc.stride(0) if atomic else 0, dq_acc.stride(1) if atomic else 0, delta.stride(0),
@@ -379,7 +382,7 @@ def flash_bwd(
                 BLOCK_M2=cfg.bwd_block_m2, BLOCK_N2=cfg.bwd_block_n2,
                 F1=f1, F2=f2, WL_BM=cfg.wl_block_m, CAUSAL=bool(causal), KIND=kind,
                 MASKED_STAGES=cfg.bwd_masked_stages or stages, USE_TMA=use_tma, HEAD_MAJOR=cfg.bwd_head_major,
-                DQ_ATOMIC=atomic, DQ_TMA=int(cfg.bwd_dq_tma) if dq_desc is not None else 0,
+                DQ_ATOMIC=atomic, DQ_TMA=int(cfg.bwd_dq_tma) if dq_desc is not None else 0, DOC_MAJOR=bool(cfg.doc_major),
                 num_warps=warps, num_stages=stages,
             )
     if atomic:

@@ -37,14 +37,14 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _fwd_tile(
-    Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, h, group, sel,
+    Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, h, group, sel, order_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    F: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
+    F: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, DOC_MAJOR: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
-        items_ptr, cu_ptr, e, sel, F, WL_BM, BLOCK_M, BLOCK_N, False, CAUSAL)
+        items_ptr, cu_ptr, e, sel, order_ptr, F, WL_BM, BLOCK_M, BLOCK_N, False, CAUSAL, DOC_MAJOR)
     if rs < re:
         hk = h // group
         offs_m = tl.arange(0, BLOCK_M)
@@ -102,21 +102,21 @@ def _fwd_tile(
 
 @triton.jit(do_not_specialize=["n_docs", "max_entries", "sel"])
 def _fwd_kernel(
-    Q, K, V, O, LSE, items_ptr, num_items_ptr, cu_ptr, counter_ptr, n_docs, max_entries, num_heads, group, sel,
+    Q, K, V, O, LSE, items_ptr, num_items_ptr, cu_ptr, counter_ptr, n_docs, max_entries, num_heads, group, sel, order_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     F: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, PERSISTENT: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr, DOC_MAJOR: tl.constexpr,
 ):
     total = tl.load(num_items_ptr) * F * num_heads
     if PERSISTENT:
         tile = tl.atomic_add(counter_ptr, 1)
         while tile < total:
             nxt = tl.atomic_add(counter_ptr, 1)
-            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group, sel,
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group, sel, order_ptr,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
+                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL, DOC_MAJOR)
             tile = nxt
     elif HEAD_MAJOR:
         # one kv head after the other, entries in decreasing cost inside it, the query heads of its
@@ -126,15 +126,15 @@ def _fwd_kernel(
         x = tile % (max_entries * group)
         e = x // group
         if e < tl.load(num_items_ptr) * F:
-            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, (tile // (max_entries * group)) * group + x % group, group, sel,
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, (tile // (max_entries * group)) * group + x % group, group, sel, order_ptr,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
+                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL, DOC_MAJOR)
     else:
         tile = tl.program_id(0)
         if tile < total:
-            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group, sel,
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group, sel, order_ptr,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
+                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL, DOC_MAJOR)
 
 
 @triton.jit(do_not_specialize=["n_docs", "total_rows", "value"])
@@ -177,6 +177,20 @@ def fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float, *, token_
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
 
 
+def doc_major_order(items: torch.Tensor) -> torch.Tensor:
+    """Rows of the cost-sorted work list stably sorted by document: ``(max_items,)`` int32.
+
+    Valid rows (``doc >= 0``) first, by document, each document's rows in the list's decreasing-cost
+    order; unused rows (``-1``) last. With ``config.doc_major`` the kernels launch ranks in this
+    order, so the programs in flight work on one or a few documents and share their tiles in L2
+    (FlexAttention's sequence-order grid); only the end of the grid loses the cost order's balance.
+    No host sync (one device sort, CUDA-graph capturable).
+    """
+    doc = items[:, 0]
+    key = torch.where(doc < 0, torch.full_like(doc, torch.iinfo(torch.int32).max), doc)
+    return torch.sort(key, stable=True).indices.to(torch.int32)
+
+
 _NUM_SMS: dict = {}
 
 
@@ -212,6 +226,7 @@ def flash_fwd(
     o = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
     n_docs = cu_seqlens.numel() - 1
+    order = doc_major_order(items) if config.doc_major else items
     for cfg, sel in config.launch_parts():
         f = cfg.wl_block_m // cfg.block_m
         n_entries = items.shape[0] * f * H
@@ -224,12 +239,13 @@ def flash_fwd(
             grid = (max(1, n_entries),)
         if n_entries > 0:
             _fwd_kernel[grid](
-                q, k, v, o, lse, items, num_items, cu_seqlens, counter, n_docs, items.shape[0] * f, H, H // Hkv, sel,
+                q, k, v, o, lse, items, num_items, cu_seqlens, counter, n_docs, items.shape[0] * f, H, H // Hkv, sel, order,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 o.stride(0), o.stride(1), lse.stride(0),
                 float(softmax_scale) * LOG2E,
                 HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, F=f, WL_BM=cfg.wl_block_m,
                 CAUSAL=bool(causal), PERSISTENT=persistent, HEAD_MAJOR=cfg.schedule == "grid_head_major",
+                DOC_MAJOR=bool(cfg.doc_major),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
     fill_tail(o, cu_seqlens, 0.0, token_dim=0)
