@@ -226,6 +226,14 @@ CANDIDATES: dict[str, dict] = {
     # 56% vs FlexAttention's 82% on W1 under Nsight Compute)
     "doc_major": {"schedule": "grid_head_major", "bwd_head_major": True, "doc_major": True},
     "small_doc_major": {"schedule": "grid_head_major", "bwd_head_major": True, "doc_major": True, **SMALL_TILES},
+    # dK/dV and dQ programs in separate launches, each with its own register budget (the fused launch
+    # sizes both for the dK/dV kind's 255 registers): dQ 64 x 32 with 4 warps is spill-free at 181
+    # registers and 116 KB (two per SM); 64 x 64 at 238 registers / 131 KB; 128 x 64 8 warps at 216
+    "split_dq64": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_fused": False, "bwd_block_m2": 64,
+                   "bwd_block_n2": 32, "bwd_dq_num_warps": 4},
+    "split_dq64_n64": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_fused": False, "bwd_block_m2": 64,
+                       "bwd_block_n2": 64, "bwd_dq_num_warps": 4},
+    "split_dq128": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_fused": False},
     # default tiles for items of documents > 1,024 tokens, small tiles (second launch) for the rest
     "hybrid": {"schedule": "grid_head_major", "bwd_head_major": True, "hybrid_short_len": 1024},
     # small, backward dQ walks 64-key tiles with 2 stages (spill-free, 255 registers, 99 KB)
