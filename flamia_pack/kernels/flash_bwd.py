@@ -23,10 +23,15 @@ zero, replacing the load masks); ``bwd_masked_stages`` sets the pipelining depth
 loops; ``bwd_fused=False`` runs the two program kinds as two launches, the dQ launch with its own
 ``bwd_dq_num_warps`` / ``bwd_dq_num_stages``.
 
-No atomics anywhere: the backward is deterministic (bitwise reproducible run to run), so
-``deterministic=True`` needs no separate path. The price is recomputing QK^T and dO V^T in both
-program kinds (7 matrix products per tile pair instead of 5), as in FlashAttention-2's Triton
-kernels and FlexAttention. Padding rows (``>= cu_seqlens[-1]``) get zero gradients.
+The default path uses no atomics: the backward is deterministic (bitwise reproducible run to
+run). The price is recomputing QK^T and dO V^T in both program kinds (7 matrix products per tile
+pair instead of 5), as in FlashAttention-2's Triton kernels and FlexAttention. The option
+``bwd_dq_atomic`` (off under ``deterministic=True``) drops the dQ programs: the dK/dV programs add
+``dS^T K`` into an fp32 accumulator with vector atomics, or with one TMA bulk reduce-add per tile
+(``bwd_dq_tma``, as FlashAttention-3); measured 0.95-1.02x of the default on the H200
+(benchmarks/NOTES.md), so not the default. ``hybrid_short_len`` and ``doc_major`` change which
+items a launch runs and in which order (``tiles_triton.program_geometry``).
+Padding rows (``>= cu_seqlens[-1]``) get zero gradients.
 """
 from __future__ import annotations
 
