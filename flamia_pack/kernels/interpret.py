@@ -60,17 +60,21 @@ def patch_triton_interpreter() -> bool:
     if not hasattr(interp.InterpreterBuilder, "create_descriptor_reduce"):
         from triton._C.libtriton import ir as _ir
 
+        import inspect
+
+        # create_descriptor_load's trailing cache arguments differ between triton versions
+        # (3.6: cache_modifier, eviction_policy; 3.9: cache_policy): pass None for each
+        n_cache = len(inspect.signature(interp.InterpreterBuilder.create_descriptor_load).parameters) - 3
+
         def create_descriptor_reduce(self, kind, desc, value, indices):
-            # TMA bulk reduce-add (tensor descriptor ``atomic_add``): read, add, write back the
-            # in-bounds part of the block (the interpreter runs one program at a time)
+            # TMA bulk reduce-add (tensor descriptor ``atomic_add``): load the block (zero padding
+            # out of bounds), add, store back (out-of-bounds rows are masked); the interpreter runs
+            # one program at a time, so this is atomic there
             if kind != _ir.DESCRIPTOR_REDUCE_KIND.ADD:
                 raise NotImplementedError(f"descriptor reduce {kind} in the interpreter")
-            ptrs, mask = desc.materialize_pointers(indices)
-            zero = interp.TensorHandle(np.zeros_like(value.data), value.dtype.scalar)
-            old = self.create_masked_load(ptrs, mask, zero, cache_modifier=None, eviction_policy=None,
-                                          is_volatile=False)
+            old = self.create_descriptor_load(desc, indices, *([None] * n_cache))
             summed = interp.TensorHandle(old.data + value.data, value.dtype.scalar)
-            return self.create_masked_store(ptrs, summed, mask, None, None)
+            return self.create_descriptor_store(desc, summed, indices)
 
         interp.InterpreterBuilder.create_descriptor_reduce = create_descriptor_reduce
     _PATCHED = True
