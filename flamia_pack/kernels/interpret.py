@@ -58,23 +58,31 @@ def patch_triton_interpreter() -> bool:
     interp.InterpreterBuilder.create_dot = create_dot
 
     if not hasattr(interp.InterpreterBuilder, "create_descriptor_reduce"):
-        from triton._C.libtriton import ir as _ir
-
         import inspect
 
-        # create_descriptor_load's trailing cache arguments differ between triton versions
-        # (3.6: cache_modifier, eviction_policy; 3.9: cache_policy): pass None for each
-        n_cache = len(inspect.signature(interp.InterpreterBuilder.create_descriptor_load).parameters) - 3
+        from triton._C.libtriton import ir as _ir
+
+        # the masked load/store signatures differ between triton versions (3.6: cache_modifier,
+        # eviction_policy[, is_volatile]; 3.9: cache_policy[, is_volatile]): pass the trailing
+        # arguments by name, None / False
+        def _tail(fn, skip):
+            names = list(inspect.signature(fn).parameters)[1 + skip:]
+            return {n: (False if n == "is_volatile" else None) for n in names}
+
+        load_kw = _tail(interp.InterpreterBuilder.create_masked_load, 3)
+        store_kw = _tail(interp.InterpreterBuilder.create_masked_store, 3)
 
         def create_descriptor_reduce(self, kind, desc, value, indices):
-            # TMA bulk reduce-add (tensor descriptor ``atomic_add``): load the block (zero padding
-            # out of bounds), add, store back (out-of-bounds rows are masked); the interpreter runs
-            # one program at a time, so this is atomic there
+            # TMA bulk reduce-add (tensor descriptor ``atomic_add``): read, add and write back the
+            # in-bounds part of the block; the interpreter runs one program at a time, so this is
+            # atomic there
             if kind != _ir.DESCRIPTOR_REDUCE_KIND.ADD:
                 raise NotImplementedError(f"descriptor reduce {kind} in the interpreter")
-            old = self.create_descriptor_load(desc, indices, *([None] * n_cache))
+            ptrs, mask = desc.materialize_pointers(indices)
+            zero = interp.TensorHandle(np.zeros_like(value.data), value.dtype.scalar)
+            old = self.create_masked_load(ptrs, mask, zero, **load_kw)
             summed = interp.TensorHandle(old.data + value.data, value.dtype.scalar)
-            return self.create_descriptor_store(desc, summed, indices)
+            return self.create_masked_store(ptrs, summed, mask, **store_kw)
 
         interp.InterpreterBuilder.create_descriptor_reduce = create_descriptor_reduce
     _PATCHED = True
