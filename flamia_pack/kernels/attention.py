@@ -439,7 +439,9 @@ def varlen_attention(
             the order of the additions varies run to run); ``True`` turns that off and runs the
             atomic-free backward (separate dQ programs, 7 products; FlashAttention's
             ``deterministic`` flag). The forward, dK and dV are deterministic either way.
-        config: tile/launch configuration (default :func:`flamia_pack.kernels.config.kernel_config`).
+        config: tile/launch configuration (default :func:`flamia_pack.kernels.config.kernel_config`
+            for ``head_dim``, ``causal`` and ``max_seqlen``: the small tile set when
+            ``max_seqlen <= 1024``).
 
     Returns:
         ``o`` ``(T, H_q, D)`` in q's dtype, or ``(o, lse)`` if ``return_lse``.
