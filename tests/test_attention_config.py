@@ -59,9 +59,23 @@ def test_small_tiles_for_rows_of_short_documents(monkeypatch):
 
 
 def test_env_var_unknown_name_is_a_clear_error(monkeypatch):
+    import torch
+
+    from flamia_pack.kernels.attention import varlen_attention
+
     monkeypatch.setenv(CONFIG_ENV, "no_such_variant")
-    with pytest.raises(FlamiaError, match="unknown attention config candidate 'no_such_variant'.*bwd_tma"):
+    with pytest.raises(FlamiaError, match="FLAMIA_ATTN_CONFIG='no_such_variant' names no attention config.*bwd_tma"):
         kernel_config(128)
+    q = torch.randn(10, 2, 64)
+    with pytest.raises(FlamiaError, match="FLAMIA_ATTN_CONFIG"):  # the CPU fallback checks it too
+        varlen_attention(q, q, q, torch.tensor([0, 10], dtype=torch.int32), 10)
+
+
+@pytest.mark.parametrize("bad", [-5, True, 2.5, "12"])
+def test_kernel_config_rejects_bad_max_seqlen(monkeypatch, bad):
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    with pytest.raises(FlamiaError, match="max_seqlen"):
+        kernel_config(128, max_seqlen=bad)
 
 
 @pytest.mark.parametrize("bad", [

@@ -41,7 +41,8 @@ from typing import Optional
 import torch
 
 from flamia_pack.errors import FlamiaError, MetadataError
-from flamia_pack.kernels.config import SCHEDULES, AttentionKernelConfig, kernel_config, work_list_tile_config
+from flamia_pack.kernels.config import (SCHEDULES, AttentionKernelConfig, env_candidate, kernel_config,
+                                        work_list_tile_config)
 
 __all__ = ["varlen_attention", "build_attention_work_list", "check_attention_inputs", "kernels_available"]
 
@@ -460,6 +461,7 @@ def varlen_attention(
         raise FlamiaError("causal, return_lse and deterministic must be bool")
     for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
         _expect_tensor(name, x)
+    env_candidate()  # a FLAMIA_ATTN_CONFIG typo fails on every path (CPU fallback, explicit config)
     use_kernels = kernels_available(q.device)
     T, H, Hkv, D = check_attention_inputs(q, k, v, cu_seqlens, max_seqlen, kernel_path=use_kernels)
     if softmax_scale is None:

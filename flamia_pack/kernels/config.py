@@ -15,13 +15,14 @@ Vocabulary (FlashAttention's):
 """
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import astuple, dataclass, replace
 
 from flamia_pack.errors import FlamiaError
 
 __all__ = ["AttentionKernelConfig", "kernel_config", "work_list_tile_config", "SCHEDULES", "CANDIDATES",
-           "CONFIG_ENV", "candidate_config", "SMALL_MAX_SEQLEN", "SMALL_TILES"]
+           "CONFIG_ENV", "candidate_config", "env_candidate", "SMALL_MAX_SEQLEN", "SMALL_TILES"]
 
 SMALL_MAX_SEQLEN = 1024
 """Calls whose ``max_seqlen`` is at most this (head_dim 128) run the ``small`` tile set of
@@ -258,6 +259,20 @@ def candidate_config(name: str, head_dim: int = 128, causal: bool = True, precis
     return replace(_default_config(head_dim, causal, precision), **CANDIDATES[name])
 
 
+def env_candidate() -> str:
+    """The :data:`CANDIDATES` name set in :data:`CONFIG_ENV`, or ``""`` when unset or empty.
+
+    Raises:
+        FlamiaError: the variable names no candidate (the message names the variable and lists
+            the known names), so a typo fails on every path, the CPU fallback included.
+    """
+    name = os.environ.get(CONFIG_ENV, "").strip()
+    if name and name not in CANDIDATES:
+        raise FlamiaError(f"{CONFIG_ENV}={name!r} names no attention config candidate; known: {', '.join(CANDIDATES)} "
+                          f"(unset it for the default)")
+    return name
+
+
 def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
                   max_seqlen: int | None = None) -> AttentionKernelConfig:
     """The default configuration for a head dimension, mask type and precision (pure function).
@@ -292,12 +307,16 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
         :class:`AttentionKernelConfig`.
 
     Raises:
-        FlamiaError: unsupported head_dim or precision; an unknown ``FLAMIA_ATTN_CONFIG`` name.
+        FlamiaError: unsupported head_dim or precision; an unknown ``FLAMIA_ATTN_CONFIG`` name;
+            ``max_seqlen`` not None and not an int >= 0.
     """
-    name = os.environ.get(CONFIG_ENV, "").strip()
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral)
+                                   or max_seqlen < 0):
+        raise FlamiaError(f"max_seqlen must be an int >= 0 or None, got {max_seqlen!r}")
+    name = env_candidate()
     if name:  # an explicit choice (``default`` included) wins over the max_seqlen rule
         return candidate_config(name, head_dim, causal, precision)
-    if max_seqlen is not None and head_dim == 128 and 0 <= int(max_seqlen) <= SMALL_MAX_SEQLEN:
+    if max_seqlen is not None and head_dim == 128 and max_seqlen <= SMALL_MAX_SEQLEN:
         return candidate_config("small", head_dim, causal, precision)
     return _default_config(head_dim, causal, precision)
 
