@@ -196,51 +196,50 @@ programs with 4 warps (spill-free on sm_90: 251-252 registers, 82-115 KB shared 
 programs per SM). Used for rows of short documents (``max_seqlen <= SMALL_MAX_SEQLEN``) and for
 the short-document launch of ``hybrid_short_len``."""
 
+HEAD_MAJOR: dict = {"schedule": "grid_head_major", "bwd_head_major": True}
+"""Head-major program order in the forward and the backward (the default since 2026-11-29)."""
+
 CANDIDATES: dict[str, dict] = {
     "default": {},
     # walked Q/dO (dK/dV) and K/V (dQ) tiles through TMA descriptors: sm_90 spills 60 B instead of 172 B
     "bwd_tma": {"bwd_tma": True},
     # head-major program order in forward and backward (L2 locality: the programs in flight share
     # one head's tensors instead of every head of a few documents), pointer loads
-    "head_major": {"schedule": "grid_head_major", "bwd_head_major": True},
+    "head_major": dict(HEAD_MAJOR),
     # the previous default: (entry, head) programs in plain decreasing-cost order (heads fastest)
     "grid_order": {"schedule": "grid", "bwd_head_major": False},
     # both
-    "tma_head_major": {"bwd_tma": True, "schedule": "grid_head_major", "bwd_head_major": True},
+    "tma_head_major": {**HEAD_MAJOR, "bwd_tma": True},
     # both, plus a 64-query x 64-key forward with 4 warps (less causal-diagonal waste and per-program
     # work on short documents; spill-free, 251 registers, 115 KB shared memory)
-    "tma_head_major_fwd64": {"bwd_tma": True, "schedule": "grid_head_major", "bwd_head_major": True,
-                             "block_m": 64, "num_warps": 4},
+    "tma_head_major_fwd64": {**HEAD_MAJOR, "bwd_tma": True, "block_m": 64, "num_warps": 4},
     # dQ by fp32 atomics from the dK/dV programs (5 products instead of 7; not bitwise reproducible)
-    "dq_atomic": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_dq_atomic": True},
+    "dq_atomic": {**HEAD_MAJOR, "bwd_dq_atomic": True},
     # dQ tiles added by TMA bulk reduce-add (one instruction per tile) instead of per-thread atomics
-    "dq_tma": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_dq_atomic": True, "bwd_dq_tma": 1},
-    "dq_tma_mma2": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_dq_atomic": True, "bwd_dq_tma": 2},
+    "dq_tma": {**HEAD_MAJOR, "bwd_dq_atomic": True, "bwd_dq_tma": 1},
+    "dq_tma_mma2": {**HEAD_MAJOR, "bwd_dq_atomic": True, "bwd_dq_tma": 2},
     # small-footprint backward: 64-key x 16-query dK/dV and 64 x 32 dQ programs with 4 warps
     # (spill-free, 252 registers, 82 KB shared memory: two programs per SM hide each other's
     # prologue and epilogue, which dominate on rows of short documents)
-    "bwd_small": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_block_n1": 64, "bwd_block_m1": 16,
-                  "bwd_block_m2": 64, "bwd_block_n2": 32, "bwd_num_warps": 4},
+    "bwd_small": {**HEAD_MAJOR, **{f: v for f, v in SMALL_TILES.items() if f.startswith("bwd_")}},
     # the same with the 64 x 64 forward (4 warps, two programs per SM)
-    "small": {"schedule": "grid_head_major", "bwd_head_major": True, **SMALL_TILES},
+    "small": {**HEAD_MAJOR, **SMALL_TILES},
     # document-major launch order inside each head (L2 locality; the backward's L2 hit rate was
     # 56% vs FlexAttention's 82% on W1 under Nsight Compute)
-    "doc_major": {"schedule": "grid_head_major", "bwd_head_major": True, "doc_major": True},
-    "small_doc_major": {"schedule": "grid_head_major", "bwd_head_major": True, "doc_major": True, **SMALL_TILES},
+    "doc_major": {**HEAD_MAJOR, "doc_major": True},
+    "small_doc_major": {**HEAD_MAJOR, "doc_major": True, **SMALL_TILES},
     # dK/dV and dQ programs in separate launches, each with its own register budget (the fused launch
     # sizes both for the dK/dV kind's 255 registers): dQ 64 x 32 with 4 warps is spill-free at 181
     # registers and 116 KB (two per SM); 64 x 64 at 238 registers / 131 KB; 128 x 64 8 warps at 216
-    "split_dq64": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_fused": False, "bwd_block_m2": 64,
+    "split_dq64": {**HEAD_MAJOR, "bwd_fused": False, "bwd_block_m2": 64,
                    "bwd_block_n2": 32, "bwd_dq_num_warps": 4},
-    "split_dq64_n64": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_fused": False, "bwd_block_m2": 64,
+    "split_dq64_n64": {**HEAD_MAJOR, "bwd_fused": False, "bwd_block_m2": 64,
                        "bwd_block_n2": 64, "bwd_dq_num_warps": 4},
-    "split_dq128": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_fused": False},
+    "split_dq128": {**HEAD_MAJOR, "bwd_fused": False},
     # default tiles for items of documents > 1,024 tokens, small tiles (second launch) for the rest
-    "hybrid": {"schedule": "grid_head_major", "bwd_head_major": True, "hybrid_short_len": 1024},
+    "hybrid": {**HEAD_MAJOR, "hybrid_short_len": 1024},
     # small, backward dQ walks 64-key tiles with 2 stages (spill-free, 255 registers, 99 KB)
-    "small_n2_64": {"schedule": "grid_head_major", "bwd_head_major": True, "bwd_block_n1": 64, "bwd_block_m1": 16,
-                    "bwd_block_m2": 64, "bwd_block_n2": 64, "bwd_num_warps": 4, "bwd_num_stages": 2,
-                    "block_m": 64, "num_warps": 4},
+    "small_n2_64": {**HEAD_MAJOR, **SMALL_TILES, "bwd_block_n2": 64, "bwd_num_stages": 2},
 }
 """Named override sets (field -> value) on top of :func:`kernel_config`'s default, screened on
 the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
@@ -328,10 +327,9 @@ def _default_config(head_dim: int, causal: bool, precision: str) -> AttentionKer
         raise FlamiaError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
     # head-major program order (forward and backward): measured 1.065x geo-mean on the training call
     # over W1/W4/W6/W7 and 1.03-1.14x on the forward (gpu_bwd_sweep.py, H200, 2026-11-29)
-    order = dict(schedule="grid_head_major", bwd_head_major=True)
     if head_dim == 64:
-        return AttentionKernelConfig(block_n=128, num_warps=8, num_stages=3, **order)
-    return AttentionKernelConfig(**order)
+        return AttentionKernelConfig(block_n=128, num_warps=8, num_stages=3, **HEAD_MAJOR)
+    return AttentionKernelConfig(**HEAD_MAJOR)
 
 
 def work_list_tile_config(config: AttentionKernelConfig, causal: bool):

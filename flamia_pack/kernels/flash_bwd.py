@@ -61,6 +61,26 @@ def _bwd_preprocess(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, str
 
 
 @triton.jit
+def _add_dq_tile(ds_t, k, aq_ptrs, dq_desc, row0, h, mask, sm_scale, HEAD_DIM: tl.constexpr, DQ_TMA: tl.constexpr):
+    """``dQ[rows] += softmax_scale * dS^T K`` for one walked query tile of a dK/dV program (``bwd_dq_atomic``).
+
+    ``ds_t`` is ``(keys, queries)``; ``aq_ptrs`` the tile's ``(HEAD_DIM, queries)`` pointers into the
+    fp32 accumulator (per-thread vector atomics, rows masked by ``mask`` or not at all when None);
+    with ``DQ_TMA`` 1 or 2 one TMA bulk reduce-add at row ``row0``, columns of head ``h`` (rows past
+    T are clipped by the descriptor; rows not visible carry dS = 0).
+    """
+    if DQ_TMA > 0:
+        if DQ_TMA == 1:
+            dq_t = tl.trans(tl.dot(tl.trans(k), ds_t.to(k.dtype))) * sm_scale
+        else:
+            dq_t = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * sm_scale
+        dq_desc.atomic_add([row0, h * HEAD_DIM], dq_t)
+    else:
+        dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype)) * sm_scale
+        tl.atomic_add(aq_ptrs, dq_t, mask=mask, sem="relaxed")
+
+
+@triton.jit
 def _dkdv_tile(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e, hk, group, sel, order_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -119,15 +139,8 @@ def _dkdv_tile(
                 ds_t = p_t * (dp_t - delta[None, :])
                 dk = tl.dot(ds_t.to(q.dtype), q, dk)
                 if DQ_ATOMIC:
-                    if DQ_TMA > 0:  # one bulk reduce-add of the (BLOCK_M1, HEAD_DIM) tile from shared memory
-                        if DQ_TMA == 1:
-                            dq_t = tl.trans(tl.dot(tl.trans(k), ds_t.to(k.dtype))) * sm_scale
-                        else:
-                            dq_t = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * sm_scale
-                        dq_desc.atomic_add([o_lo + t * BLOCK_M1, h * HEAD_DIM], dq_t)
-                    else:
-                        dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype)) * sm_scale
-                        tl.atomic_add(aq_ptrs + t * BLOCK_M1 * stride_aqt, dq_t, sem="relaxed")
+                    _add_dq_tile(ds_t, k, aq_ptrs + t * BLOCK_M1 * stride_aqt, dq_desc, o_lo + t * BLOCK_M1, h, None,
+                                 sm_scale, HEAD_DIM, DQ_TMA)
             # masked query tiles: causal diagonal, document end, merged short documents
             for jj in tl.range(0, u0 + n - u1, num_stages=MASKED_STAGES):
                 t = masked_tile_index(jj, u0, u1)
@@ -151,15 +164,8 @@ def _dkdv_tile(
                 ds_t = p_t * (dp_t - delta[None, :])
                 dk = tl.dot(ds_t.to(q.dtype), q, dk)
                 if DQ_ATOMIC:
-                    if DQ_TMA > 0:  # rows past T are clipped; invisible rows add dS = 0
-                        if DQ_TMA == 1:
-                            dq_t = tl.trans(tl.dot(tl.trans(k), ds_t.to(k.dtype))) * sm_scale
-                        else:
-                            dq_t = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * sm_scale
-                        dq_desc.atomic_add([o_lo + t * BLOCK_M1, h * HEAD_DIM], dq_t)
-                    else:
-                        dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype)) * sm_scale
-                        tl.atomic_add(aq_ptrs + t * BLOCK_M1 * stride_aqt, dq_t, mask=q_ok[None, :], sem="relaxed")
+                    _add_dq_tile(ds_t, k, aq_ptrs + t * BLOCK_M1 * stride_aqt, dq_desc, o_lo + t * BLOCK_M1, h,
+                                 q_ok[None, :], sm_scale, HEAD_DIM, DQ_TMA)
         dk = dk * sm_scale
         tl.store(DK + rs.to(tl.int64) * stride_dkt + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
                  dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
