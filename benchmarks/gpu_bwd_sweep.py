@@ -48,6 +48,18 @@ def changes_forward(cfg, base) -> bool:
     return any(getattr(cfg, f) != getattr(base, f) for f in FWD_FIELDS)
 
 
+def sweep_row(name: str):
+    """``(spec, lengths)`` of a WORKLOADS.md id, or of ``U<len>``: a T = 65,536 row of equal documents
+    of ``len`` tokens, H = 16 MHA (for locating a tile-set threshold between the workloads' lengths)."""
+    import numpy as np
+    from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
+
+    if name.startswith("U") and name[1:].isdigit() and 0 < int(name[1:]) <= 65536 and 65536 % int(name[1:]) == 0:
+        n = int(name[1:])
+        return {"num_heads": 16, "num_kv_heads": 16}, np.full(65536 // n, n, np.int64)
+    return WORKLOADS[name], workload_lengths(name)
+
+
 def check_correct(cfg, seed: int = 3, total: int = 3003, device: str = "cuda") -> dict:
     """Correctness of one candidate on a small random packed row (causal, unaligned starts, 5 padding rows).
 
@@ -131,15 +143,13 @@ def main(argv=None) -> int:
     import torch
 
     from flamia_pack.scheduler.cost import attention_flops
-    from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
-
     if a.dry_run or not torch.cuda.is_available():
         from flamia_pack.kernels.attention import build_attention_work_list
 
         for n, c in cfgs.items():
             diff = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if getattr(c, f.name) != getattr(base, f.name)}
             for w in workloads:
-                lens = workload_lengths(w)
+                lens = sweep_row(w)[1]
                 cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
                 wl = build_attention_work_list(cu, int(lens.sum()), causal=True, head_dim=128, config=c)
                 log(f"dry-run {n} {w}: T={int(lens.sum())} items={int(wl.num_items.item())}")
@@ -187,8 +197,7 @@ def main(argv=None) -> int:
             if time.time() - T0 > a.budget:
                 log(f"time budget reached: pass {p + 1} stops before {w}")
                 break
-            spec = WORKLOADS[w]
-            lens = workload_lengths(w)
+            spec, lens = sweep_row(w)
             inp = B.make_inputs(lens, spec["num_heads"], spec["num_kv_heads"], seed=11)
             fns = {}
             for n in live:

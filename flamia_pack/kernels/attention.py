@@ -442,7 +442,7 @@ def varlen_attention(
             ``deterministic`` flag). The forward, dK and dV are deterministic either way.
         config: tile/launch configuration (default :func:`flamia_pack.kernels.config.kernel_config`
             for ``head_dim``, ``causal`` and ``max_seqlen``: the small tile set when
-            ``max_seqlen <= 1024``).
+            ``max_seqlen <= 512``, the small forward tiles alone up to 1,024).
 
     Returns:
         ``o`` ``(T, H_q, D)`` in q's dtype, or ``(o, lse)`` if ``return_lse``.

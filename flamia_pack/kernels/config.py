@@ -22,14 +22,21 @@ from dataclasses import astuple, dataclass, replace
 from flamia_pack.errors import FlamiaError
 
 __all__ = ["AttentionKernelConfig", "kernel_config", "work_list_tile_config", "SCHEDULES", "CANDIDATES",
-           "CONFIG_ENV", "candidate_config", "env_candidate", "SMALL_MAX_SEQLEN", "SMALL_TILES"]
+           "CONFIG_ENV", "candidate_config", "env_candidate", "SMALL_MAX_SEQLEN", "SMALL_BWD_MAX_SEQLEN",
+           "SMALL_TILES"]
 
 SMALL_MAX_SEQLEN = 1024
-"""Calls whose ``max_seqlen`` is at most this (head_dim 128) run the ``small`` tile set of
-:data:`CANDIDATES`: on the H200 it made the training call 1.26x faster on W7 (256-token
-documents) and 1.07x on W3 (1,024), but 0.95x on W1 (4,096) and 0.86x on W4 (65,536)
-(gpu_bwd_sweep.py, 2026-11-29; benchmarks/NOTES.md). ``max_seqlen`` is a host int, so the choice
-costs no device sync."""
+"""Calls whose ``max_seqlen`` is at most this (head_dim 128) run the forward with the small tiles
+(64 x 64, 4 warps, two programs per SM): training call 1.014x and forward 1.058x on W3 (1,024-token
+documents), forward 0.935x on 2,048-token documents (gpu_bwd_sweep.py, H200, 2026-11-29, run 3 of
+the evening session in benchmarks/RESULTS.md). ``max_seqlen`` is a host int: no device sync."""
+
+SMALL_BWD_MAX_SEQLEN = 512
+"""Calls whose ``max_seqlen`` is at most this (head_dim 128) also run the backward with the small
+tiles (the whole ``small`` set of :data:`CANDIDATES`): training call 1.158x on W7 (256-token
+documents) and 1.091x on 512-token documents, but 0.986x on W3 (1,024) and 0.913x on 2,048-token
+documents, once the default backward stopped spilling (GQA group a compile-time constant; same
+sweep). It was 1,024 before that change (W3 1.07x then)."""
 
 CONFIG_ENV = "FLAMIA_ATTN_CONFIG"
 """Environment variable naming a :data:`CANDIDATES` entry that :func:`kernel_config` applies on top
@@ -89,7 +96,8 @@ class AttentionKernelConfig:
     bwd_masked_stages: int = 0
     """Backward: pipelining depth of the masked (diagonal / document-edge) inner loops; 0 = the
     launch's ``num_stages``. 1 stops prefetching there (fewer live registers: the fused 128 x 32
-    kernel spills 96 B instead of 172 B on sm_90)."""
+    kernel spilled 96 B instead of 172 B on sm_90 before the GQA group became a compile-time constant;
+    both are spill-free for MHA now)."""
     bwd_tma: bool = False
     """Backward: load the walked Q/dO (dK/dV programs) and K/V (dQ programs) tiles through TMA
     tensor descriptors made in the kernel (``tl.make_tensor_descriptor``; rows past the document end
@@ -193,7 +201,8 @@ SMALL_TILES: dict = {"block_m": 64, "num_warps": 4, "bwd_block_n1": 64, "bwd_blo
                      "bwd_block_n2": 32, "bwd_num_warps": 4}
 """The small-footprint tile set: 64 x 64 forward and 64-key x 16-query dK/dV / 64 x 32 dQ backward
 programs with 4 warps (spill-free on sm_90: 251-252 registers, 82-115 KB shared memory, so two
-programs per SM). Used for rows of short documents (``max_seqlen <= SMALL_MAX_SEQLEN``) and for
+programs per SM). Used for rows of short documents (``max_seqlen <= SMALL_BWD_MAX_SEQLEN``; the
+forward part up to ``SMALL_MAX_SEQLEN``) and for
 the short-document launch of ``hybrid_short_len``."""
 
 HEAD_MAJOR: dict = {"schedule": "grid_head_major", "bwd_head_major": True}
@@ -201,7 +210,8 @@ HEAD_MAJOR: dict = {"schedule": "grid_head_major", "bwd_head_major": True}
 
 CANDIDATES: dict[str, dict] = {
     "default": {},
-    # walked Q/dO (dK/dV) and K/V (dQ) tiles through TMA descriptors: sm_90 spills 60 B instead of 172 B
+    # walked Q/dO (dK/dV) and K/V (dQ) tiles through TMA descriptors (spill-free for MHA, like the
+    # default; 0.94-0.99x of it on the H200, 2026-11-29 evening)
     "bwd_tma": {"bwd_tma": True},
     # head-major program order in forward and backward (L2 locality: the programs in flight share
     # one head's tensors instead of every head of a few documents), pointer loads
@@ -224,6 +234,8 @@ CANDIDATES: dict[str, dict] = {
     "bwd_small": {**HEAD_MAJOR, **{f: v for f, v in SMALL_TILES.items() if f.startswith("bwd_")}},
     # the same with the 64 x 64 forward (4 warps, two programs per SM)
     "small": {**HEAD_MAJOR, **SMALL_TILES},
+    # the small forward alone (default backward)
+    "fwd_small": {**HEAD_MAJOR, **{f: v for f, v in SMALL_TILES.items() if not f.startswith("bwd_")}},
     # document-major launch order inside each head (L2 locality; the backward's L2 hit rate was
     # 56% vs FlexAttention's 82% on W1 under Nsight Compute)
     "doc_major": {**HEAD_MAJOR, "doc_major": True},
@@ -238,6 +250,16 @@ CANDIDATES: dict[str, dict] = {
     "split_dq128": {**HEAD_MAJOR, "bwd_fused": False},
     # default tiles for items of documents > 1,024 tokens, small tiles (second launch) for the rest
     "hybrid": {**HEAD_MAJOR, "hybrid_short_len": 1024},
+    # dK/dV programs walk 64-query tiles (FlexAttention's step; half the steps and per-step barriers
+    # of the default's 32): 416 B of spills on sm_90 for MHA (1,016 B before the GQA group became a
+    # compile-time constant), 316 B with unpipelined masked loops
+    "bwd_m64": {**HEAD_MAJOR, "bwd_block_m1": 64},
+    "bwd_m64_ms1": {**HEAD_MAJOR, "bwd_block_m1": 64, "bwd_masked_stages": 1},
+    # four-stage cp.async pipeline in the backward (spill-free for MHA, 197 KB shared memory)
+    "bwd_s4": {**HEAD_MAJOR, "bwd_num_stages": 4},
+    # small tiles with dQ by TMA bulk reduce-add from the dK/dV programs (no dQ programs)
+    "small_dq_tma": {**HEAD_MAJOR, **SMALL_TILES, "bwd_dq_atomic": True, "bwd_dq_tma": 2},
+    "small_dq_tma1": {**HEAD_MAJOR, **SMALL_TILES, "bwd_dq_atomic": True, "bwd_dq_tma": 1},
     # small, backward dQ walks 64-key tiles with 2 stages (spill-free, 255 registers, 99 KB)
     "small_n2_64": {**HEAD_MAJOR, **SMALL_TILES, "bwd_block_n2": 64, "bwd_num_stages": 2},
 }
@@ -283,13 +305,17 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
     flight share one head's K/V in L2; 1.065x geo-mean on the training call, up to 1.14x on the
     forward, vs heads-fastest order in gpu_bwd_sweep.py on 2026-11-29); backward
     128-key x 32-query dK/dV and 128 x 64 dQ programs, 8 warps, 3 stages, one fused launch
-    (12.06 ms on W1 vs 14.3 ms for 128 x 64 and 16.8-21.6 ms for 64-key programs, despite ~170 B
-    of register spills; the spill-free 64-key tiles re-read Q and dO twice as often).
+    (12.06 ms on W1 vs 14.3 ms for 128 x 64 and 16.8-21.6 ms for 64-key programs; the 64-key tiles
+    re-read Q and dO twice as often). The GQA group size is a compile-time constant of the backward:
+    for MHA its dK/dV programs then have no head loop and do not spill (255 registers, 0 B; 172 B
+    with a runtime trip count), which made the training call 1.00-1.04x faster (W1-W9, 2026-11-29).
 
-    Rows of short documents only (``max_seqlen <= SMALL_MAX_SEQLEN``, head_dim 128) get the
-    ``small`` tile set instead: 64 x 64 forward and 64-key x 16-query dK/dV / 64 x 32 dQ backward
-    programs with 4 warps, spill-free, two programs per SM, so one program's prologue and epilogue
-    (which dominate when each program walks only a few tiles) overlap another's tiles.
+    Rows of short documents only (head_dim 128) get the small tiles instead: 64 x 64 forward and
+    64-key x 16-query dK/dV / 64 x 32 dQ backward programs with 4 warps, spill-free, two programs per
+    SM, so one program's prologue and epilogue (which dominate when each program walks only a few
+    tiles) overlap another's tiles: the whole ``small`` set when ``max_seqlen <=``
+    :data:`SMALL_BWD_MAX_SEQLEN` (512), the forward alone (``fwd_small``) when ``max_seqlen <=``
+    :data:`SMALL_MAX_SEQLEN` (1,024).
 
     Args:
         head_dim: D, 64 or 128.
@@ -315,8 +341,10 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
     name = env_candidate()
     if name:  # an explicit choice (``default`` included) wins over the max_seqlen rule
         return candidate_config(name, head_dim, causal, precision)
-    if max_seqlen is not None and head_dim == 128 and max_seqlen <= SMALL_MAX_SEQLEN:
+    if max_seqlen is not None and head_dim == 128 and max_seqlen <= SMALL_BWD_MAX_SEQLEN:
         return candidate_config("small", head_dim, causal, precision)
+    if max_seqlen is not None and head_dim == 128 and max_seqlen <= SMALL_MAX_SEQLEN:
+        return candidate_config("fwd_small", head_dim, causal, precision)
     return _default_config(head_dim, causal, precision)
 
 

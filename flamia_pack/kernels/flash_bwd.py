@@ -82,10 +82,10 @@ def _add_dq_tile(ds_t, k, aq_ptrs, dq_desc, row0, h, mask, sm_scale, HEAD_DIM: t
 
 @triton.jit
 def _dkdv_tile(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e, hk, group, sel, order_ptr,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e, hk, sel, order_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
-    qk_scale, sm_scale,
+    qk_scale, sm_scale, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     F1: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
@@ -106,8 +106,8 @@ def _dkdv_tile(
         dk = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
         dv = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
         r_rel = relative_doc(k_pos, cu_ptr, doc, tl.maximum(re, o_hi), merged)
-        for g in range(0, group):
-            h = hk * group + g
+        for g in range(0, GROUP):  # a compile-time trip count: MHA has no loop (and no spills, sm_90)
+            h = hk * GROUP + g
             q_ptrs = Q + o_lo.to(tl.int64) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
             do_ptrs = DO + o_lo.to(tl.int64) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :]
             l_ptrs = LSE + h * stride_lh + o_lo + offs_m
@@ -175,10 +175,10 @@ def _dkdv_tile(
 
 @triton.jit
 def _dq_tile(
-    Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e, h, group, sel, order_ptr,
+    Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e, h, sel, order_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lh,
-    qk_scale, sm_scale,
+    qk_scale, sm_scale, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr,
@@ -186,7 +186,7 @@ def _dq_tile(
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
         items_ptr, cu_ptr, e, sel, order_ptr, F2, WL_BM, BLOCK_M2, BLOCK_N2, False, CAUSAL, DOC_MAJOR)
     if rs < re:
-        hk = h // group
+        hk = h // GROUP
         offs_m = tl.arange(0, BLOCK_M2)
         offs_n = tl.arange(0, BLOCK_N2)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -252,18 +252,19 @@ def _bwd_kernel(
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, KIND: tl.constexpr,
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, HEAD_MAJOR: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    DQ_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr,
+    DQ_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr, GROUP: tl.constexpr,
 ):
+    # GROUP = num_heads // num_kv_heads (a constexpr: with a runtime trip count the GQA loop of the
+    # dK/dV programs cost 172 B of register spills on sm_90 even for MHA; 0 B as a constant)
     # KIND 0: both program kinds interleaved rank by rank; 1: dK/dV programs only; 2: dQ only
     pid = tl.program_id(0)
-    group = num_heads // num_kv_heads
     if HEAD_MAJOR:
         # one kv head after the other (its dK/dV programs and its query heads' dQ programs), ranks in
         # decreasing cost inside a head: the programs in flight share one head's Q/K/V/dO in L2
         n_kv = F1
         if KIND == 2:
             n_kv = 0
-        per_rank = n_kv + F2 * group
+        per_rank = n_kv + F2 * GROUP
         if KIND == 1:
             per_rank = n_kv
         hk0 = pid // (max_items * per_rank)
@@ -273,8 +274,8 @@ def _bwd_kernel(
         e1 = r * F1 + rem
         head1 = hk0
         rem2 = rem - n_kv
-        e2 = r * F2 + rem2 // group
-        head2 = hk0 * group + rem2 % group
+        e2 = r * F2 + rem2 // GROUP
+        head2 = hk0 * GROUP + rem2 % GROUP
     else:
         # rank-major: every head of one work-list rank side by side, ranks in decreasing cost
         n_kv = F1 * num_kv_heads
@@ -292,16 +293,16 @@ def _bwd_kernel(
         head2 = rem2 % num_heads
     if r < tl.load(num_items_ptr):
         if rem < n_kv:
-            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e1, head1, group, sel, order_ptr,
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e1, head1, sel, order_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
-                       qk_scale, sm_scale, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
+                       qk_scale, sm_scale, GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
                        DQ_ATOMIC, DQ_TMA, DOC_MAJOR)
         else:
-            _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e2, head2, group, sel, order_ptr,
+            _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e2, head2, sel, order_ptr,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dqt, stride_dqh, stride_lh,
-                     qk_scale, sm_scale, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
+                     qk_scale, sm_scale, GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
                      DOC_MAJOR)
 
 
@@ -394,7 +395,7 @@ def flash_bwd(
                 F1=f1, F2=f2, WL_BM=cfg.wl_block_m, CAUSAL=bool(causal), KIND=kind,
                 MASKED_STAGES=cfg.bwd_masked_stages or stages, USE_TMA=use_tma, HEAD_MAJOR=cfg.bwd_head_major,
                 DQ_ATOMIC=atomic, DQ_TMA=int(cfg.bwd_dq_tma) if dq_desc is not None else 0, DOC_MAJOR=bool(cfg.doc_major),
-                num_warps=warps, num_stages=stages,
+                GROUP=H // Hkv, num_warps=warps, num_stages=stages,
             )
     if atomic:
         dq.copy_(dq_acc)  # padding rows are zero in the accumulator
