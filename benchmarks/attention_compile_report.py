@@ -59,7 +59,7 @@ for bm, bn, nw, ns, pers in cfgs.get("fwd", [(128, 64, 8, 3, False)]):
            dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, F=128 // bm, WL_BM=128, CAUSAL=True, PERSISTENT=pers, HEAD_MAJOR=False, DOC_MAJOR=False), nw, ns)
 for m1, n1, m2, n2, nw, ns, *extra in cfgs.get("bwd", [(64, 128, 128, 64, 8, 2)]):
     # optional 7th entry: {"KIND": 0|1|2, "MASKED_STAGES": s, "USE_TMA": bool, "HEAD_MAJOR": bool, "GROUP": H_q // H_kv}
-    kc = {**dict(GROUP=1, KIND=0, MASKED_STAGES=ns, USE_TMA=False, HEAD_MAJOR=False, DQ_ATOMIC=False, DQ_TMA=False, DOC_MAJOR=False), **(extra[0] if extra else {})}
+    kc = {**dict(GROUP=1, REG_OPS=0, KIND=0, MASKED_STAGES=ns, USE_TMA=False, HEAD_MAJOR=False, DQ_ATOMIC=False, DQ_TMA=False, DOC_MAJOR=False), **(extra[0] if extra else {})}
     report(f"bwd D{D} m1={m1} n1={n1} m2={m2} n2={n2} w{nw} s{ns} {extra[0] if extra else ''}", B._bwd_kernel, ptr,
            dict(HEAD_DIM=D, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, F1=128 // n1, F2=128 // m2, WL_BM=128, CAUSAL=True, **kc), nw, ns)
 if cfgs.get("misc", True):

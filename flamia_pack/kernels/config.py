@@ -134,6 +134,15 @@ class AttentionKernelConfig:
     ``dS^T K`` (M = ``bwd_block_m1`` rows: mma.sync, fewer spills: 2). Ignored without
     ``bwd_dq_atomic``."""
 
+    bwd_reg_operands: int = 0
+    """Backward: bit mask of loop-invariant A operands held in registers instead of shared memory:
+    1 = K, 2 = V (dK/dV programs: ``K Q^T`` and ``V dO^T``), 4 = Q, 8 = dO (dQ programs: ``Q K^T`` and
+    ``dO V^T``). Each is re-made once per program as ``I @ x`` (``flash_bwd._to_mma_regs``), which
+    puts it in the wgmma accumulator layout, so Triton's MMAv3 rewrite feeds it from registers: per
+    32-query step the dK/dV programs then read 8 KB instead of 24 KB of shared memory per product
+    and warpgroup (the 128 x 32 step otherwise moves ~128 KB of operands through shared memory for
+    2.1 M MACs, as many cycles as its products take at peak), at the price of 32 registers each."""
+
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
             v = getattr(self, name)
@@ -163,6 +172,10 @@ class AttentionKernelConfig:
         if self.bwd_fused and (self.bwd_dq_num_warps or self.bwd_dq_num_stages):
             raise FlamiaError("AttentionKernelConfig.bwd_dq_num_warps / bwd_dq_num_stages need bwd_fused=False "
                               "(one fused launch has one warp count and one stage count)")
+        if isinstance(self.bwd_reg_operands, bool) or not isinstance(self.bwd_reg_operands, int) \
+                or not 0 <= self.bwd_reg_operands <= 15:
+            raise FlamiaError(f"AttentionKernelConfig.bwd_reg_operands must be an int bit mask in [0, 15] "
+                              f"(1 = K, 2 = V, 4 = Q, 8 = dO), got {self.bwd_reg_operands!r}")
         if self.bwd_dq_tma not in (0, 1, 2) or isinstance(self.bwd_dq_tma, bool):
             raise FlamiaError(f"AttentionKernelConfig.bwd_dq_tma must be 0, 1 or 2, got {self.bwd_dq_tma!r}")
         if isinstance(self.hybrid_short_len, bool) or not isinstance(self.hybrid_short_len, int) or self.hybrid_short_len < 0:
@@ -257,6 +270,12 @@ CANDIDATES: dict[str, dict] = {
     "bwd_m64_ms1": {**HEAD_MAJOR, "bwd_block_m1": 64, "bwd_masked_stages": 1},
     # four-stage cp.async pipeline in the backward (spill-free for MHA, 197 KB shared memory)
     "bwd_s4": {**HEAD_MAJOR, "bwd_num_stages": 4},
+    # loop-invariant A operands in registers (bwd_reg_operands bit mask: 1 K, 2 V, 4 Q, 8 dO)
+    "regs_k": {**HEAD_MAJOR, "bwd_reg_operands": 1},
+    "regs_kv": {**HEAD_MAJOR, "bwd_reg_operands": 3},
+    "regs_k_q": {**HEAD_MAJOR, "bwd_reg_operands": 5},
+    "regs_q": {**HEAD_MAJOR, "bwd_reg_operands": 4},
+    "regs_all": {**HEAD_MAJOR, "bwd_reg_operands": 15},
     # small tiles with dQ by TMA bulk reduce-add from the dK/dV programs (no dQ programs)
     "small_dq_tma": {**HEAD_MAJOR, **SMALL_TILES, "bwd_dq_atomic": True, "bwd_dq_tma": 2},
     "small_dq_tma1": {**HEAD_MAJOR, **SMALL_TILES, "bwd_dq_atomic": True, "bwd_dq_tma": 1},

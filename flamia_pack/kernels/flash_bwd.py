@@ -81,6 +81,24 @@ def _add_dq_tile(ds_t, k, aq_ptrs, dq_desc, row0, h, mask, sm_scale, HEAD_DIM: t
 
 
 @triton.jit
+def _to_mma_regs(a, b, offs, DO_A: tl.constexpr, DO_B: tl.constexpr):
+    """``(a, b)`` re-made as ``I @ a`` / ``I @ b`` (exact: one nonzero term per output, fp32 accumulate).
+
+    The result has the wgmma accumulator layout, so Triton feeds it to the loop's products as the A
+    operand from registers instead of re-reading it from shared memory in every step
+    (``bwd_reg_operands``; Triton's MMAv3 register-operand rewrite only fires for operands made by a
+    product). One extra ``rows x rows x HEAD_DIM`` product per program. An Inf in ``a`` turns its
+    column into NaN for every row of the block (0 * Inf), where the attention would be NaN anyway.
+    """
+    eye = tl.where(offs[:, None] == offs[None, :], 1.0, 0.0).to(a.dtype)  # (a bool -> bf16 cast is wrong in the interpreter)
+    if DO_A:
+        a = tl.dot(eye, a).to(b.dtype)
+    if DO_B:
+        b = tl.dot(eye, b).to(b.dtype)
+    return a, b
+
+
+@triton.jit
 def _dkdv_tile(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e, hk, sel, order_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -89,7 +107,7 @@ def _dkdv_tile(
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     F1: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
-    DOC_MAJOR: tl.constexpr,
+    DOC_MAJOR: tl.constexpr, REG_OPS: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
         items_ptr, cu_ptr, e, sel, order_ptr, F1, WL_BM, BLOCK_N1, BLOCK_M1, True, CAUSAL, DOC_MAJOR)
@@ -103,6 +121,8 @@ def _dkdv_tile(
                     mask=k_ok[:, None], other=0.0)
         v = tl.load(V + rs.to(tl.int64) * stride_vt + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
                     mask=k_ok[:, None], other=0.0)
+        if REG_OPS & 3:
+            k, v = _to_mma_regs(k, v, offs_n, REG_OPS & 1, REG_OPS & 2)
         dk = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
         dv = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
         r_rel = relative_doc(k_pos, cu_ptr, doc, tl.maximum(re, o_hi), merged)
@@ -181,7 +201,7 @@ def _dq_tile(
     qk_scale, sm_scale, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
-    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr,
+    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr, REG_OPS: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
         items_ptr, cu_ptr, e, sel, order_ptr, F2, WL_BM, BLOCK_M2, BLOCK_N2, False, CAUSAL, DOC_MAJOR)
@@ -198,6 +218,8 @@ def _dq_tile(
                      mask=q_ok[:, None], other=0.0)
         lse2 = tl.load(LSE + h * stride_lh + q_pos, mask=q_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(DELTA + h * stride_lh + q_pos, mask=q_ok, other=0.0)
+        if REG_OPS & 12:
+            q, do = _to_mma_regs(q, do, offs_m, REG_OPS & 4, REG_OPS & 8)
         k_ptrs = K + o_lo.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
         v_ptrs = V + o_lo.to(tl.int64) * stride_vt + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
         dq = tl.zeros([BLOCK_M2, HEAD_DIM], tl.float32)
@@ -252,7 +274,7 @@ def _bwd_kernel(
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, KIND: tl.constexpr,
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, HEAD_MAJOR: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    DQ_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr, GROUP: tl.constexpr,
+    DQ_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr, GROUP: tl.constexpr, REG_OPS: tl.constexpr,
 ):
     # GROUP = num_heads // num_kv_heads (a constexpr: with a runtime trip count the GQA loop of the
     # dK/dV programs cost 172 B of register spills on sm_90 even for MHA; 0 B as a constant)
@@ -297,13 +319,13 @@ def _bwd_kernel(
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
                        qk_scale, sm_scale, GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
-                       DQ_ATOMIC, DQ_TMA, DOC_MAJOR)
+                       DQ_ATOMIC, DQ_TMA, DOC_MAJOR, REG_OPS)
         else:
             _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e2, head2, sel, order_ptr,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dqt, stride_dqh, stride_lh,
                      qk_scale, sm_scale, GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
-                     DOC_MAJOR)
+                     DOC_MAJOR, REG_OPS)
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -395,7 +417,7 @@ def flash_bwd(
                 F1=f1, F2=f2, WL_BM=cfg.wl_block_m, CAUSAL=bool(causal), KIND=kind,
                 MASKED_STAGES=cfg.bwd_masked_stages or stages, USE_TMA=use_tma, HEAD_MAJOR=cfg.bwd_head_major,
                 DQ_ATOMIC=atomic, DQ_TMA=int(cfg.bwd_dq_tma) if dq_desc is not None else 0, DOC_MAJOR=bool(cfg.doc_major),
-                GROUP=H // Hkv, num_warps=warps, num_stages=stages,
+                GROUP=H // Hkv, REG_OPS=cfg.bwd_reg_operands, num_warps=warps, num_stages=stages,
             )
     if atomic:
         dq.copy_(dq_acc)  # padding rows are zero in the accumulator
