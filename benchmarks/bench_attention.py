@@ -320,10 +320,14 @@ def run(workloads, peers, rep, out_dir, memory_for=("S2",), config=None):
 
 
 def _header() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        commit = "?"
+    # FLAMIA_BENCH_COMMIT names the commit of a copied work tree (the device machine's copy may carry
+    # an older .git, whose HEAD is not the code that ran)
+    commit = os.environ.get("FLAMIA_BENCH_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except Exception:  # noqa: BLE001
+            commit = "?"
     import triton
 
     return (f"date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, "

@@ -276,6 +276,11 @@ CANDIDATES: dict[str, dict] = {
     "regs_k_q": {**HEAD_MAJOR, "bwd_reg_operands": 5},
     "regs_q": {**HEAD_MAJOR, "bwd_reg_operands": 4},
     "regs_all": {**HEAD_MAJOR, "bwd_reg_operands": 15},
+    # dQ programs walking 32-key (spill-free, 115 KB shared memory: room for a 4-stage pipeline) or
+    # 128-key tiles (2 stages to fit 197 KB; 56 B of spills)
+    "dq_n32": {**HEAD_MAJOR, "bwd_block_n2": 32},
+    "dq_n32_s4": {**HEAD_MAJOR, "bwd_block_n2": 32, "bwd_num_stages": 4},
+    "dq_n128_s2": {**HEAD_MAJOR, "bwd_block_n2": 128, "bwd_num_stages": 2},
     # small tiles with dQ by TMA bulk reduce-add from the dK/dV programs (no dQ programs)
     "small_dq_tma": {**HEAD_MAJOR, **SMALL_TILES, "bwd_dq_atomic": True, "bwd_dq_tma": 2},
     "small_dq_tma1": {**HEAD_MAJOR, **SMALL_TILES, "bwd_dq_atomic": True, "bwd_dq_tma": 1},
