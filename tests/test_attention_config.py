@@ -40,21 +40,20 @@ def test_env_var_selects_candidate(monkeypatch):
 
 
 def test_small_tiles_for_rows_of_short_documents(monkeypatch):
-    from flamia_pack.kernels.config import SMALL_BWD_MAX_SEQLEN, SMALL_MAX_SEQLEN
+    from flamia_pack.kernels.config import SMALL_MAX_SEQLEN
 
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     small = candidate_config("small")
-    fwd_small = candidate_config("fwd_small")
-    base = kernel_config(128)
     assert small.block_m == 64 and small.bwd_block_n1 == 64 and small.bwd_num_warps == 4
-    assert SMALL_BWD_MAX_SEQLEN < SMALL_MAX_SEQLEN
-    assert kernel_config(128, max_seqlen=SMALL_BWD_MAX_SEQLEN) == small
+    assert kernel_config(128, max_seqlen=SMALL_MAX_SEQLEN) == small
     assert kernel_config(128, max_seqlen=1) == small
-    # between the two thresholds: the small forward, the default backward
-    for L in (SMALL_BWD_MAX_SEQLEN + 1, SMALL_MAX_SEQLEN):
-        cfg = kernel_config(128, max_seqlen=L)
-        assert cfg == fwd_small and (cfg.block_m, cfg.num_warps) == (small.block_m, small.num_warps)
-        assert all(getattr(cfg, f) == getattr(base, f) for f in cfg.__dataclass_fields__ if f.startswith("bwd_"))
+    # GQA: the small set's spill-free 16-query dK/dV step
+    assert kernel_config(128, max_seqlen=256, num_kv_groups=4) == candidate_config("small_m16")
+    assert candidate_config("small_m16").bwd_block_m1 == 16 and small.bwd_block_m1 == 32
+    assert kernel_config(128, max_seqlen=4096, num_kv_groups=4) == kernel_config(128)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(FlamiaError, match="num_kv_groups"):
+            kernel_config(128, max_seqlen=256, num_kv_groups=bad)
     assert kernel_config(128, max_seqlen=SMALL_MAX_SEQLEN + 1) == kernel_config(128)
     assert kernel_config(128, max_seqlen=None) == kernel_config(128) != small
     assert kernel_config(64, max_seqlen=256) == kernel_config(64)  # D = 64: not measured, default tiles

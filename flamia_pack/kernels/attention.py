@@ -442,7 +442,7 @@ def varlen_attention(
             ``deterministic`` flag). The forward, dK and dV are deterministic either way.
         config: tile/launch configuration (default :func:`flamia_pack.kernels.config.kernel_config`
             for ``head_dim``, ``causal`` and ``max_seqlen``: the small tile set when
-            ``max_seqlen <= 512``, the small forward tiles alone up to 1,024).
+            ``max_seqlen <= 1024``).
 
     Returns:
         ``o`` ``(T, H_q, D)`` in q's dtype, or ``(o, lse)`` if ``return_lse``.
@@ -479,7 +479,8 @@ def varlen_attention(
     if not cu32.is_contiguous():
         cu32 = cu32.contiguous()
     if use_kernels:
-        cfg = config if config is not None else kernel_config(D, causal, max_seqlen=max_seqlen)
+        cfg = config if config is not None else kernel_config(D, causal, max_seqlen=max_seqlen,
+                                                               num_kv_groups=q.shape[1] // k.shape[1])
         if deterministic and cfg.bwd_dq_atomic:
             cfg = dataclasses.replace(cfg, bwd_dq_atomic=False)
         if work_list is None:

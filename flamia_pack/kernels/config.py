@@ -22,21 +22,14 @@ from dataclasses import astuple, dataclass, replace
 from flamia_pack.errors import FlamiaError
 
 __all__ = ["AttentionKernelConfig", "kernel_config", "work_list_tile_config", "SCHEDULES", "CANDIDATES",
-           "CONFIG_ENV", "candidate_config", "env_candidate", "SMALL_MAX_SEQLEN", "SMALL_BWD_MAX_SEQLEN",
-           "SMALL_TILES"]
+           "CONFIG_ENV", "candidate_config", "env_candidate", "SMALL_MAX_SEQLEN", "SMALL_TILES"]
 
 SMALL_MAX_SEQLEN = 1024
-"""Calls whose ``max_seqlen`` is at most this (head_dim 128) run the forward with the small tiles
-(64 x 64, 4 warps, two programs per SM): training call 1.014x and forward 1.058x on W3 (1,024-token
-documents), forward 0.935x on 2,048-token documents (gpu_bwd_sweep.py, H200, 2026-11-29, run 3 of
-the evening session in benchmarks/RESULTS.md). ``max_seqlen`` is a host int: no device sync."""
-
-SMALL_BWD_MAX_SEQLEN = 512
-"""Calls whose ``max_seqlen`` is at most this (head_dim 128) also run the backward with the small
-tiles (the whole ``small`` set of :data:`CANDIDATES`): training call 1.158x on W7 (256-token
-documents) and 1.091x on 512-token documents, but 0.986x on W3 (1,024) and 0.913x on 2,048-token
-documents, once the default backward stopped spilling (GQA group a compile-time constant; same
-sweep). It was 1,024 before that change (W3 1.07x then)."""
+"""Calls whose ``max_seqlen`` is at most this (head_dim 128) run the ``small`` tile set
+(:data:`SMALL_TILES`): training call vs the default tiles 1.18x on W7 (256-token documents), 1.11x on
+512-token documents and 1.03x on W3 (1,024), while the small set lost 0.91x on 2,048-token documents
+(gpu_bwd_sweep.py, H200, 2026-11-29 evening runs 3 and 7 in benchmarks/RESULTS.md). ``max_seqlen`` is
+a host int: the choice costs no device sync."""
 
 CONFIG_ENV = "FLAMIA_ATTN_CONFIG"
 """Environment variable naming a :data:`CANDIDATES` entry that :func:`kernel_config` applies on top
@@ -210,13 +203,14 @@ class AttentionKernelConfig:
         return cls(**dict(zip(names, key)))
 
 
-SMALL_TILES: dict = {"block_m": 64, "num_warps": 4, "bwd_block_n1": 64, "bwd_block_m1": 16, "bwd_block_m2": 64,
+SMALL_TILES: dict = {"block_m": 64, "num_warps": 4, "bwd_block_n1": 64, "bwd_block_m1": 32, "bwd_block_m2": 64,
                      "bwd_block_n2": 32, "bwd_num_warps": 4}
-"""The small-footprint tile set: 64 x 64 forward and 64-key x 16-query dK/dV / 64 x 32 dQ backward
-programs with 4 warps (spill-free on sm_90: 251-252 registers, 82-115 KB shared memory, so two
-programs per SM). Used for rows of short documents (``max_seqlen <= SMALL_BWD_MAX_SEQLEN``; the
-forward part up to ``SMALL_MAX_SEQLEN``) and for
-the short-document launch of ``hybrid_short_len``."""
+"""The small-footprint tile set: 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
+programs with 4 warps (255 registers and 20 B of spills on sm_90, 83 KB shared memory, so two
+programs per SM). Used for rows of short documents (``max_seqlen <= SMALL_MAX_SEQLEN``) and for the
+short-document launch of ``hybrid_short_len``. The dK/dV step was 16 queries (spill-free) until the
+evening of 2026-11-29, when 32 measured 1.015-1.03x faster (W7, 512-token rows, W3; RESULTS run 7):
+candidates built from SMALL_TILES and measured before then ran the 16-query step (``small_m16``)."""
 
 HEAD_MAJOR: dict = {"schedule": "grid_head_major", "bwd_head_major": True}
 """Head-major program order in the forward and the backward (the default since 2026-11-29)."""
@@ -241,8 +235,8 @@ CANDIDATES: dict[str, dict] = {
     # dQ tiles added by TMA bulk reduce-add (one instruction per tile) instead of per-thread atomics
     "dq_tma": {**HEAD_MAJOR, "bwd_dq_atomic": True, "bwd_dq_tma": 1},
     "dq_tma_mma2": {**HEAD_MAJOR, "bwd_dq_atomic": True, "bwd_dq_tma": 2},
-    # small-footprint backward: 64-key x 16-query dK/dV and 64 x 32 dQ programs with 4 warps
-    # (spill-free, 252 registers, 82 KB shared memory: two programs per SM hide each other's
+    # small-footprint backward: 64-key x 32-query dK/dV and 64 x 32 dQ programs with 4 warps
+    # (255 registers, 20 B of spills, 83 KB shared memory: two programs per SM hide each other's
     # prologue and epilogue, which dominate on rows of short documents)
     "bwd_small": {**HEAD_MAJOR, **{f: v for f, v in SMALL_TILES.items() if f.startswith("bwd_")}},
     # the same with the 64 x 64 forward (4 warps, two programs per SM)
@@ -281,6 +275,9 @@ CANDIDATES: dict[str, dict] = {
     "dq_n32": {**HEAD_MAJOR, "bwd_block_n2": 32},
     "dq_n32_s4": {**HEAD_MAJOR, "bwd_block_n2": 32, "bwd_num_stages": 4},
     "dq_n128_s2": {**HEAD_MAJOR, "bwd_block_n2": 128, "bwd_num_stages": 2},
+    # the small set as it was before 2026-11-29 evening: 16-query dK/dV steps (spill-free; twice the
+    # steps and barriers of the 32-query step, which measured 1.015-1.03x faster)
+    "small_m16": {**HEAD_MAJOR, **SMALL_TILES, "bwd_block_m1": 16},
     # small tiles with dQ by TMA bulk reduce-add from the dK/dV programs (no dQ programs)
     "small_dq_tma": {**HEAD_MAJOR, **SMALL_TILES, "bwd_dq_atomic": True, "bwd_dq_tma": 2},
     "small_dq_tma1": {**HEAD_MAJOR, **SMALL_TILES, "bwd_dq_atomic": True, "bwd_dq_tma": 1},
@@ -319,7 +316,7 @@ def env_candidate() -> str:
 
 
 def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
-                  max_seqlen: int | None = None) -> AttentionKernelConfig:
+                  max_seqlen: int | None = None, num_kv_groups: int = 1) -> AttentionKernelConfig:
     """The default configuration for a head dimension, mask type and precision (pure function).
 
     Chosen on the H200 (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)"): forward 128 x 64
@@ -334,12 +331,13 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
     for MHA its dK/dV programs then have no head loop and do not spill (255 registers, 0 B; 172 B
     with a runtime trip count), which made the training call 1.00-1.04x faster (W1-W9, 2026-11-29).
 
-    Rows of short documents only (head_dim 128) get the small tiles instead: 64 x 64 forward and
-    64-key x 16-query dK/dV / 64 x 32 dQ backward programs with 4 warps, spill-free, two programs per
-    SM, so one program's prologue and epilogue (which dominate when each program walks only a few
-    tiles) overlap another's tiles: the whole ``small`` set when ``max_seqlen <=``
-    :data:`SMALL_BWD_MAX_SEQLEN` (512), the forward alone (``fwd_small``) when ``max_seqlen <=``
-    :data:`SMALL_MAX_SEQLEN` (1,024).
+    Rows of short documents only (``max_seqlen <=`` :data:`SMALL_MAX_SEQLEN`, head_dim 128) get the
+    ``small`` tile set instead: 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
+    programs with 4 warps, two programs per SM, so one program's prologue and epilogue (which
+    dominate when each program walks only a few tiles) overlap another's tiles. GQA calls
+    (``num_kv_groups > 1``) get its 16-query dK/dV step (``small_m16``): with the group loop the
+    32-query step spills 272-288 B on sm_90 (CPU-screened) where the 16-query one spills none; the
+    32-query step was measured on MHA rows only.
 
     Args:
         head_dim: D, 64 or 128.
@@ -348,6 +346,7 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
         max_seqlen: the call's longest document (host int), or None (not known: the default
             tiles). Both tile sets use the same work-list geometry (``wl_block_m`` 128), so a work
             list built without it serves either.
+        num_kv_groups: ``num_heads // num_kv_heads`` of the call (1 for MHA).
 
     If the environment variable :data:`CONFIG_ENV` (``FLAMIA_ATTN_CONFIG``) names a
     :data:`CANDIDATES` entry, that entry's overrides are applied (read on every call).
@@ -357,18 +356,18 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
 
     Raises:
         FlamiaError: unsupported head_dim or precision; an unknown ``FLAMIA_ATTN_CONFIG`` name;
-            ``max_seqlen`` not None and not an int >= 0.
+            ``max_seqlen`` not None and not an int >= 0; ``num_kv_groups`` not an int >= 1.
     """
     if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral)
                                    or max_seqlen < 0):
         raise FlamiaError(f"max_seqlen must be an int >= 0 or None, got {max_seqlen!r}")
+    if isinstance(num_kv_groups, bool) or not isinstance(num_kv_groups, numbers.Integral) or num_kv_groups < 1:
+        raise FlamiaError(f"num_kv_groups must be an int >= 1 (num_heads // num_kv_heads), got {num_kv_groups!r}")
     name = env_candidate()
     if name:  # an explicit choice (``default`` included) wins over the max_seqlen rule
         return candidate_config(name, head_dim, causal, precision)
-    if max_seqlen is not None and head_dim == 128 and max_seqlen <= SMALL_BWD_MAX_SEQLEN:
-        return candidate_config("small", head_dim, causal, precision)
     if max_seqlen is not None and head_dim == 128 and max_seqlen <= SMALL_MAX_SEQLEN:
-        return candidate_config("fwd_small", head_dim, causal, precision)
+        return candidate_config("small" if num_kv_groups == 1 else "small_m16", head_dim, causal, precision)
     return _default_config(head_dim, causal, precision)
 
 
