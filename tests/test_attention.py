@@ -339,25 +339,3 @@ def test_cli_bench_without_gpu_is_one_red_line():
     r = CliRunner().invoke(app, ["bench", "--workloads", "W7"])
     assert r.exit_code == 2
     assert "needs a CUDA GPU" in r.output and "Traceback" not in r.output
-
-
-def test_validated_work_list_is_trimmed_to_its_valid_rows():
-    """build_attention_work_list(validate=True) drops the static bound's unused rows (no empty programs)."""
-    from flamia_pack.scheduler.worklist import max_work_items
-
-    lengths = [256] * 8 + [5, 1, 1, 300]
-    q, k, v, cu = _inputs(lengths, d=64)
-    T = q.shape[0]
-    full = build_attention_work_list(cu, T, head_dim=64, validate=False)
-    trimmed = build_attention_work_list(cu, T, head_dim=64)
-    n = int(full.num_items[0])
-    assert full.max_items == max_work_items(T, len(lengths), full.config) > n
-    assert trimmed.max_items == n == int(trimmed.num_items[0]) and tuple(trimmed.items.shape) == (n, 4)
-    assert trimmed.items.is_contiguous()
-    assert torch.equal(trimmed.items, full.items[:n]) and bool((full.items[n:] == -1).all())
-    # an explicit max_items keeps its size
-    sized = build_attention_work_list(cu, T, head_dim=64, max_items=full.max_items)
-    assert sized.max_items == full.max_items
-    # the op accepts the trimmed list (CPU: the reference path checks and ignores it)
-    o = varlen_attention(q, k, v, cu, max(lengths), work_list=trimmed)
-    assert torch.equal(o, varlen_attention(q, k, v, cu, max(lengths), work_list=full))

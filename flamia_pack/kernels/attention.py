@@ -208,14 +208,6 @@ def build_attention_work_list(
     Build it once per packed row (outside graph capture, or inside with ``validate=False``) and
     pass it as ``work_list=``; the attention call then does no host synchronisation.
 
-    With ``validate=True`` and no ``max_items`` (the defaults) the build already reads
-    ``cu_seqlens`` on the host, and the list is trimmed to its valid rows (one more host read, of
-    ``num_items``): the kernels size their grids by the list's row count, and the static bound
-    (:func:`flamia_pack.scheduler.worklist.max_work_items`, up to ``n_docs`` rows more) would
-    launch programs that only load ``num_items`` and exit (64 of 576 rows on W3, 256 of 768 on
-    W7, 2,047 of 3,071 on S1). ``validate=False`` (CUDA graphs, the op's own default list) keeps
-    the static bound.
-
     Args:
         cu_seqlens: ``(n_docs + 1,)`` int32 on the device.
         total_tokens: T.
@@ -234,13 +226,8 @@ def build_attention_work_list(
     from flamia_pack.scheduler.worklist import build_work_list
 
     cfg = config or kernel_config(head_dim, causal)
-    wl = build_work_list(cu_seqlens, int(total_tokens), work_list_tile_config(cfg, causal),
-                         max_items=max_items, validate=validate)
-    if validate and max_items is None:
-        n = max(1, int(wl.num_items.to("cpu")[0]))  # valid rows come first (sorted); keep one row at least
-        if n < wl.max_items:
-            wl = dataclasses.replace(wl, items=wl.items[:n], max_items=n)
-    return wl
+    return build_work_list(cu_seqlens, int(total_tokens), work_list_tile_config(cfg, causal),
+                           max_items=max_items, validate=validate)
 
 
 @torch.compiler.disable
