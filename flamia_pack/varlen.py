@@ -69,8 +69,9 @@ def validate_cu_seqlens(
     d = np.diff(arr)
     if d.size and d.min() < 0:
         i = int(np.argmin(d))
+        rule = "non-decreasing" if allow_empty_segments else "strictly increasing (every document >= 1 token)"
         raise MetadataError(
-            f"{name} must be non-decreasing; {name}[{i}]={int(arr[i])} > {name}[{i + 1}]={int(arr[i + 1])}"
+            f"{name} must be {rule}; {name}[{i}]={int(arr[i])} > {name}[{i + 1}]={int(arr[i + 1])}"
         )
     if not allow_empty_segments and d.size and d.min() == 0:
         i = int(np.argmin(d))

@@ -49,7 +49,7 @@ def _bad_calls():
     yield "cu float", (q, k, v, cu.float(), 7), {}, MetadataError, "int32"
     yield "cu 2-D", (q, k, v, cu[None], 7), {}, MetadataError, "1-D"
     yield "cu start", (q, k, v, cu + 1, 8), {}, MetadataError, "must be 0"
-    yield "cu order", (q, k, v, torch.tensor([0, 7, 5, 12], dtype=torch.int32), 7), {}, MetadataError, "non-decreasing"
+    yield "cu order", (q, k, v, torch.tensor([0, 7, 5, 12], dtype=torch.int32), 7), {}, MetadataError, "non-decreasing|strictly increasing"
     yield "cu empty seg", (q, k, v, torch.tensor([0, 5, 5, 12], dtype=torch.int32), 7), {}, MetadataError, "zero-length"
     yield "cu past T", (q, k, v, torch.tensor([0, 5, 13], dtype=torch.int32), 8), {}, MetadataError, "exceeds"
     yield "max_seqlen", (q, k, v, cu, 6), {}, MetadataError, "max_seqlen"
@@ -61,7 +61,7 @@ def _bad_calls():
     yield "not a tensor", (q.numpy() if q.dtype != torch.bfloat16 else [1], k, v, cu, 7), {}, FlamiaError, "torch.Tensor"
     yield "work_list type", (q, k, v, cu, 7), {"work_list": object()}, FlamiaError, "WorkList"
     # int64 values past int32 must be rejected, not wrapped by the int32 cast (2**32 + 12 -> 12)
-    yield "cu int64 wrap", (q, k, v, torch.tensor([0, 5, 2**32 + 12]), 7), {}, MetadataError, "non-decreasing|exceeds"
+    yield "cu int64 wrap", (q, k, v, torch.tensor([0, 5, 2**32 + 12]), 7), {}, MetadataError, "non-decreasing|strictly increasing|exceeds"
     yield "cu int64 past T", (q, k, v, torch.tensor([0, 5, 13]), 8), {}, MetadataError, "exceeds"
     yield "head_dim 0", (q[..., :0], k[..., :0], v[..., :0], cu, 7), {}, FlamiaError, "head_dim"
     yield "config type", (q, k, v, cu, 7), {"config": 5}, FlamiaError, "AttentionKernelConfig"

@@ -54,6 +54,11 @@ def test_small_tiles_for_rows_of_short_documents(monkeypatch):
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(FlamiaError, match="num_kv_groups"):
             kernel_config(128, max_seqlen=256, num_kv_groups=bad)
+    for bad in (128.0, True, "128"):
+        with pytest.raises(FlamiaError, match="head_dim"):
+            kernel_config(bad, max_seqlen=256)
+    with pytest.raises(FlamiaError, match="causal must be a bool"):
+        kernel_config(128, "no")
     assert kernel_config(128, max_seqlen=SMALL_MAX_SEQLEN + 1) == kernel_config(128)
     assert kernel_config(128, max_seqlen=None) == kernel_config(128) != small
     assert kernel_config(64, max_seqlen=256) == kernel_config(64)  # D = 64: not measured, default tiles

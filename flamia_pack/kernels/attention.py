@@ -425,8 +425,10 @@ def varlen_attention(
         cu_seqlens: ``(n_docs + 1,)`` int32 (int64 is converted), row-local offsets: first 0,
             strictly increasing, last ``<= T``. Documents may start at any offset; tokens at or past
             ``cu_seqlens[-1]`` are row-end padding: ``o = 0``, ``lse = +inf``, zero gradients.
-        max_seqlen: longest document (Python or numpy int; FlashAttention API parity; checked
-            against ``cu_seqlens`` when no ``work_list`` is given, otherwise not needed).
+        max_seqlen: longest document, or an upper bound on it (Python or numpy int;
+            FlashAttention API parity; checked to be at least the longest document when no
+            ``work_list`` is given). It also picks the tiles: a larger bound than needed can only
+            select the default tiles where the small ones would be faster.
         causal: key ``j`` visible to query ``i`` only if ``j <= i`` (inside the document).
         softmax_scale: finite real > 0 (Python or numpy float); default ``D ** -0.5``.
         precision: ``"bf16"``; ``"fp8"`` (token-block scaled, DESIGN.md §4) is not implemented yet.
@@ -441,8 +443,8 @@ def varlen_attention(
             atomic-free backward (separate dQ programs, 7 products; FlashAttention's
             ``deterministic`` flag). The forward, dK and dV are deterministic either way.
         config: tile/launch configuration (default :func:`flamia_pack.kernels.config.kernel_config`
-            for ``head_dim``, ``causal`` and ``max_seqlen``: the small tile set when
-            ``max_seqlen <= 1024``).
+            for ``head_dim``, ``causal``, ``max_seqlen`` and the GQA group: the small tile set when
+            ``max_seqlen <= 1024`` and ``D == 128``, with its 16-query dK/dV step for GQA).
 
     Returns:
         ``o`` ``(T, H_q, D)`` in q's dtype, or ``(o, lse)`` if ``return_lse``.

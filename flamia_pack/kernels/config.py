@@ -375,8 +375,10 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
 
 
 def _default_config(head_dim: int, causal: bool, precision: str) -> AttentionKernelConfig:
-    if head_dim not in (64, 128):
-        raise FlamiaError(f"head_dim must be 64 or 128, got {head_dim!r}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim not in (64, 128):
+        raise FlamiaError(f"head_dim must be the int 64 or 128, got {head_dim!r}")
+    if not isinstance(causal, bool):
+        raise FlamiaError(f"causal must be a bool, got {causal!r}")
     if precision not in ("bf16", "fp8"):
         raise FlamiaError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
     # head-major program order (forward and backward): measured 1.065x geo-mean on the training call
