@@ -45,6 +45,11 @@ slot taking the next (entry, head) from a global atomic counter (the dynamic pol
 then the next head's), so the programs in flight share one head's K/V in L2."""
 
 
+def _is_int(x) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _pow2(x: int) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
 
@@ -361,10 +366,9 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
         FlamiaError: unsupported head_dim or precision; an unknown ``FLAMIA_ATTN_CONFIG`` name;
             ``max_seqlen`` not None and not an int >= 0; ``num_kv_groups`` not an int >= 1.
     """
-    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral)
-                                   or max_seqlen < 0):
+    if max_seqlen is not None and (not _is_int(max_seqlen) or max_seqlen < 0):
         raise FlamiaError(f"max_seqlen must be an int >= 0 or None, got {max_seqlen!r}")
-    if isinstance(num_kv_groups, bool) or not isinstance(num_kv_groups, numbers.Integral) or num_kv_groups < 1:
+    if not _is_int(num_kv_groups) or num_kv_groups < 1:
         raise FlamiaError(f"num_kv_groups must be an int >= 1 (num_heads // num_kv_heads), got {num_kv_groups!r}")
     name = env_candidate()
     if name:  # an explicit choice (``default`` included) wins over the max_seqlen rule
@@ -375,7 +379,7 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
 
 
 def _default_config(head_dim: int, causal: bool, precision: str) -> AttentionKernelConfig:
-    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim not in (64, 128):
+    if not _is_int(head_dim) or head_dim not in (64, 128):
         raise FlamiaError(f"head_dim must be the int 64 or 128, got {head_dim!r}")
     if not isinstance(causal, bool):
         raise FlamiaError(f"causal must be a bool, got {causal!r}")

@@ -92,7 +92,7 @@ def _to_mma_regs(a, b, offs, DO_A: tl.constexpr, DO_B: tl.constexpr):
     """
     eye = tl.where(offs[:, None] == offs[None, :], 1.0, 0.0).to(a.dtype)  # (a bool -> bf16 cast is wrong in the interpreter)
     if DO_A:
-        a = tl.dot(eye, a).to(b.dtype)
+        a = tl.dot(eye, a).to(a.dtype)
     if DO_B:
         b = tl.dot(eye, b).to(b.dtype)
     return a, b
