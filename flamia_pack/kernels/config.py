@@ -143,6 +143,15 @@ class AttentionKernelConfig:
     Measured on the H200 (2026-11-29 evening): 0.86-0.98x of the default (the step is not bound by
     shared-memory operand reads), so 0."""
 
+    bwd_gluon: bool = False
+    """Backward: run the dK/dV and dQ programs as the warp-specialized Gluon kernels of
+    ``gluon_bwd.py`` (FlashAttention-3's producer / consumer structure: a TMA producer warp, wgmma
+    consumers; dK/dV 128 keys x 64-query steps, dQ 128 queries x 64-key steps) where they apply: a
+    CUDA device of compute capability 9.x, causal, bf16, ``wl_block_m`` a multiple of 128, no
+    ``bwd_dq_atomic`` / ``hybrid_short_len``. Merged items and 1-token documents stay in one Triton
+    launch (``gluon_bwd.SKIP_LEN``); anywhere else the Triton kernels run. Results are the same
+    computation (deterministic, no atomics)."""
+
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
             v = getattr(self, name)
@@ -184,7 +193,7 @@ class AttentionKernelConfig:
             raise FlamiaError("AttentionKernelConfig.hybrid_short_len needs bwd_dq_atomic=False (one dQ path per call)")
         if self.schedule not in SCHEDULES:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major"):
+        for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -211,7 +220,7 @@ class AttentionKernelConfig:
 
 
 SMALL_TILES: dict = {"block_m": 64, "num_warps": 4, "bwd_block_n1": 64, "bwd_block_m1": 32, "bwd_block_m2": 64,
-                     "bwd_block_n2": 32, "bwd_num_warps": 4}
+                     "bwd_block_n2": 32, "bwd_num_warps": 4, "bwd_gluon": False}
 """The small-footprint tile set: 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
 programs with 4 warps (255 registers and 20 B of spills on sm_90, 83 KB shared memory, so two
 programs per SM). Used for rows of short documents (``max_seqlen <= SMALL_MAX_SEQLEN``) and for the
@@ -224,6 +233,9 @@ HEAD_MAJOR: dict = {"schedule": "grid_head_major", "bwd_head_major": True}
 
 CANDIDATES: dict[str, dict] = {
     "default": {},
+    # the warp-specialized Gluon backward (gluon_bwd.py) where it applies, Triton elsewhere
+    "gluon": {**HEAD_MAJOR, "bwd_gluon": True},
+    "triton_bwd": {**HEAD_MAJOR, "bwd_gluon": False},
     # walked Q/dO (dK/dV) and K/V (dQ) tiles through TMA descriptors (spill-free for MHA, like the
     # default; 0.94-0.99x of it on the H200, 2026-11-29 evening)
     "bwd_tma": {"bwd_tma": True},

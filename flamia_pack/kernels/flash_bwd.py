@@ -349,6 +349,24 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor)
     return True
 
 
+def _gluon_applies(config: AttentionKernelConfig, causal: bool, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> bool:
+    """True if ``config.bwd_gluon`` asks for the Gluon backward and it can run this call (see the field)."""
+    if not (config.bwd_gluon and causal and q.is_cuda and q.dtype == torch.bfloat16 and q.shape[0] > 0
+            and q.shape[2] in (64, 128) and not config.bwd_dq_atomic and not config.hybrid_short_len
+            and config.wl_block_m % 128 == 0):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if not all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v)):
+        return False
+    try:
+        import triton.experimental.gluon  # noqa: F401  (triton >= 3.5)
+    except ImportError:
+        return False
+    return True
+
+
 def flash_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor, *, causal: bool,
@@ -390,7 +408,18 @@ def flash_bwd(
             dq_desc = TensorDescriptor(dq_acc, [T, H * D], [H * D, 1], [config.bwd_block_m1, D])
     use_tma = bool(config.bwd_tma) and _tma_ok(q, k, v, do)
     order = doc_major_order(items) if config.doc_major else items
-    for cfg, sel in config.launch_parts():
+    parts = config.launch_parts()
+    if _gluon_applies(config, causal, q, k, v):
+        from flamia_pack.kernels import gluon_bwd
+
+        do_c = do if do.is_contiguous() else do.contiguous()
+        gluon_bwd.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
+                             wl_block_m=config.wl_block_m, dk=dk, dv=dv)
+        gluon_bwd.gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
+                           wl_block_m=config.wl_block_m, dq=dq)
+        # merged items and 1-token documents (skipped by the Gluon programs): the Triton kernels
+        parts = [(config, -int(gluon_bwd.SKIP_LEN.value))]
+    for cfg, sel in parts:
         f1 = cfg.wl_block_m // cfg.bwd_block_n1
         f2 = cfg.wl_block_m // cfg.bwd_block_m2
         nw, ns = cfg.bwd_num_warps, cfg.bwd_num_stages

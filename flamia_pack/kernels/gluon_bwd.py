@@ -1,0 +1,432 @@
+"""Experimental: the dK/dV half of the packed backward in Gluon, warp-specialized (Hopper, sm_90).
+
+FlashAttention-3's backward structure (Shah et al. 2024, §3.1 and Alg. 3 of its appendix) for the
+dK/dV programs of ``flash_bwd`` (same work list, same tile decisions, same results):
+
+- a **producer** partition (one warp, 24 registers) issues TMA loads: the program's K and V tiles
+  once, then the walked ``BLOCK_M``-query tiles of Q and dO into a ``STAGES``-deep shared-memory
+  ring, each slot guarded by a ``ready`` / ``empty`` mbarrier pair;
+- the **consumer** (the kernel's ``num_warps`` warps, two warpgroups for 128 keys) computes, per
+  walked tile, ``S^T = K Q^T`` and ``dP^T = V dO^T`` with asynchronous wgmma, ``P^T`` and
+  ``dS^T = P^T (dP^T - Delta)`` in registers, then ``dV += P^T dO`` and ``dK += dS^T Q`` with P^T /
+  dS^T as register A operands, left in flight while the next tile's products are issued; a slot is
+  handed back to the producer once the products that read it are complete.
+
+The walked tiles are split the same way as in ``flash_bwd``: the causal-diagonal tiles and the tile
+cut by the document end build a mask, the tiles in between are mask-free.
+
+Scope (it is a measured experiment, not a public path yet): causal, the work list's non-merged
+items (every document longer than ``wl_block_m``), contiguous q/k/v/dO, ``head_dim`` 64 or 128,
+bf16. The dQ half stays in ``flash_bwd`` (``KIND=2`` launch). See benchmarks/NOTES.md.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flamia_pack.kernels.flash_fwd import LOG2E
+
+__all__ = ["gluon_dkdv", "gluon_dq", "SKIP_LEN"]
+
+SKIP_LEN = gl.constexpr(1)
+"""Items of documents of at most this many tokens, and merged items, are skipped by the Gluon programs
+(``flash_bwd`` runs them in a Triton launch with ``sel = -SKIP_LEN``)."""
+
+
+@gluon.jit
+def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                   rs, hk, n_steps, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    STAGES: gl.constexpr = q_bufs.type.shape[0]
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [rs, hk * HEAD_DIM], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [rs, hk * HEAD_DIM], kv_bar, v_smem)
+    c = 0
+    for g in range(GROUP):
+        col = (hk * GROUP + g) * HEAD_DIM
+        for j in range(n_steps):
+            s = c % STAGES
+            # a fresh mbarrier counts as having completed phase 1: the first lap does not wait
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            row = rs + j * BLOCK_M
+            tma.async_copy_global_to_shared(q_desc, [row, col], ready.index(s), q_bufs.index(s))
+            tma.async_copy_global_to_shared(do_desc, [row, col], ready.index(s), do_bufs.index(s))
+            c += 1
+
+
+@gluon.jit
+def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
+               rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale,
+               MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               s_layout: gl.constexpr, op_layout: gl.constexpr):
+    STAGES: gl.constexpr = q_bufs.type.shape[0]
+    s = c % STAGES
+    q_pos = rs + j * BLOCK_M + offs_m
+    if MASKED:
+        lse = gl.load(LSE + h * stride_lh + q_pos, mask=q_pos < o_hi, other=0.0)
+        delta = gl.load(DELTA + h * stride_lh + q_pos, mask=q_pos < o_hi, other=0.0)
+    else:
+        lse = gl.load(LSE + h * stride_lh + q_pos)
+        delta = gl.load(DELTA + h * stride_lh + q_pos)
+    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    # groups retire in order: at most dP^T in flight means the previous tile's dV/dK are done
+    st = warpgroup_mma_wait(1, deps=(st,))
+    mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=c > 0)
+    p = gl.exp2(st * qk_scale - (lse * 1.4426950408889634)[None, :])
+    if MASKED:
+        vis = (k_pos[:, None] <= q_pos[None, :]) & (q_pos[None, :] < o_hi)
+        p = gl.where(vis, p, 0.0)
+    dpt = warpgroup_mma_wait(0, deps=(dpt,))
+    ds = p * (dpt - delta[None, :])
+    p_op = gl.convert_layout(p.to(gl.bfloat16), op_layout)
+    ds_op = gl.convert_layout(ds.to(gl.bfloat16), op_layout)
+    dv = warpgroup_mma(p_op, do_bufs.index(s), dv, is_async=True)
+    dk = warpgroup_mma(ds_op, q_bufs.index(s), dk, is_async=True)
+    return dk, dv
+
+
+@gluon.jit
+def _dkdv_consumer(q_bufs, do_bufs, k_all, v_all, ready, empty, kv_bar, LSE, DELTA, DK, DV,
+                   stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                   WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, NW: gl.constexpr):
+    # NW warps own keys [WG * BLOCK_N, (WG + 1) * BLOCK_N) of the program's key tile
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    k_smem = k_all.slice(WG * BLOCK_N, BLOCK_N, dim=0)
+    v_smem = v_all.slice(WG * BLOCK_N, BLOCK_N, dim=0)
+    k0 = rs + WG * BLOCK_N  # walked query tiles start at rs, the whole key tile's first row
+    k_pos = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+    mbarrier.wait(kv_bar, 0)
+    c = 0
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        for j in range(0, u0):
+            dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
+                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, True, BLOCK_M, BLOCK_N,
+                                s_layout, op_layout)
+            c += 1
+        for j in range(u0, u1):
+            dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
+                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, False, BLOCK_M, BLOCK_N,
+                                s_layout, op_layout)
+            c += 1
+        for j in range(u1, n_steps):
+            dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
+                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, True, BLOCK_M, BLOCK_N,
+                                s_layout, op_layout)
+            c += 1
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    rows = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    ok = (rows < re)[:, None]
+    r64 = rows.to(gl.int64)[:, None]
+    gl.store(DK + r64 * stride_dkt + hk * HEAD_DIM + cols[None, :], (dk * sm_scale).to(gl.bfloat16), mask=ok)
+    gl.store(DV + r64 * stride_dvt + hk * HEAD_DIM + cols[None, :], dv.to(gl.bfloat16), mask=ok)
+
+
+@gluon.jit
+def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr, num_items_ptr, cu_ptr, max_entries,
+                 stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale,
+                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 WL_BM: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, PARTS: gl.constexpr):
+    # head-major grid: all entries of kv head 0 in the list's decreasing-cost order, then kv head 1, ...
+    pid = gl.program_id(0)
+    e = pid % max_entries
+    hk = pid // max_entries
+    F: gl.constexpr = WL_BM // BLOCK_N
+    if e >= gl.load(num_items_ptr) * F:
+        return
+    # tiles_triton.program_geometry, rows are keys, causal, non-merged item
+    it = e // F
+    doc = gl.load(items_ptr + it * 4)
+    qs = gl.load(items_ptr + it * 4 + 1)
+    qe = gl.load(items_ptr + it * 4 + 2)
+    ds = gl.load(cu_ptr + doc)
+    de = gl.load(cu_ptr + doc + 1)
+    if (qe > de) | (de - ds <= SKIP_LEN):
+        return  # merged items (and 1-token documents) run in flash_bwd's Triton launch
+    i = (qs - ds) // WL_BM
+    nt = (de - ds + WL_BM - 1) // WL_BM
+    mb = ds + (nt - 1 - i) * WL_BM
+    end = gl.minimum(mb + WL_BM, de)
+    rs = mb + (e % F) * BLOCK_N
+    re = gl.minimum(rs + BLOCK_N, end)
+    if rs >= re:
+        return
+    o_hi = de
+    u0 = (re - 1 - rs + BLOCK_M - 1) // BLOCK_M
+    u1 = gl.maximum(u0, (o_hi - rs) // BLOCK_M)
+    n_steps = (o_hi - rs + BLOCK_M - 1) // BLOCK_M
+
+    q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=PARTS)  # one arrival per consumer partition
+    mbarrier.init(kv_bar, count=1)
+
+    if PARTS == 1:
+        # one consumer of 8 warps (two warpgroups side by side on the 128 keys)
+        gl.warp_specialize([
+            (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
+                              stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                              0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, 8)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                              rs, hk, n_steps, GROUP, HEAD_DIM, BLOCK_M)),
+        ], [1], [24])
+    else:
+        # two consumer partitions of one warpgroup each, half of the keys each: no barrier couples them
+        gl.warp_specialize([
+            (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
+                              stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                              0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N // 2, 4)),
+            (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
+                              stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                              1, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N // 2, 4)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                              rs, hk, n_steps, GROUP, HEAD_DIM, BLOCK_M)),
+        ], [4, 1], [240, 24])
+
+
+# ----------------------------------------------------------------------------------------------
+# dQ programs: own BLOCK_M queries of one query head, walk the visible key tiles (K and V through
+# the ring), dQ += dS K with dS as the register A operand.
+
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
+                 rs, o_lo, h, hk, n_steps, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    mbarrier.expect(qo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [rs, h * HEAD_DIM], qo_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [rs, h * HEAD_DIM], qo_bar, do_smem)
+    for j in range(n_steps):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        row = o_lo + j * BLOCK_N
+        tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], ready.index(s), k_bufs.index(s))
+        tma.async_copy_global_to_shared(v_desc, [row, hk * HEAD_DIM], ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, lse2, delta, j, dq, qk_scale,
+             MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             s_layout: gl.constexpr, op_layout: gl.constexpr):
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    s = j % STAGES
+    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(1, deps=(st,))  # the previous tile's dQ product is done: free its slot
+    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)
+    p = gl.exp2(st * qk_scale - lse2[:, None])
+    if MASKED:
+        k_pos = o_lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        vis = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < o_hi)
+        p = gl.where(vis, p, 0.0)
+    dpt = warpgroup_mma_wait(0, deps=(dpt,))
+    ds = p * (dpt - delta[:, None])
+    ds_op = gl.convert_layout(ds.to(gl.bfloat16), op_layout)
+    dq = warpgroup_mma(ds_op, k_bufs.index(s), dq, is_async=True)
+    return dq
+
+
+@gluon.jit
+def _dq_consumer(q_all, do_all, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
+                 stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
+                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NW: gl.constexpr):
+    # NW warps own queries [WG * BLOCK_M, (WG + 1) * BLOCK_M) of the program's query tile
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    q_smem = q_all.slice(WG * BLOCK_M, BLOCK_M, dim=0)
+    do_smem = do_all.slice(WG * BLOCK_M, BLOCK_M, dim=0)
+    q0 = rs + WG * BLOCK_M
+    q_pos = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    row_ok = q_pos < re
+    lse2 = gl.load(LSE + h * stride_lh + q_pos, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = gl.load(DELTA + h * stride_lh + q_pos, mask=row_ok, other=0.0)
+    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
+    mbarrier.wait(qo_bar, 0)
+    for j in range(0, u1):
+        dq = _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, lse2, delta, j, dq, qk_scale,
+                      False, BLOCK_M, BLOCK_N, s_layout, op_layout)
+    for j in range(u1, n_steps):
+        dq = _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, lse2, delta, j, dq, qk_scale,
+                      True, BLOCK_M, BLOCK_N, s_layout, op_layout)
+    dq = warpgroup_mma_wait(0, deps=(dq,))
+    rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    gl.store(DQ + rows.to(gl.int64)[:, None] * stride_dqt + h * HEAD_DIM + cols[None, :],
+             (dq * sm_scale).to(gl.bfloat16), mask=(rows < re)[:, None])
+
+
+@gluon.jit
+def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_items_ptr, cu_ptr, max_entries,
+               stride_lh, stride_dqt, qk_scale, sm_scale,
+               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               WL_BM: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr):
+    # head-major grid: all entries of query head 0 in the list's decreasing-cost order, then head 1, ...
+    pid = gl.program_id(0)
+    e = pid % max_entries
+    h = pid // max_entries
+    hk = h // GROUP
+    F: gl.constexpr = WL_BM // BLOCK_M
+    if e >= gl.load(num_items_ptr) * F:
+        return
+    # tiles_triton.program_geometry, rows are queries, causal, non-merged item
+    it = e // F
+    doc = gl.load(items_ptr + it * 4)
+    qs = gl.load(items_ptr + it * 4 + 1)
+    qe = gl.load(items_ptr + it * 4 + 2)
+    ds = gl.load(cu_ptr + doc)
+    de = gl.load(cu_ptr + doc + 1)
+    if (qe > de) | (de - ds <= SKIP_LEN):
+        return  # merged items (and 1-token documents) run in flash_bwd's Triton launch
+    rs = qs + (e % F) * BLOCK_M
+    re = gl.minimum(rs + BLOCK_M, qe)
+    if rs >= re:
+        return
+    o_lo = ds
+    o_hi = re
+    u1 = gl.maximum(rs - o_lo + 1, 0) // BLOCK_N
+    n_steps = (o_hi - o_lo + BLOCK_N - 1) // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=PARTS)
+    mbarrier.init(qo_bar, count=1)
+    if PARTS == 1:
+        gl.warp_specialize([
+            (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
+                            stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
+                            0, HEAD_DIM, BLOCK_M, BLOCK_N, 8)),
+            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
+                            rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N)),
+        ], [1], [24])
+    else:
+        gl.warp_specialize([
+            (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
+                            stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
+                            0, HEAD_DIM, BLOCK_M // 2, BLOCK_N, 4)),
+            (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
+                            stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
+                            1, HEAD_DIM, BLOCK_M // 2, BLOCK_N, 4)),
+            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
+                            rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N)),
+        ], [4, 1], [240, 24])
+
+
+def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """TMA descriptor over ``x`` (T, H, D) viewed as (T, H * D), blocks of ``block_rows`` tokens x D."""
+    T, H, D = x.shape
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, D], gl.bfloat16)
+    return TensorDescriptor(x.view(T, H * D), [T, H * D], [H * D, 1], [block_rows, D], layout)
+
+
+def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+               delta: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
+               softmax_scale: float, *, block_m: int = 64, block_n: int = 128, wl_block_m: int = 128,
+               stages: int = 2, parts: int = 1, dk: torch.Tensor | None = None,
+               dv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK, dV of causal packed attention (the dK/dV programs of ``flash_bwd``), warp-specialized Gluon.
+
+    Args:
+        q, do: ``(T, H_q, D)`` bf16 contiguous; k, v: ``(T, H_kv, D)`` bf16 contiguous; D in {64, 128}.
+        lse: ``(H_q, T)`` float32 natural-log LSE of the forward; delta: ``(H_q, T)`` float32
+            ``rowsum(dO * O)`` (``flash_bwd._bwd_preprocess``).
+        cu_seqlens, items, num_items: as ``flash_bwd`` (a list built with ``block_m=wl_block_m``,
+            causal, no merged items).
+        softmax_scale: the forward's scale.
+
+    Returns:
+        ``(dk, dv)`` ``(T, H_kv, D)`` bf16; rows past ``cu_seqlens[-1]`` are left uninitialised.
+
+    Raises:
+        ValueError: a non-contiguous input, an unsupported head_dim, or block sizes that do not tile.
+    """
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
+        if not x.is_contiguous() or x.dtype != torch.bfloat16:
+            raise ValueError(f"gluon_dkdv: {name} must be contiguous bf16, got {x.dtype}, strides {x.stride()}")
+    if D not in (64, 128):
+        raise ValueError(f"gluon_dkdv: head_dim must be 64 or 128, got {D}")
+    if wl_block_m % block_n or block_n % block_m:
+        raise ValueError(f"gluon_dkdv: need block_n | wl_block_m and block_m | block_n, got {block_m}, {block_n}, {wl_block_m}")
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    max_entries = items.shape[0] * (wl_block_m // block_n)
+    if T == 0 or max_entries == 0:
+        return dk, dv
+    # three warpgroups: the consumer's two (one partition of 8 warps, or two of 4: ``parts``) and the
+    # producer's warp (registers are allocated per warpgroup); the default partition gets what the
+    # workers leave of maxnreg
+    maxnreg = (65536 // (12 * 32)) // 8 * 8
+    _dkdv_kernel[(max_entries * Hkv,)](
+        _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
+        lse, delta, dk, dv, items, num_items, cu_seqlens, max_entries,
+        lse.stride(0), dk.stride(0), dv.stride(0), float(softmax_scale) * LOG2E, float(softmax_scale),
+        GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, WL_BM=wl_block_m, STAGES=stages,
+        BLOCK_N=block_n, PARTS=parts, num_warps=8 // parts, maxnreg=maxnreg)
+    return dk, dv
+
+
+def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+             delta: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
+             softmax_scale: float, *, block_m: int = 128, block_n: int = 64, wl_block_m: int = 128,
+             stages: int = 3, parts: int = 1, dq: torch.Tensor | None = None) -> torch.Tensor:
+    """dQ of causal packed attention (the dQ programs of ``flash_bwd``), warp-specialized Gluon.
+
+    Args: as :func:`gluon_dkdv`; ``block_m`` queries per program (split over ``parts`` consumer
+    partitions), ``block_n`` keys per walked tile; ``dq`` an optional preallocated output.
+
+    Returns:
+        ``dq`` ``(T, H_q, D)`` bf16; rows of skipped items (``SKIP_LEN``) and padding rows untouched.
+    """
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    if dq is None:
+        dq = torch.empty_like(q)
+    max_entries = items.shape[0] * (wl_block_m // block_m)
+    if T == 0 or max_entries == 0:
+        return dq
+    maxnreg = (65536 // (12 * 32)) // 8 * 8
+    _dq_kernel[(max_entries * H,)](
+        _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
+        lse, delta, dq, items, num_items, cu_seqlens, max_entries,
+        lse.stride(0), dq.stride(0), float(softmax_scale) * LOG2E, float(softmax_scale),
+        GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
+        PARTS=parts, num_warps=8 // parts, maxnreg=maxnreg)
+    return dq
