@@ -210,3 +210,15 @@ def test_hybrid_launch_parts_and_validation():
         AttentionKernelConfig(hybrid_short_len=-1)
     with pytest.raises(FlamiaError, match="bwd_dq_atomic"):
         AttentionKernelConfig(hybrid_short_len=64, bwd_dq_atomic=True)
+
+
+def test_bwd_gluon_fields_validated():
+    from flamia_pack.kernels.config import AttentionKernelConfig, candidate_config
+    from flamia_pack.errors import FlamiaError
+
+    assert candidate_config("gluon").bwd_gluon and candidate_config("gluon_l256").bwd_gluon_min_len == 256
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(FlamiaError, match="bwd_gluon_min_len"):
+            AttentionKernelConfig(bwd_gluon_min_len=bad)
+    with pytest.raises(FlamiaError, match="bwd_gluon must be bool"):
+        AttentionKernelConfig(bwd_gluon=1)

@@ -24,12 +24,13 @@ if not torch.cuda.is_available():
 _HOPPER = torch.cuda.get_device_capability()[0] == 9
 
 
-def _gluon(d: int):
-    cfg = candidate_config("gluon", head_dim=d)
+def _gluon(d: int, name: str = "gluon"):
+    cfg = candidate_config(name, head_dim=d)
     assert cfg.bwd_gluon
     return cfg
 
 
+@pytest.mark.parametrize("name", ["gluon", "gluon_l256"])
 @pytest.mark.parametrize("lengths,h,hkv,d,pad", [
     ([2048, 2048], 8, 8, 128, 0),
     ([300, 129, 1000, 77, 700, 1890], 4, 4, 128, 37),
@@ -38,11 +39,11 @@ def _gluon(d: int):
     ([1500, 65, 2, 700, 1890], 4, 2, 64, 9),
     ([128, 129, 127, 64, 63, 256, 4000], 2, 2, 128, 0),
 ])
-def test_gluon_backward_vs_reference(lengths, h, hkv, d, pad):
+def test_gluon_backward_vs_reference(lengths, h, hkv, d, pad, name):
     if not _HOPPER:
         pytest.skip("the Gluon backward runs on sm_90 only (the Triton kernels run elsewhere)")
     r = compare_with_reference(lengths, num_heads=h, num_kv_heads=hkv, head_dim=d, causal=True, pad=pad,
-                               device="cuda", seed=len(lengths), config=_gluon(d))
+                               device="cuda", seed=len(lengths), config=_gluon(d, name))
     assert r["ok"] and r["pad_ok"], r
 
 

@@ -143,14 +143,21 @@ class AttentionKernelConfig:
     Measured on the H200 (2026-11-29 evening): 0.86-0.98x of the default (the step is not bound by
     shared-memory operand reads), so 0."""
 
-    bwd_gluon: bool = False
+    bwd_gluon: bool = True
     """Backward: run the dK/dV and dQ programs as the warp-specialized Gluon kernels of
     ``gluon_bwd.py`` (FlashAttention-3's producer / consumer structure: a TMA producer warp, wgmma
     consumers; dK/dV 128 keys x 64-query steps, dQ 128 queries x 64-key steps) where they apply: a
     CUDA device of compute capability 9.x, causal, bf16, ``wl_block_m`` a multiple of 128, no
-    ``bwd_dq_atomic`` / ``hybrid_short_len``. Merged items and 1-token documents stay in one Triton
-    launch (``gluon_bwd.SKIP_LEN``); anywhere else the Triton kernels run. Results are the same
-    computation (deterministic, no atomics)."""
+    ``bwd_dq_atomic`` / ``hybrid_short_len``. Merged items and documents of at most
+    ``bwd_gluon_min_len`` tokens stay in one Triton launch; anywhere else the Triton kernels run.
+    Results are the same computation (deterministic, no atomics). Measured on the H200 (2026-11-29,
+    benchmarks/RESULTS.md "Session of 2026-11-29 (night)"): training call 1.03-1.07x the Triton
+    backward on W1, W4, W5, W8, W9, 1.00-1.05x on W6, 0.98x on W2 (one 8k document and 224
+    short ones); the small tile set (short-document rows) keeps the Triton backward."""
+
+    bwd_gluon_min_len: int = 1
+    """With ``bwd_gluon``: items of documents longer than this many tokens run in the Gluon kernels,
+    the rest (and merged items) in the Triton launch (``sel = -bwd_gluon_min_len``); >= 1."""
 
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
@@ -191,6 +198,8 @@ class AttentionKernelConfig:
             raise FlamiaError(f"AttentionKernelConfig.hybrid_short_len must be an int >= 0, got {self.hybrid_short_len!r}")
         if self.hybrid_short_len and self.bwd_dq_atomic:
             raise FlamiaError("AttentionKernelConfig.hybrid_short_len needs bwd_dq_atomic=False (one dQ path per call)")
+        if not _is_int(self.bwd_gluon_min_len) or self.bwd_gluon_min_len < 1:
+            raise FlamiaError(f"AttentionKernelConfig.bwd_gluon_min_len must be an int >= 1, got {self.bwd_gluon_min_len!r}")
         if self.schedule not in SCHEDULES:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon"):
@@ -235,6 +244,9 @@ CANDIDATES: dict[str, dict] = {
     "default": {},
     # the warp-specialized Gluon backward (gluon_bwd.py) where it applies, Triton elsewhere
     "gluon": {**HEAD_MAJOR, "bwd_gluon": True},
+    "gluon_l256": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 256},
+    "gluon_l512": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 512},
+    "gluon_l1024": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 1024},
     "triton_bwd": {**HEAD_MAJOR, "bwd_gluon": False},
     # walked Q/dO (dK/dV) and K/V (dQ) tiles through TMA descriptors (spill-free for MHA, like the
     # default; 0.94-0.99x of it on the H200, 2026-11-29 evening)

@@ -32,6 +32,10 @@ pair instead of 5), as in FlashAttention-2's Triton kernels and FlexAttention. T
 (benchmarks/NOTES.md), so not the default. ``hybrid_short_len`` and ``doc_major`` change which
 items a launch runs and in which order (``tiles_triton.program_geometry``).
 Padding rows (``>= cu_seqlens[-1]``) get zero gradients.
+
+With ``bwd_gluon`` (the default tiles' default) causal calls on sm_90 run both program kinds as the
+warp-specialized Gluon kernels of ``gluon_bwd.py`` instead, and this file's kernel only for merged
+items and short documents (``bwd_gluon_min_len``), in one launch with ``sel = -bwd_gluon_min_len``.
 """
 from __future__ import annotations
 
@@ -360,8 +364,11 @@ def _gluon_applies(config: AttentionKernelConfig, causal: bool, q: torch.Tensor,
         return False
     if not all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v)):
         return False
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    if (major, minor) < (3, 6):  # the Gluon API these kernels are written against
+        return False
     try:
-        import triton.experimental.gluon  # noqa: F401  (triton >= 3.5)
+        import triton.experimental.gluon  # noqa: F401
     except ImportError:
         return False
     return True
@@ -413,12 +420,13 @@ def flash_bwd(
         from flamia_pack.kernels import gluon_bwd
 
         do_c = do if do.is_contiguous() else do.contiguous()
+        skip = config.bwd_gluon_min_len
         gluon_bwd.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
-                             wl_block_m=config.wl_block_m, dk=dk, dv=dv)
+                             wl_block_m=config.wl_block_m, skip_len=skip, dk=dk, dv=dv)
         gluon_bwd.gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
-                           wl_block_m=config.wl_block_m, dq=dq)
-        # merged items and 1-token documents (skipped by the Gluon programs): the Triton kernels
-        parts = [(config, -int(gluon_bwd.SKIP_LEN.value))]
+                           wl_block_m=config.wl_block_m, skip_len=skip, dq=dq)
+        # merged items and documents of <= bwd_gluon_min_len tokens (skipped by the Gluon programs)
+        parts = [(config, -skip)]
     for cfg, sel in parts:
         f1 = cfg.wl_block_m // cfg.bwd_block_n1
         f2 = cfg.wl_block_m // cfg.bwd_block_m2

@@ -1,23 +1,28 @@
-"""Experimental: the dK/dV half of the packed backward in Gluon, warp-specialized (Hopper, sm_90).
+"""The packed causal backward in Gluon, warp-specialized (Hopper, sm_90): dK/dV and dQ programs.
 
-FlashAttention-3's backward structure (Shah et al. 2024, §3.1 and Alg. 3 of its appendix) for the
-dK/dV programs of ``flash_bwd`` (same work list, same tile decisions, same results):
+FlashAttention-3's backward structure (Shah et al. 2024, §3 and the backward algorithm of its
+appendix) for the two program kinds of ``flash_bwd`` (same work list, same tile decisions, same
+products in the same fp32 accumulation; no atomics, so deterministic):
 
-- a **producer** partition (one warp, 24 registers) issues TMA loads: the program's K and V tiles
-  once, then the walked ``BLOCK_M``-query tiles of Q and dO into a ``STAGES``-deep shared-memory
-  ring, each slot guarded by a ``ready`` / ``empty`` mbarrier pair;
-- the **consumer** (the kernel's ``num_warps`` warps, two warpgroups for 128 keys) computes, per
-  walked tile, ``S^T = K Q^T`` and ``dP^T = V dO^T`` with asynchronous wgmma, ``P^T`` and
-  ``dS^T = P^T (dP^T - Delta)`` in registers, then ``dV += P^T dO`` and ``dK += dS^T Q`` with P^T /
-  dS^T as register A operands, left in flight while the next tile's products are issued; a slot is
-  handed back to the producer once the products that read it are complete.
+- a **producer** partition (one warp, 24 registers) issues TMA loads: the program's own tiles once
+  (K, V for dK/dV; Q, dO for dQ), then the walked tiles into a ``STAGES``-deep shared-memory ring,
+  each slot guarded by a ``ready`` / ``empty`` mbarrier pair;
+- the **consumer** (8 warps, two warpgroups, 240 registers each via ``setmaxnreg``) runs per walked
+  tile two asynchronous wgmma products (``S^T = K Q^T``, ``dP^T = V dO^T`` for dK/dV; ``S = Q K^T``,
+  ``dP = dO V^T`` for dQ), the softmax recomputation ``P = 2^(S log2e scale - LSE log2e)`` and
+  ``dS = P (dP - Delta)`` in registers, then ``dV += P^T dO``, ``dK += dS^T Q`` (or ``dQ += dS K``)
+  with P / dS as register A operands, left in flight while the next tile's products are issued;
+  a slot goes back to the producer once the products that read it have retired.
 
-The walked tiles are split the same way as in ``flash_bwd``: the causal-diagonal tiles and the tile
-cut by the document end build a mask, the tiles in between are mask-free.
+Tiles: dK/dV programs own 128 keys and walk 64-query steps; dQ programs own 128 queries and walk
+64-key tiles (H200, 2026-11-29: dK/dV 1.01-1.11x and dQ 1.02-1.07x the Triton programs; splitting
+the consumer into two single-warpgroup partitions measured 0.97-1.05x and 0.79-0.84x; 32-query
+dK/dV steps 0.90-1.02x). Masks only on the causal-diagonal tiles and the tile cut by the document
+end, as in ``tiles.py``.
 
-Scope (it is a measured experiment, not a public path yet): causal, the work list's non-merged
-items (every document longer than ``wl_block_m``), contiguous q/k/v/dO, ``head_dim`` 64 or 128,
-bf16. The dQ half stays in ``flash_bwd`` (``KIND=2`` launch). See benchmarks/NOTES.md.
+Scope: causal; non-merged items of documents longer than ``skip_len`` tokens (``flash_bwd`` runs
+merged items and shorter documents in a Triton launch with ``sel = -skip_len``); contiguous bf16
+q/k/v/dO with ``head_dim`` 64 or 128; the padding rows are filled by ``flash_bwd``.
 """
 from __future__ import annotations
 
@@ -31,11 +36,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flamia_pack.kernels.flash_fwd import LOG2E
 
-__all__ = ["gluon_dkdv", "gluon_dq", "SKIP_LEN"]
-
-SKIP_LEN = gl.constexpr(1)
-"""Items of documents of at most this many tokens, and merged items, are skipped by the Gluon programs
-(``flash_bwd`` runs them in a Triton launch with ``sel = -SKIP_LEN``)."""
+__all__ = ["gluon_dkdv", "gluon_dq"]
 
 
 @gluon.jit
@@ -140,7 +141,7 @@ def _dkdv_consumer(q_bufs, do_bufs, k_all, v_all, ready, empty, kv_bar, LSE, DEL
 
 
 @gluon.jit
-def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr, num_items_ptr, cu_ptr, max_entries,
+def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
                  stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                  WL_BM: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, PARTS: gl.constexpr):
@@ -158,8 +159,8 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
     qe = gl.load(items_ptr + it * 4 + 2)
     ds = gl.load(cu_ptr + doc)
     de = gl.load(cu_ptr + doc + 1)
-    if (qe > de) | (de - ds <= SKIP_LEN):
-        return  # merged items (and 1-token documents) run in flash_bwd's Triton launch
+    if (qe > de) | (de - ds <= skip_len):
+        return  # merged items and documents of <= skip_len tokens run in flash_bwd's Triton launch
     i = (qs - ds) // WL_BM
     nt = (de - ds + WL_BM - 1) // WL_BM
     mb = ds + (nt - 1 - i) * WL_BM
@@ -286,7 +287,7 @@ def _dq_consumer(q_all, do_all, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA
 
 
 @gluon.jit
-def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_items_ptr, cu_ptr, max_entries,
+def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
                stride_lh, stride_dqt, qk_scale, sm_scale,
                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                WL_BM: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr):
@@ -305,8 +306,8 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
     qe = gl.load(items_ptr + it * 4 + 2)
     ds = gl.load(cu_ptr + doc)
     de = gl.load(cu_ptr + doc + 1)
-    if (qe > de) | (de - ds <= SKIP_LEN):
-        return  # merged items (and 1-token documents) run in flash_bwd's Triton launch
+    if (qe > de) | (de - ds <= skip_len):
+        return  # merged items and documents of <= skip_len tokens run in flash_bwd's Triton launch
     rs = qs + (e % F) * BLOCK_M
     re = gl.minimum(rs + BLOCK_M, qe)
     if rs >= re:
@@ -358,7 +359,7 @@ def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
 def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                delta: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
                softmax_scale: float, *, block_m: int = 64, block_n: int = 128, wl_block_m: int = 128,
-               stages: int = 2, parts: int = 1, dk: torch.Tensor | None = None,
+               stages: int = 2, parts: int = 1, skip_len: int = 0, dk: torch.Tensor | None = None,
                dv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV of causal packed attention (the dK/dV programs of ``flash_bwd``), warp-specialized Gluon.
 
@@ -396,7 +397,7 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
     maxnreg = (65536 // (12 * 32)) // 8 * 8
     _dkdv_kernel[(max_entries * Hkv,)](
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
-        lse, delta, dk, dv, items, num_items, cu_seqlens, max_entries,
+        lse, delta, dk, dv, items, num_items, cu_seqlens, max_entries, int(skip_len),
         lse.stride(0), dk.stride(0), dv.stride(0), float(softmax_scale) * LOG2E, float(softmax_scale),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, WL_BM=wl_block_m, STAGES=stages,
         BLOCK_N=block_n, PARTS=parts, num_warps=8 // parts, maxnreg=maxnreg)
@@ -406,14 +407,14 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
 def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
              softmax_scale: float, *, block_m: int = 128, block_n: int = 64, wl_block_m: int = 128,
-             stages: int = 3, parts: int = 1, dq: torch.Tensor | None = None) -> torch.Tensor:
+             stages: int = 3, parts: int = 1, skip_len: int = 0, dq: torch.Tensor | None = None) -> torch.Tensor:
     """dQ of causal packed attention (the dQ programs of ``flash_bwd``), warp-specialized Gluon.
 
     Args: as :func:`gluon_dkdv`; ``block_m`` queries per program (split over ``parts`` consumer
     partitions), ``block_n`` keys per walked tile; ``dq`` an optional preallocated output.
 
     Returns:
-        ``dq`` ``(T, H_q, D)`` bf16; rows of skipped items (``SKIP_LEN``) and padding rows untouched.
+        ``dq`` ``(T, H_q, D)`` bf16; rows of skipped items (``skip_len``) and padding rows untouched.
     """
     T, H, D = q.shape
     Hkv = k.shape[1]
@@ -425,7 +426,7 @@ def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     maxnreg = (65536 // (12 * 32)) // 8 * 8
     _dq_kernel[(max_entries * H,)](
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
-        lse, delta, dq, items, num_items, cu_seqlens, max_entries,
+        lse, delta, dq, items, num_items, cu_seqlens, max_entries, int(skip_len),
         lse.stride(0), dq.stride(0), float(softmax_scale) * LOG2E, float(softmax_scale),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
         PARTS=parts, num_warps=8 // parts, maxnreg=maxnreg)
