@@ -222,3 +222,13 @@ def test_bwd_gluon_fields_validated():
             AttentionKernelConfig(bwd_gluon_min_len=bad)
     with pytest.raises(FlamiaError, match="bwd_gluon must be bool"):
         AttentionKernelConfig(bwd_gluon=1)
+
+
+def test_gluon_available_on_this_triton():
+    """The Gluon backward's gate (version parse + import) runs without error; triton 3.6 has Gluon."""
+    import triton
+
+    from flamia_pack.kernels.flash_bwd import gluon_available
+
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    assert gluon_available() == ((major, minor) >= (3, 6))

@@ -39,6 +39,8 @@ items and short documents (``bwd_gluon_min_len``), in one launch with ``sel = -b
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 import triton
 import triton.language as tl
@@ -353,6 +355,18 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor)
     return True
 
 
+def gluon_available() -> bool:
+    """True if this triton has the Gluon API the ``gluon_bwd`` kernels are written against (>= 3.6)."""
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    if (major, minor) < (3, 6):
+        return False
+    try:
+        importlib.import_module("triton.experimental.gluon")
+    except ImportError:
+        return False
+    return True
+
+
 def _gluon_applies(config: AttentionKernelConfig, causal: bool, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> bool:
     """True if ``config.bwd_gluon`` asks for the Gluon backward and it can run this call (see the field)."""
@@ -364,14 +378,7 @@ def _gluon_applies(config: AttentionKernelConfig, causal: bool, q: torch.Tensor,
         return False
     if not all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v)):
         return False
-    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    if (major, minor) < (3, 6):  # the Gluon API these kernels are written against
-        return False
-    try:
-        import triton.experimental.gluon  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return gluon_available()
 
 
 def flash_bwd(
