@@ -18,7 +18,11 @@ from flamia_pack.kernels import gluon_bwd as G
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
 
-def run(D=128, BM=64, BN=128, STAGES=2, PARTS=1, GROUP=1, dump=False, KIND='dkdv'):
+def run(D=128, BM=None, BN=None, STAGES=None, PARTS=1, GROUP=1, dump=False, KIND='dkdv'):
+    # defaults: the shipped tiles of each kind (gluon_dkdv / gluon_dq)
+    BM = BM or (64 if KIND == 'dkdv' else 128)
+    BN = BN or (128 if KIND == 'dkdv' else 64)
+    STAGES = STAGES or (2 if KIND == 'dkdv' else 3)
     q = torch.zeros(256, 16, D, dtype=torch.bfloat16)
     kd = mangle_type(G._descriptor(q, BN)); qd = mangle_type(G._descriptor(q, BM))
     fn = G._dkdv_kernel if KIND == 'dkdv' else G._dq_kernel
@@ -48,7 +52,7 @@ def run(D=128, BM=64, BN=128, STAGES=2, PARTS=1, GROUP=1, dump=False, KIND='dkdv
         info = " ".join(l.strip() for l in r.stderr.splitlines() if "registers" in l or "spill" in l or "rror" in l)
         sass = subprocess.run([os.path.join(os.path.dirname(PTXAS), "cuobjdump"), "-sass", os.path.join(d, "k.o")], capture_output=True, text=True).stdout
         if dump: open("/tmp/gluon_dkdv.sass", "w").write(sass)
-    ops = {op: len(re.findall(op, sass)) for op in ("HGMMA", "UTMALDG", "LDL", "STL", "SYNCS", "SETMAXNREG", "BAR.SYNC")}
+    ops = {op: len(re.findall(op, sass)) for op in ("HGMMA", "UTMALDG", "LDL", "STL", "SYNCS", "USETMAXREG", "BAR.SYNC")}
     print(f"{name}: smem {k.metadata.shared} | {info} | {ops}")
 
 if __name__ == "__main__":

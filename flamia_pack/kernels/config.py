@@ -148,7 +148,11 @@ class AttentionKernelConfig:
     ``gluon_bwd.py`` (FlashAttention-3's producer / consumer structure: a TMA producer warp, wgmma
     consumers; dK/dV 128 keys x 64-query steps, dQ 128 queries x 64-key steps) where they apply: a
     CUDA device of compute capability 9.x, causal, bf16, ``wl_block_m`` a multiple of 128, no
-    ``bwd_dq_atomic`` / ``hybrid_short_len``. Merged items and documents of at most
+    ``bwd_dq_atomic`` / ``hybrid_short_len``, q / k / v contiguous with 16-byte aligned data (else the
+    Triton kernels run; q/k/v sliced from a fused QKV projection are not contiguous). The Gluon
+    programs have their own tiles and head-major order: ``bwd_head_major``, ``doc_major``,
+    ``bwd_tma`` and the ``bwd_block_*`` fields apply to the Triton launch only, so every
+    :data:`CANDIDATES` entry that varies them sets ``bwd_gluon=False``. Merged items and documents of at most
     ``bwd_gluon_min_len`` tokens stay in one Triton launch; anywhere else the Triton kernels run.
     Results are the same computation (deterministic, no atomics). Measured on the H200 (2026-11-29,
     benchmarks/RESULTS.md "Session of 2026-11-29 (night)"): training call 1.03-1.07x the Triton
@@ -320,6 +324,13 @@ CANDIDATES: dict[str, dict] = {
 the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
 ``benchmarks/gpu_bwd_sweep.py`` (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)").
 Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
+_FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short"}
+for _name, _ov in CANDIDATES.items():
+    # a candidate that varies the Triton backward (its tiles, order or dQ path) runs it: with the
+    # Gluon backward on, those fields would only reach the Triton launch of merged / short items
+    if "bwd_gluon" not in _ov and any(k not in _FWD_ONLY for k, v in set(_ov.items()) - set(HEAD_MAJOR.items())):
+        _ov["bwd_gluon"] = False
+
 
 
 def candidate_config(name: str, head_dim: int = 128, causal: bool = True, precision: str = "bf16") -> AttentionKernelConfig:

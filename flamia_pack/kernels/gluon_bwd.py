@@ -141,6 +141,21 @@ def _dkdv_consumer(q_bufs, do_bufs, k_all, v_all, ready, empty, kv_bar, LSE, DEL
 
 
 @gluon.jit
+def _item_span(items_ptr, num_items_ptr, cu_ptr, e, F: gl.constexpr, skip_len):
+    """Entry ``e`` (item ``e // F``): its query range ``[qs, qe)``, its document ``[ds, de)`` and
+    whether a Gluon program runs it (a valid row, not merged (qe > de), document longer than
+    ``skip_len``; the rest run in flash_bwd's Triton launch). Rows past the valid ones read row 0."""
+    valid = e < gl.load(num_items_ptr) * F
+    it = gl.where(valid, e // F, 0)
+    doc = gl.load(items_ptr + it * 4)
+    qs = gl.load(items_ptr + it * 4 + 1)
+    qe = gl.load(items_ptr + it * 4 + 2)
+    ds = gl.load(cu_ptr + doc)
+    de = gl.load(cu_ptr + doc + 1)
+    return qs, qe, ds, de, valid & (qe <= de) & (de - ds > skip_len)
+
+
+@gluon.jit
 def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
                  stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -150,17 +165,10 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
     e = pid % max_entries
     hk = pid // max_entries
     F: gl.constexpr = WL_BM // BLOCK_N
-    if e >= gl.load(num_items_ptr) * F:
-        return
     # tiles_triton.program_geometry, rows are keys, causal, non-merged item
-    it = e // F
-    doc = gl.load(items_ptr + it * 4)
-    qs = gl.load(items_ptr + it * 4 + 1)
-    qe = gl.load(items_ptr + it * 4 + 2)
-    ds = gl.load(cu_ptr + doc)
-    de = gl.load(cu_ptr + doc + 1)
-    if (qe > de) | (de - ds <= skip_len):
-        return  # merged items and documents of <= skip_len tokens run in flash_bwd's Triton launch
+    qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
+    if not keep:
+        return
     i = (qs - ds) // WL_BM
     nt = (de - ds + WL_BM - 1) // WL_BM
     mb = ds + (nt - 1 - i) * WL_BM
@@ -297,17 +305,10 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
     h = pid // max_entries
     hk = h // GROUP
     F: gl.constexpr = WL_BM // BLOCK_M
-    if e >= gl.load(num_items_ptr) * F:
-        return
     # tiles_triton.program_geometry, rows are queries, causal, non-merged item
-    it = e // F
-    doc = gl.load(items_ptr + it * 4)
-    qs = gl.load(items_ptr + it * 4 + 1)
-    qe = gl.load(items_ptr + it * 4 + 2)
-    ds = gl.load(cu_ptr + doc)
-    de = gl.load(cu_ptr + doc + 1)
-    if (qe > de) | (de - ds <= skip_len):
-        return  # merged items and documents of <= skip_len tokens run in flash_bwd's Triton launch
+    qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
+    if not keep:
+        return
     rs = qs + (e % F) * BLOCK_M
     re = gl.minimum(rs + BLOCK_M, qe)
     if rs >= re:
@@ -356,6 +357,25 @@ def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     return TensorDescriptor(x.view(T, H * D), [T, H * D], [H * D, 1], [block_rows, D], layout)
 
 
+def _check_inputs(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> None:
+    """The launchers' input rules (ValueError naming what was wrong and what is allowed)."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
+        if x.dim() != 3 or not x.is_contiguous() or x.dtype != torch.bfloat16:
+            raise ValueError(f"{fn}: {name} must be a contiguous (T, H, D) bf16 CUDA tensor, got {x.dtype} "
+                             f"shape {tuple(x.shape)} strides {x.stride()} on {x.device}")
+    T, H, D = q.shape
+    if do.shape != q.shape or k.shape != v.shape or k.shape[0] != T or k.shape[2] != D:
+        raise ValueError(f"{fn}: shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"do {tuple(do.shape)} (need q = do = (T, H_q, D), k = v = (T, H_kv, D))")
+    if H % k.shape[1]:
+        raise ValueError(f"{fn}: H_q={H} must be a multiple of H_kv={k.shape[1]}")
+    if D not in (64, 128):
+        raise ValueError(f"{fn}: head_dim must be 64 or 128, got {D}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
+        if not x.is_cuda:
+            raise ValueError(f"{fn}: {name} must be a CUDA tensor (the kernels run on sm_90), got {x.device}")
+
+
 def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                delta: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
                softmax_scale: float, *, block_m: int = 64, block_n: int = 128, wl_block_m: int = 128,
@@ -375,15 +395,12 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
         ``(dk, dv)`` ``(T, H_kv, D)`` bf16; rows past ``cu_seqlens[-1]`` are left uninitialised.
 
     Raises:
-        ValueError: a non-contiguous input, an unsupported head_dim, or block sizes that do not tile.
+        ValueError: an input not a contiguous bf16 CUDA tensor, shapes that disagree (T, head_dim,
+            ``H_q % H_kv``), a head_dim other than 64 / 128, or block sizes that do not tile.
     """
     T, H, D = q.shape
     Hkv = k.shape[1]
-    for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
-        if not x.is_contiguous() or x.dtype != torch.bfloat16:
-            raise ValueError(f"gluon_dkdv: {name} must be contiguous bf16, got {x.dtype}, strides {x.stride()}")
-    if D not in (64, 128):
-        raise ValueError(f"gluon_dkdv: head_dim must be 64 or 128, got {D}")
+    _check_inputs("gluon_dkdv", q, k, v, do)
     if wl_block_m % block_n or block_n % block_m:
         raise ValueError(f"gluon_dkdv: need block_n | wl_block_m and block_m | block_n, got {block_m}, {block_n}, {wl_block_m}")
     dk = torch.empty_like(k) if dk is None else dk
@@ -415,9 +432,13 @@ def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
 
     Returns:
         ``dq`` ``(T, H_q, D)`` bf16; rows of skipped items (``skip_len``) and padding rows untouched.
+
+    Raises:
+        ValueError: as :func:`gluon_dkdv`.
     """
     T, H, D = q.shape
     Hkv = k.shape[1]
+    _check_inputs("gluon_dq", q, k, v, do)
     if dq is None:
         dq = torch.empty_like(q)
     max_entries = items.shape[0] * (wl_block_m // block_m)
