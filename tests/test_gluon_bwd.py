@@ -49,3 +49,86 @@ def test_candidates_that_vary_the_triton_backward_turn_gluon_off():
     assert {"default", "gluon", "gluon_l256"} <= on
     for name in ("bwd_tma", "grid_order", "doc_major", "bwd_m64", "regs_k", "dq_n32", "split_dq128", "small", "triton_bwd"):
         assert not candidate_config(name).bwd_gluon, name
+
+
+_LEFTOVER_SCRIPT = r"""
+import json, sys
+from dataclasses import replace
+import numpy as np, torch
+from flamia_pack.kernels import flash_bwd as B, flash_fwd as Fw, gluon_bwd as G
+from flamia_pack.kernels.attention import build_attention_work_list
+from flamia_pack.kernels.config import AttentionKernelConfig
+from flamia_pack.kernels.interpret import patch_triton_interpreter
+
+patch_triton_interpreter()
+out = {}
+for name, (lengths, pad, min_len, h, hkv) in json.loads(sys.argv[1]).items():
+    torch.manual_seed(3)
+    T = sum(lengths) + pad
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    q, do = (torch.randn(T, h, 64, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(T, hkv, 64, dtype=torch.bfloat16) for _ in range(2))
+    cfg = AttentionKernelConfig(wl_block_m=32, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16,
+                                bwd_block_m2=32, bwd_block_n2=16, bwd_gluon=True, bwd_gluon_min_len=min_len)
+    wl = build_attention_work_list(cu, T, config=cfg)
+    o, lse = Fw.flash_fwd(q, k, v, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125, config=cfg)
+    truth = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125,
+                        config=replace(cfg, bwd_gluon=False))
+    # tokens the Gluon programs skip: merged items and documents of <= min_len tokens
+    skip = torch.zeros(T, dtype=torch.bool)
+    cu_l = cu.tolist()
+    for d, (a, b) in enumerate(zip(cu_l[:-1], cu_l[1:])):
+        if b - a <= min_len:
+            skip[a:b] = True
+    it = wl.items[: int(wl.num_items)].tolist()
+    for doc, qs, qe, _ in it:
+        if qe > cu_l[doc + 1]:
+            skip[qs:qe] = True
+    own = ~skip
+    own[cu_l[-1]:] = False
+
+    def fake(*dst_truth):
+        for dst, t in dst_truth:
+            dst.fill_(float("nan"))
+            dst[own] = t[own]
+
+    G.gluon_dkdv = lambda *a, dk, dv, **kw: fake((dk, truth[1]), (dv, truth[2]))
+    G.gluon_dq = lambda *a, dq, **kw: fake((dq, truth[0]))
+    B._gluon_applies = lambda config, *a: config.bwd_gluon
+    got = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125, config=cfg)
+    order, count, ranks = B.leftover_ranks(wl.items, wl.num_items, cu, min_len, 32)
+    out[name] = {"equal": all(torch.equal(a, b) for a, b in zip(got, truth)),
+                 "skipped_tokens": int(skip[: cu_l[-1]].sum()), "count": int(count), "ranks": ranks,
+                 "rows": int(wl.num_items), "capacity": wl.items.shape[0], "n_docs": len(lengths)}
+print("RESULTS " + json.dumps(out))
+"""
+
+
+def test_leftover_launch_fills_exactly_what_gluon_skips():
+    """Interpreter run of flash_bwd's Gluon branch with the Gluon kernels replaced by writers of the
+    Triton backward's own results for the tokens they own (NaN elsewhere): the compacted Triton
+    launch (``leftover_ranks``) must fill merged items and short documents exactly, launching at most
+    ``ranks`` rows."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    cases = {"merged_and_one_token": ([70, 5, 33, 1, 1, 2, 40, 1], 7, 1, 4, 2),
+             "min_len_40": ([70, 5, 33, 1, 1, 2, 40, 90], 0, 40, 2, 2),
+             "no_short_docs": ([64, 96, 40], 3, 1, 2, 1)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _LEFTOVER_SCRIPT, json.dumps(cases)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and line, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    res = json.loads(line[-1][len("RESULTS "):])
+    for name, r in res.items():
+        assert r["equal"], (name, r)
+        assert r["count"] <= r["ranks"] <= r["capacity"], (name, r)
+    assert res["merged_and_one_token"]["skipped_tokens"] > 0 and res["merged_and_one_token"]["count"] > 0
+    assert res["no_short_docs"]["count"] == 0
+    # min_len 1: at most one leftover row per document, far fewer than the list's rows
+    assert res["merged_and_one_token"]["ranks"] <= res["merged_and_one_token"]["n_docs"]
