@@ -62,14 +62,15 @@ from flamia_pack.kernels.interpret import patch_triton_interpreter
 
 patch_triton_interpreter()
 out = {}
-for name, (lengths, pad, min_len, h, hkv) in json.loads(sys.argv[1]).items():
+for name, (lengths, pad, min_len, h, hkv, compact) in json.loads(sys.argv[1]).items():
     torch.manual_seed(3)
     T = sum(lengths) + pad
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     q, do = (torch.randn(T, h, 64, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(T, hkv, 64, dtype=torch.bfloat16) for _ in range(2))
     cfg = AttentionKernelConfig(wl_block_m=32, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16,
-                                bwd_block_m2=32, bwd_block_n2=16, bwd_gluon=True, bwd_gluon_min_len=min_len)
+                                bwd_block_m2=32, bwd_block_n2=16, bwd_gluon=True, bwd_gluon_min_len=min_len,
+                                bwd_leftover_compact=compact)
     wl = build_attention_work_list(cu, T, config=cfg)
     o, lse = Fw.flash_fwd(q, k, v, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125, config=cfg)
     truth = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125,
@@ -106,18 +107,19 @@ print("RESULTS " + json.dumps(out))
 
 def test_leftover_launch_fills_exactly_what_gluon_skips():
     """Interpreter run of flash_bwd's Gluon branch with the Gluon kernels replaced by writers of the
-    Triton backward's own results for the tokens they own (NaN elsewhere): the compacted Triton
-    launch (``leftover_ranks``) must fill merged items and short documents exactly, launching at most
-    ``ranks`` rows."""
+    Triton backward's own results for the tokens they own (NaN elsewhere): the Triton launch for the
+    rest -- over the whole list (default) or compacted (``bwd_leftover_compact``, ``leftover_ranks``)
+    -- must fill merged items and short documents exactly."""
     import json
     import os
     import subprocess
     import sys
 
     pytest.importorskip("triton")
-    cases = {"merged_and_one_token": ([70, 5, 33, 1, 1, 2, 40, 1], 7, 1, 4, 2),
-             "min_len_40": ([70, 5, 33, 1, 1, 2, 40, 90], 0, 40, 2, 2),
-             "no_short_docs": ([64, 96, 40], 3, 1, 2, 1)}
+    cases = {"merged_and_one_token": ([70, 5, 33, 1, 1, 2, 40, 1], 7, 1, 4, 2, True),
+             "min_len_40": ([70, 5, 33, 1, 1, 2, 40, 90], 0, 40, 2, 2, True),
+             "no_short_docs": ([64, 96, 40], 3, 1, 2, 1, True),
+             "whole_list_launch": ([70, 5, 33, 1, 1, 2, 40, 1], 7, 1, 4, 2, False)}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", _LEFTOVER_SCRIPT, json.dumps(cases)], env=env, cwd=root,

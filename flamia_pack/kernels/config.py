@@ -159,6 +159,12 @@ class AttentionKernelConfig:
     backward on W1, W4, W5, W8, W9, 1.00-1.05x on W6, 0.98x on W2 (one 8k document and 224
     short ones); the small tile set (short-document rows) keeps the Triton backward."""
 
+    bwd_leftover_compact: bool = False
+    """With ``bwd_gluon``: run the Triton launch for what the Gluon programs skip over compacted rows
+    (``flash_bwd.leftover_ranks``: at most ``n_docs * ceil(bwd_gluon_min_len / wl_block_m)`` rows)
+    instead of one exit-at-once program per (row, head) of the whole list (W1: 512 instead of 16,896
+    programs). Checked bitwise on the CPU (interpreter); not yet timed or run on the GPU, so off."""
+
     bwd_gluon_min_len: int = 1
     """With ``bwd_gluon``: items of documents longer than this many tokens run in the Gluon kernels,
     the rest (and merged items) in the Triton launch (``sel = -bwd_gluon_min_len``); >= 1."""
@@ -206,7 +212,8 @@ class AttentionKernelConfig:
             raise FlamiaError(f"AttentionKernelConfig.bwd_gluon_min_len must be an int >= 1, got {self.bwd_gluon_min_len!r}")
         if self.schedule not in SCHEDULES:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon"):
+        for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
+                     "bwd_leftover_compact"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -248,6 +255,7 @@ CANDIDATES: dict[str, dict] = {
     "default": {},
     # the warp-specialized Gluon backward (gluon_bwd.py) where it applies, Triton elsewhere
     "gluon": {**HEAD_MAJOR, "bwd_gluon": True},
+    "gluon_compact": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_leftover_compact": True},
     "gluon_l256": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 256},
     "gluon_l512": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 512},
     "gluon_l1024": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 1024},

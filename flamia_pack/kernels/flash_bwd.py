@@ -459,8 +459,11 @@ def flash_bwd(
         gluon_bwd.gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
                            wl_block_m=config.wl_block_m, skip_len=skip, dq=dq)
         # merged items and documents of <= bwd_gluon_min_len tokens (skipped by the Gluon programs)
-        left_order, left_count, left_ranks = leftover_ranks(items, num_items, cu_seqlens, skip, config.wl_block_m)
-        parts = [(replace(config, doc_major=True, bwd_head_major=False), -skip, left_order, left_count, left_ranks)]
+        if config.bwd_leftover_compact:
+            left_order, left_count, left_ranks = leftover_ranks(items, num_items, cu_seqlens, skip, config.wl_block_m)
+            parts = [(replace(config, doc_major=True, bwd_head_major=False), -skip, left_order, left_count, left_ranks)]
+        else:
+            parts = [(config, -skip, order, num_items, items.shape[0])]
     for cfg, sel, order, valid_ranks, ranks in parts:
         f1 = cfg.wl_block_m // cfg.bwd_block_n1
         f2 = cfg.wl_block_m // cfg.bwd_block_m2
