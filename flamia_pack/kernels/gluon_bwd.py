@@ -33,10 +33,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import constexpr_function
 
 from flamia_pack.kernels.flash_fwd import LOG2E
 
 __all__ = ["gluon_dkdv", "gluon_dq"]
+
+
+@constexpr_function
+def _wgmma_layout(num_warps, n):
+    """Accumulator layout of a wgmma product with ``n`` columns, the warps stacked along its rows."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
 
 
 @gluon.jit
@@ -100,10 +107,8 @@ def _dkdv_consumer(q_bufs, do_bufs, k_all, v_all, ready, empty, kv_bar, LSE, DEL
                    WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, NW: gl.constexpr):
     # NW warps own keys [WG * BLOCK_N, (WG + 1) * BLOCK_N) of the program's key tile
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_M)
+    acc_layout: gl.constexpr = _wgmma_layout(NW, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     k_smem = k_all.slice(WG * BLOCK_N, BLOCK_N, dim=0)
     v_smem = v_all.slice(WG * BLOCK_N, BLOCK_N, dim=0)
@@ -267,10 +272,8 @@ def _dq_consumer(q_all, do_all, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA
                  WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  NW: gl.constexpr):
     # NW warps own queries [WG * BLOCK_M, (WG + 1) * BLOCK_M) of the program's query tile
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_N)
+    acc_layout: gl.constexpr = _wgmma_layout(NW, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     q_smem = q_all.slice(WG * BLOCK_M, BLOCK_M, dim=0)
     do_smem = do_all.slice(WG * BLOCK_M, BLOCK_M, dim=0)
