@@ -13,24 +13,27 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
-from flamia_pack.kernels import gluon_bwd as G
+from flamia_pack.kernels import gluon_bwd as G, gluon_fwd as GF
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
 
-def run(D=128, BM=None, BN=None, STAGES=None, PARTS=1, GROUP=1, dump=False, KIND='dkdv'):
+def run(D=128, BM=None, BN=None, STAGES=None, PARTS=1, GROUP=1, dump=False, KIND='dkdv', CAUSAL=True):
     # defaults: the shipped tiles of each kind (gluon_dkdv / gluon_dq)
     BM = BM or (64 if KIND == 'dkdv' else 128)
-    BN = BN or (128 if KIND == 'dkdv' else 64)
-    STAGES = STAGES or (2 if KIND == 'dkdv' else 3)
+    BN = BN or {'dkdv': 128, 'dq': 64, 'fwd': 128}[KIND]
+    STAGES = STAGES or {'dkdv': 2, 'dq': 3, 'fwd': 2}[KIND]
     q = torch.zeros(256, 16, D, dtype=torch.bfloat16)
     kd = mangle_type(G._descriptor(q, BN)); qd = mangle_type(G._descriptor(q, BM))
-    fn = G._dkdv_kernel if KIND == 'dkdv' else G._dq_kernel
-    if KIND == 'dq': kd, qd = mangle_type(G._descriptor(q, BN)), mangle_type(G._descriptor(q, BM))
+    fn = {'dkdv': G._dkdv_kernel, 'dq': G._dq_kernel, 'fwd': GF._fwd_kernel}[KIND]
+    if KIND in ('dq', 'fwd'): kd, qd = mangle_type(G._descriptor(q, BN)), mangle_type(G._descriptor(q, BM))
     types = {"q_desc": qd, "do_desc": qd, "k_desc": kd, "v_desc": kd, "LSE": "*fp32", "DELTA": "*fp32",
-             "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32", "cu_ptr": "*i32",
+             "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32", "cu_ptr": "*i32",
              "qk_scale": "fp32", "sm_scale": "fp32"}
     consts = dict(GROUP=GROUP, HEAD_DIM=D, BLOCK_M=BM, WL_BM=128, STAGES=STAGES, BLOCK_N=BN, PARTS=PARTS)
+    if KIND == 'fwd':
+        consts = dict(GROUP=GROUP, HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, WL_BM=128, STAGES=STAGES, CAUSAL=CAUSAL)
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or n.startswith("stride")}

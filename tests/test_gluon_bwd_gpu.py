@@ -26,7 +26,7 @@ _HOPPER = torch.cuda.get_device_capability()[0] == 9
 
 def _gluon(d: int, name: str = "gluon"):
     cfg = candidate_config(name, head_dim=d)
-    assert cfg.bwd_gluon
+    assert cfg.bwd_gluon and (cfg.fwd_gluon or name != "gluon_fwd")
     return cfg
 
 
@@ -76,4 +76,20 @@ def test_gluon_matches_triton_backward_and_is_deterministic():
 def test_noncausal_falls_back_to_triton():
     r = compare_with_reference([700, 1300, 45], num_heads=4, num_kv_heads=2, head_dim=128, causal=False, pad=3,
                                device="cuda", seed=3, config=_gluon(128))
+    assert r["ok"] and r["pad_ok"], r
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lengths,h,hkv,d,pad", [
+    ([2048, 2048], 8, 8, 128, 0),
+    ([300, 129, 1000, 77, 700, 1890], 4, 4, 128, 37),
+    ([4096, 1, 1, 3, 60, 5, 2000], 4, 1, 128, 11),  # merged items + 1-token documents -> Triton
+    ([1500, 65, 2, 700, 1890], 4, 2, 64, 9),
+])
+def test_gluon_forward_vs_reference(lengths, h, hkv, d, pad, causal):
+    """The Gluon forward (``fwd_gluon``, candidate ``gluon_fwd``; off by default until measured)."""
+    if not _HOPPER:
+        pytest.skip("sm_90 only")
+    r = compare_with_reference(lengths, num_heads=h, num_kv_heads=hkv, head_dim=d, causal=causal, pad=pad,
+                               device="cuda", seed=len(lengths), config=_gluon(d, "gluon_fwd"), with_lse_grad=True)
     assert r["ok"] and r["pad_ok"], r

@@ -159,6 +159,13 @@ class AttentionKernelConfig:
     backward on W1, W4, W5, W8, W9, 1.00-1.05x on W6, 0.98x on W2 (one 8k document and 224
     short ones); the small tile set (short-document rows) keeps the Triton backward."""
 
+    fwd_gluon: bool = False
+    """Forward: run the programs as the warp-specialized Gluon kernel of ``gluon_fwd.py`` (a TMA
+    producer warp streaming K / V, an 8-warp wgmma consumer; 128 queries x 128-key tiles) where it
+    applies: sm_90, bf16, contiguous q / k / v, ``wl_block_m`` a multiple of 128, no
+    ``hybrid_short_len``; merged items and 1-token documents stay in a Triton launch. Compiled and
+    screened on the CPU only (spill-free), not yet run on the GPU: off."""
+
     bwd_leftover_compact: bool = False
     """With ``bwd_gluon``: run the Triton launch for what the Gluon programs skip over compacted rows
     (``flash_bwd.leftover_ranks``: at most ``n_docs * ceil(bwd_gluon_min_len / wl_block_m)`` rows)
@@ -213,7 +220,7 @@ class AttentionKernelConfig:
         if self.schedule not in SCHEDULES:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
-                     "bwd_leftover_compact"):
+                     "bwd_leftover_compact", "fwd_gluon"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -256,6 +263,8 @@ CANDIDATES: dict[str, dict] = {
     # the warp-specialized Gluon backward (gluon_bwd.py) where it applies, Triton elsewhere
     "gluon": {**HEAD_MAJOR, "bwd_gluon": True},
     "gluon_compact": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_leftover_compact": True},
+    # the Gluon forward too (unmeasured: gluon_fwd.py)
+    "gluon_fwd": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True},
     "gluon_l256": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 256},
     "gluon_l512": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 512},
     "gluon_l1024": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 1024},
@@ -332,7 +341,7 @@ CANDIDATES: dict[str, dict] = {
 the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
 ``benchmarks/gpu_bwd_sweep.py`` (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)").
 Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
-_FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short"}
+_FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon"}
 for _name, _ov in CANDIDATES.items():
     # a candidate that varies the Triton backward (its tiles, order or dQ path) runs it: with the
     # Gluon backward on, those fields would only reach the Triton launch of merged / short items

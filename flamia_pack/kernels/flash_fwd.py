@@ -19,6 +19,10 @@ and share K/V in L2); ``persistent`` = one program per SM slot taking the next (
 global atomic counter (the dynamic policy); ``grid_head_major`` = the grid with the kv head index
 slowest (all entries of kv head 0 in decreasing-cost order, its GQA query heads side by side, then
 kv head 1, ...: the programs in flight share one head's K/V in L2, FlexAttention's grid order).
+
+``fwd_gluon`` (off by default, not yet measured) runs the programs as the warp-specialized Gluon
+kernel of ``gluon_fwd.py`` where it applies, this file's kernel only for merged items and 1-token
+documents (``sel = -1``).
 """
 from __future__ import annotations
 
@@ -203,6 +207,20 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
+def _gluon_fwd_applies(config: AttentionKernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True if ``config.fwd_gluon`` asks for the Gluon forward and it can run this call (see the field)."""
+    if not (config.fwd_gluon and q.is_cuda and q.dtype == torch.bfloat16 and q.shape[0] > 0
+            and q.shape[2] in (64, 128) and not config.hybrid_short_len and config.wl_block_m % 128 == 0):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if not all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v)):
+        return False
+    from flamia_pack.kernels.flash_bwd import gluon_available
+
+    return gluon_available()
+
+
 def flash_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
     items: torch.Tensor, num_items: torch.Tensor, *, causal: bool, softmax_scale: float,
@@ -227,7 +245,14 @@ def flash_fwd(
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
     n_docs = cu_seqlens.numel() - 1
     order = doc_major_order(items) if config.doc_major else items
-    for cfg, sel in config.launch_parts():
+    parts = config.launch_parts()
+    if _gluon_fwd_applies(config, q, k, v):
+        from flamia_pack.kernels import gluon_fwd
+
+        gluon_fwd.gluon_fwd(q, k, v, cu_seqlens, items, num_items, softmax_scale, causal=causal,
+                            wl_block_m=config.wl_block_m, skip_len=1, o=o, lse=lse)
+        parts = [(config, -1)]  # merged items and 1-token documents: the Triton kernel
+    for cfg, sel in parts:
         f = cfg.wl_block_m // cfg.block_m
         n_entries = items.shape[0] * f * H
         persistent = cfg.schedule == "persistent"
