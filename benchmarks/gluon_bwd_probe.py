@@ -1,4 +1,4 @@
-"""H200 probe: the Gluon dK/dV and dQ programs (kernels/gluon_bwd.py) vs the Triton ones, side by side.
+"""H200 probe: the Gluon dK/dV and dQ programs (kernels/gluon_attention.py) vs the Triton ones, side by side.
 
     OUT=dir [ROWS=W1,W8,...] PYTHONPATH=. python3 benchmarks/gluon_bwd_probe.py
 
@@ -16,12 +16,12 @@ from flamia_pack.kernels import flash_bwd as B, flash_fwd as Fw
 from flamia_pack.kernels.config import kernel_config
 from flamia_pack.kernels.attention import build_attention_work_list
 from flamia_pack.kernels.reference import packed_attention_reference
-from flamia_pack.kernels.gluon_bwd import gluon_dkdv
+from flamia_pack.kernels.gluon_attention import gluon_dkdv
 from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
 T0 = time.time()
 def log(m): print(f"[{time.time()-T0:6.1f}s] {m}", flush=True)
 OUT = os.environ.get("OUT", "/tmp")
-from flamia_pack.kernels.gluon_bwd import gluon_dq
+from flamia_pack.kernels.gluon_attention import gluon_dq
 VARIANTS = [dict(block_m=64, stages=2, parts=1), dict(block_m=64, stages=2, parts=2), dict(block_m=64, stages=3, parts=1)]
 DQ_VARIANTS = [dict(block_m=128, block_n=64, stages=2, parts=1), dict(block_m=128, block_n=64, stages=3, parts=1),
                dict(block_m=128, block_n=64, stages=2, parts=2), dict(block_m=128, block_n=128, stages=2, parts=1),

@@ -13,12 +13,13 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
-from flamia_pack.kernels import gluon_bwd as G, gluon_fwd as GF
+from flamia_pack.kernels import gluon_attention as G
+GF = G
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
 
-def run(D=128, BM=None, BN=None, STAGES=None, PARTS=1, GROUP=1, dump=False, KIND='dkdv', CAUSAL=True):
+def run(D=128, BM=None, BN=None, STAGES=None, PARTS=1, GROUP=1, dump=False, KIND="dkdv", CAUSAL=True, RETIRE=False):
     # defaults: the shipped tiles of each kind (gluon_dkdv / gluon_dq)
     BM = BM or (64 if KIND == 'dkdv' else 128)
     BN = BN or {'dkdv': 128, 'dq': 64, 'fwd': 128}[KIND]
@@ -30,7 +31,7 @@ def run(D=128, BM=None, BN=None, STAGES=None, PARTS=1, GROUP=1, dump=False, KIND
     types = {"q_desc": qd, "do_desc": qd, "k_desc": kd, "v_desc": kd, "LSE": "*fp32", "DELTA": "*fp32",
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32", "cu_ptr": "*i32",
              "qk_scale": "fp32", "sm_scale": "fp32"}
-    consts = dict(GROUP=GROUP, HEAD_DIM=D, BLOCK_M=BM, WL_BM=128, STAGES=STAGES, BLOCK_N=BN, PARTS=PARTS)
+    consts = dict(GROUP=GROUP, HEAD_DIM=D, BLOCK_M=BM, WL_BM=128, STAGES=STAGES, BLOCK_N=BN, PARTS=PARTS, RETIRE_FIRST=RETIRE)
     if KIND == 'fwd':
         consts = dict(GROUP=GROUP, HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, WL_BM=128, STAGES=STAGES, CAUSAL=CAUSAL)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
@@ -53,10 +54,11 @@ def run(D=128, BM=None, BN=None, STAGES=None, PARTS=1, GROUP=1, dump=False, KIND
         p = os.path.join(d, "k.ptx"); open(p, "w").write(ptx)
         r = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", p, "-o", os.path.join(d, "k.o")], capture_output=True, text=True)
         info = " ".join(l.strip() for l in r.stderr.splitlines() if "registers" in l or "spill" in l or "rror" in l)
+        serialized = "wgmma SERIALIZED" if "serialized" in r.stderr else "wgmma async"
         sass = subprocess.run([os.path.join(os.path.dirname(PTXAS), "cuobjdump"), "-sass", os.path.join(d, "k.o")], capture_output=True, text=True).stdout
         if dump: open("/tmp/gluon_dkdv.sass", "w").write(sass)
     ops = {op: len(re.findall(op, sass)) for op in ("HGMMA", "UTMALDG", "LDL", "STL", "SYNCS", "USETMAXREG", "BAR.SYNC")}
-    print(f"{name}: smem {k.metadata.shared} | {info} | {ops}")
+    print(f"{name}: smem {k.metadata.shared} | {serialized} | {info} | {ops}")
 
 if __name__ == "__main__":
     for cfg in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:

@@ -145,7 +145,7 @@ class AttentionKernelConfig:
 
     bwd_gluon: bool = True
     """Backward: run the dK/dV and dQ programs as the warp-specialized Gluon kernels of
-    ``gluon_bwd.py`` (FlashAttention-3's producer / consumer structure: a TMA producer warp, wgmma
+    ``gluon_attention.py`` (FlashAttention-3's producer / consumer structure: a TMA producer warp, wgmma
     consumers; dK/dV 128 keys x 64-query steps, dQ 128 queries x 64-key steps) where they apply: a
     CUDA device of compute capability 9.x, causal, bf16, ``wl_block_m`` a multiple of 128, no
     ``bwd_dq_atomic`` / ``hybrid_short_len``, q / k / v contiguous with 16-byte aligned data (else the
@@ -160,11 +160,18 @@ class AttentionKernelConfig:
     short ones); the small tile set (short-document rows) keeps the Triton backward."""
 
     fwd_gluon: bool = False
-    """Forward: run the programs as the warp-specialized Gluon kernel of ``gluon_fwd.py`` (a TMA
+    """Forward: run the programs as the warp-specialized Gluon kernel of ``gluon_attention.py`` (a TMA
     producer warp streaming K / V, an 8-warp wgmma consumer; 128 queries x 128-key tiles) where it
     applies: sm_90, bf16, contiguous q / k / v, ``wl_block_m`` a multiple of 128, no
     ``hybrid_short_len``; merged items and 1-token documents stay in a Triton launch. Compiled and
     screened on the CPU only (spill-free), not yet run on the GPU: off."""
+
+    bwd_gluon_retire_first: bool = False
+    """With ``bwd_gluon``: the dK/dV consumer retires the previous step's dV / dK products before
+    issuing the next step's (``gluon_attention.gluon_dkdv(retire_first=...)``). ptxas serializes
+    every wgmma of the shipped MHA D = 128 dK/dV kernel for lack of registers (warning C7512,
+    CPU-screened after the measurements); this ordering keeps them asynchronous (128 B of spills).
+    Not yet timed or run on the GPU, so off (candidate ``gluon_retire``)."""
 
     bwd_leftover_compact: bool = False
     """With ``bwd_gluon``: run the Triton launch for what the Gluon programs skip over compacted rows
@@ -220,7 +227,7 @@ class AttentionKernelConfig:
         if self.schedule not in SCHEDULES:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
-                     "bwd_leftover_compact", "fwd_gluon"):
+                     "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -260,10 +267,13 @@ HEAD_MAJOR: dict = {"schedule": "grid_head_major", "bwd_head_major": True}
 
 CANDIDATES: dict[str, dict] = {
     "default": {},
-    # the warp-specialized Gluon backward (gluon_bwd.py) where it applies, Triton elsewhere
+    # the warp-specialized Gluon backward (gluon_attention.py) where it applies, Triton elsewhere
     "gluon": {**HEAD_MAJOR, "bwd_gluon": True},
     "gluon_compact": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_leftover_compact": True},
-    # the Gluon forward too (unmeasured: gluon_fwd.py)
+    "gluon_retire": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": True},
+    "gluon_next": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": True, "bwd_leftover_compact": True,
+                   "fwd_gluon": True},
+    # the Gluon forward too (unmeasured: gluon_attention.py)
     "gluon_fwd": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True},
     "gluon_l256": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 256},
     "gluon_l512": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 512},

@@ -34,12 +34,11 @@ items a launch runs and in which order (``tiles_triton.program_geometry``).
 Padding rows (``>= cu_seqlens[-1]``) get zero gradients.
 
 With ``bwd_gluon`` (the default tiles' default) causal calls on sm_90 run both program kinds as the
-warp-specialized Gluon kernels of ``gluon_bwd.py`` instead, and this file's kernel only for merged
+warp-specialized Gluon kernels of ``gluon_attention.py`` instead, and this file's kernel only for merged
 items and short documents (``bwd_gluon_min_len``), in one launch with ``sel = -bwd_gluon_min_len``.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import replace
 
 import torch
@@ -47,7 +46,7 @@ import triton
 import triton.language as tl
 
 from flamia_pack.kernels.config import AttentionKernelConfig
-from flamia_pack.kernels.flash_fwd import LOG2E, doc_major_order, fill_tail
+from flamia_pack.kernels.flash_fwd import LOG2E, doc_major_order, fill_tail, gluon_applies, gluon_available  # noqa: F401
 from flamia_pack.kernels.tiles_triton import masked_tile_index, program_geometry, relative_doc, tile_visible
 
 
@@ -356,30 +355,10 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor)
     return True
 
 
-def gluon_available() -> bool:
-    """True if this triton has the Gluon API the ``gluon_bwd`` kernels are written against (>= 3.6)."""
-    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    if (major, minor) < (3, 6):
-        return False
-    try:
-        importlib.import_module("triton.experimental.gluon")
-    except ImportError:
-        return False
-    return True
-
-
 def _gluon_applies(config: AttentionKernelConfig, causal: bool, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> bool:
     """True if ``config.bwd_gluon`` asks for the Gluon backward and it can run this call (see the field)."""
-    if not (config.bwd_gluon and causal and q.is_cuda and q.dtype == torch.bfloat16 and q.shape[0] > 0
-            and q.shape[2] in (64, 128) and not config.bwd_dq_atomic and not config.hybrid_short_len
-            and config.wl_block_m % 128 == 0):
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    if not all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v)):
-        return False
-    return gluon_available()
+    return causal and gluon_applies(config.bwd_gluon and not config.bwd_dq_atomic, config, q, k, v)
 
 
 def leftover_ranks(items: torch.Tensor, num_items: torch.Tensor, cu_seqlens: torch.Tensor, min_len: int,
@@ -450,14 +429,15 @@ def flash_bwd(
     # Triton launches: (config, sel, rank order, valid-rank count, ranks launched)
     parts = [(cfg, sel, order, num_items, items.shape[0]) for cfg, sel in config.launch_parts()]
     if _gluon_applies(config, causal, q, k, v):
-        from flamia_pack.kernels import gluon_bwd
+        from flamia_pack.kernels import gluon_attention
 
         do_c = do if do.is_contiguous() else do.contiguous()
         skip = config.bwd_gluon_min_len
-        gluon_bwd.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
-                             wl_block_m=config.wl_block_m, skip_len=skip, dk=dk, dv=dv)
-        gluon_bwd.gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
-                           wl_block_m=config.wl_block_m, skip_len=skip, dq=dq)
+        gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
+                                   wl_block_m=config.wl_block_m, skip_len=skip,
+                                   retire_first=config.bwd_gluon_retire_first, dk=dk, dv=dv)
+        gluon_attention.gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
+                                 wl_block_m=config.wl_block_m, skip_len=skip, dq=dq)
         # merged items and documents of <= bwd_gluon_min_len tokens (skipped by the Gluon programs)
         if config.bwd_leftover_compact:
             left_order, left_count, left_ranks = leftover_ranks(items, num_items, cu_seqlens, skip, config.wl_block_m)

@@ -21,11 +21,12 @@ slowest (all entries of kv head 0 in decreasing-cost order, its GQA query heads 
 kv head 1, ...: the programs in flight share one head's K/V in L2, FlexAttention's grid order).
 
 ``fwd_gluon`` (off by default, not yet measured) runs the programs as the warp-specialized Gluon
-kernel of ``gluon_fwd.py`` where it applies, this file's kernel only for merged items and 1-token
+kernel of ``gluon_attention.py`` where it applies, this file's kernel only for merged items and 1-token
 documents (``sel = -1``).
 """
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
@@ -207,17 +208,30 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-def _gluon_fwd_applies(config: AttentionKernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """True if ``config.fwd_gluon`` asks for the Gluon forward and it can run this call (see the field)."""
-    if not (config.fwd_gluon and q.is_cuda and q.dtype == torch.bfloat16 and q.shape[0] > 0
-            and q.shape[2] in (64, 128) and not config.hybrid_short_len and config.wl_block_m % 128 == 0):
+def gluon_available() -> bool:
+    """True if this triton has the Gluon API of ``gluon_attention.py`` (triton >= 3.6)."""
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    if (major, minor) < (3, 6):
+        return False
+    try:
+        importlib.import_module("triton.experimental.gluon")
+    except ImportError:
+        return False
+    return True
+
+
+def gluon_applies(enabled: bool, config: AttentionKernelConfig, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> bool:
+    """True if a Gluon path (``enabled``: its config flag) can run this call: a CUDA device of compute
+    capability 9.x, bf16, head_dim 64 / 128, contiguous 16-byte aligned q / k / v, ``wl_block_m`` a
+    multiple of 128, no ``hybrid_short_len``, triton >= 3.6 (config ``bwd_gluon`` / ``fwd_gluon``)."""
+    if not (enabled and q.is_cuda and q.dtype == torch.bfloat16 and q.shape[0] > 0 and q.shape[2] in (64, 128)
+            and not config.hybrid_short_len and config.wl_block_m % 128 == 0):
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     if not all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v)):
         return False
-    from flamia_pack.kernels.flash_bwd import gluon_available
-
     return gluon_available()
 
 
@@ -246,10 +260,10 @@ def flash_fwd(
     n_docs = cu_seqlens.numel() - 1
     order = doc_major_order(items) if config.doc_major else items
     parts = config.launch_parts()
-    if _gluon_fwd_applies(config, q, k, v):
-        from flamia_pack.kernels import gluon_fwd
+    if gluon_applies(config.fwd_gluon, config, q, k, v):
+        from flamia_pack.kernels import gluon_attention
 
-        gluon_fwd.gluon_fwd(q, k, v, cu_seqlens, items, num_items, softmax_scale, causal=causal,
+        gluon_attention.gluon_fwd(q, k, v, cu_seqlens, items, num_items, softmax_scale, causal=causal,
                             wl_block_m=config.wl_block_m, skip_len=1, o=o, lse=lse)
         parts = [(config, -1)]  # merged items and 1-token documents: the Triton kernel
     for cfg, sel in parts:

@@ -1,4 +1,5 @@
-"""The packed causal backward in Gluon, warp-specialized (Hopper, sm_90): dK/dV and dQ programs.
+"""Packed attention in Gluon, warp-specialized (Hopper, sm_90): the backward's dK/dV and dQ programs
+and an experimental forward.
 
 FlashAttention-3's backward structure (Shah et al. 2024, §3 and the backward algorithm of its
 appendix) for the two program kinds of ``flash_bwd`` (same work list, same tile decisions, same
@@ -23,6 +24,12 @@ end, as in ``tiles.py``.
 Scope: causal; non-merged items of documents longer than ``skip_len`` tokens (``flash_bwd`` runs
 merged items and shorter documents in a Triton launch with ``sel = -skip_len``); contiguous bf16
 q/k/v/dO with ``head_dim`` 64 or 128; the padding rows are filled by ``flash_bwd``.
+
+Forward (``gluon_fwd``, config ``fwd_gluon``, off by default): the dQ programs' structure applied to
+FlashAttention's forward -- the same producer (Q once, K / V through the ring) and an 8-warp
+consumer running ``S = Q K^T``, the base-2 online softmax and ``O += P V`` (P as the register A
+operand) over 128 x 128 tiles, causal or not; merged items and 1-token documents stay in
+``flash_fwd``'s Triton kernel. Spill-free on sm_90a (CPU-screened); not yet run on the GPU.
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ from triton.runtime.jit import constexpr_function
 
 from flamia_pack.kernels.flash_fwd import LOG2E
 
-__all__ = ["gluon_dkdv", "gluon_dq"]
+__all__ = ["gluon_dkdv", "gluon_dq", "gluon_fwd"]
 
 
 @constexpr_function
@@ -71,7 +78,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_s
 def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale,
                MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               s_layout: gl.constexpr, op_layout: gl.constexpr):
+               s_layout: gl.constexpr, op_layout: gl.constexpr, RETIRE_FIRST: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     s = c % STAGES
     q_pos = rs + j * BLOCK_M + offs_m
@@ -82,12 +89,18 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
         lse = gl.load(LSE + h * stride_lh + q_pos)
         delta = gl.load(DELTA + h * stride_lh + q_pos)
     mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+    if RETIRE_FIRST:
+        # the previous tile's dV/dK products retire before this tile's are issued, so their
+        # register A operands (P^T, dS^T) are dead when S^T / dP^T are allocated
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=c > 0)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     # groups retire in order: at most dP^T in flight means the previous tile's dV/dK are done
     st = warpgroup_mma_wait(1, deps=(st,))
-    mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=c > 0)
+    if not RETIRE_FIRST:
+        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=c > 0)
     p = gl.exp2(st * qk_scale - (lse * 1.4426950408889634)[None, :])
     if MASKED:
         vis = (k_pos[:, None] <= q_pos[None, :]) & (q_pos[None, :] < o_hi)
@@ -105,7 +118,7 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
 def _dkdv_consumer(q_bufs, do_bufs, k_all, v_all, ready, empty, kv_bar, LSE, DELTA, DK, DV,
                    stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
                    WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, NW: gl.constexpr):
+                   BLOCK_N: gl.constexpr, NW: gl.constexpr, RETIRE_FIRST: gl.constexpr):
     # NW warps own keys [WG * BLOCK_N, (WG + 1) * BLOCK_N) of the program's key tile
     s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_M)
     acc_layout: gl.constexpr = _wgmma_layout(NW, HEAD_DIM)
@@ -124,17 +137,17 @@ def _dkdv_consumer(q_bufs, do_bufs, k_all, v_all, ready, empty, kv_bar, LSE, DEL
         for j in range(0, u0):
             dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
                                 rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, True, BLOCK_M, BLOCK_N,
-                                s_layout, op_layout)
+                                s_layout, op_layout, RETIRE_FIRST)
             c += 1
         for j in range(u0, u1):
             dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
                                 rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, False, BLOCK_M, BLOCK_N,
-                                s_layout, op_layout)
+                                s_layout, op_layout, RETIRE_FIRST)
             c += 1
         for j in range(u1, n_steps):
             dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
                                 rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, True, BLOCK_M, BLOCK_N,
-                                s_layout, op_layout)
+                                s_layout, op_layout, RETIRE_FIRST)
             c += 1
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     rows = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
@@ -161,10 +174,30 @@ def _item_span(items_ptr, num_items_ptr, cu_ptr, e, F: gl.constexpr, skip_len):
 
 
 @gluon.jit
+def _query_rows(qs, qe, ds, de, e, F: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                CAUSAL: gl.constexpr):
+    """Geometry of a program owning query rows (dQ, forward) of entry ``e`` of a non-merged item
+    (``_item_span``): its rows ``[rs, re)`` and the walked keys ``[o_lo, o_hi)`` in ``n_steps`` tiles,
+    the first ``u1`` mask-free (tiles_triton.program_geometry, rows are queries)."""
+    rs = qs + (e % F) * BLOCK_M
+    re = gl.minimum(rs + BLOCK_M, qe)
+    o_lo = ds
+    if CAUSAL:
+        o_hi = re
+        u1 = gl.maximum(rs - o_lo + 1, 0) // BLOCK_N
+    else:
+        o_hi = de
+        u1 = (o_hi - o_lo) // BLOCK_N
+    n_steps = (o_hi - o_lo + BLOCK_N - 1) // BLOCK_N
+    return rs, re, o_lo, o_hi, u1, n_steps
+
+
+@gluon.jit
 def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
                  stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                 WL_BM: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, PARTS: gl.constexpr):
+                 WL_BM: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, PARTS: gl.constexpr,
+                 RETIRE_FIRST: gl.constexpr = False):
     # head-major grid: all entries of kv head 0 in the list's decreasing-cost order, then kv head 1, ...
     pid = gl.program_id(0)
     e = pid % max_entries
@@ -204,7 +237,7 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
         gl.warp_specialize([
             (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
                               stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
-                              0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, 8)),
+                              0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, 8, RETIRE_FIRST)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
                               rs, hk, n_steps, GROUP, HEAD_DIM, BLOCK_M)),
         ], [1], [24])
@@ -213,10 +246,10 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
         gl.warp_specialize([
             (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
                               stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
-                              0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N // 2, 4)),
+                              0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N // 2, 4, RETIRE_FIRST)),
             (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
                               stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
-                              1, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N // 2, 4)),
+                              1, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N // 2, 4, RETIRE_FIRST)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
                               rs, hk, n_steps, GROUP, HEAD_DIM, BLOCK_M)),
         ], [4, 1], [240, 24])
@@ -227,12 +260,17 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
 # the ring), dQ += dS K with dS as the register A operand.
 
 @gluon.jit
-def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
-                 rs, o_lo, h, hk, n_steps, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+def _rows_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
+                   rs, o_lo, h, hk, n_steps, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, HAS_DO: gl.constexpr):
+    # programs that own query rows (dQ, forward): their Q (and dO) tile once, then the K / V ring
     STAGES: gl.constexpr = k_bufs.type.shape[0]
-    mbarrier.expect(qo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    if HAS_DO:
+        mbarrier.expect(qo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(qo_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [rs, h * HEAD_DIM], qo_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [rs, h * HEAD_DIM], qo_bar, do_smem)
+    if HAS_DO:
+        tma.async_copy_global_to_shared(do_desc, [rs, h * HEAD_DIM], qo_bar, do_smem)
     for j in range(n_steps):
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
@@ -308,18 +346,12 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
     h = pid // max_entries
     hk = h // GROUP
     F: gl.constexpr = WL_BM // BLOCK_M
-    # tiles_triton.program_geometry, rows are queries, causal, non-merged item
     qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
     if not keep:
         return
-    rs = qs + (e % F) * BLOCK_M
-    re = gl.minimum(rs + BLOCK_M, qe)
+    rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, F, BLOCK_M, BLOCK_N, True)
     if rs >= re:
         return
-    o_lo = ds
-    o_hi = re
-    u1 = gl.maximum(rs - o_lo + 1, 0) // BLOCK_N
-    n_steps = (o_hi - o_lo + BLOCK_N - 1) // BLOCK_N
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -337,8 +369,8 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
             (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
                             stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
                             0, HEAD_DIM, BLOCK_M, BLOCK_N, 8)),
-            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
-                            rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N)),
+            (_rows_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
+                              rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, True)),
         ], [1], [24])
     else:
         gl.warp_specialize([
@@ -348,9 +380,110 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
             (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
                             stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
                             1, HEAD_DIM, BLOCK_M // 2, BLOCK_N, 4)),
-            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
-                            rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N)),
+            (_rows_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
+                              rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, True)),
         ], [4, 1], [240, 24])
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward programs: own BLOCK_M queries of one query head, walk the visible key tiles, online softmax.
+
+@gluon.jit
+def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, acc, m_i, l_i, qk_scale,
+              MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              s_layout: gl.constexpr, op_layout: gl.constexpr, acc_layout: gl.constexpr):
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    s = j % STAGES
+    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    # groups retire in order: with S done, the previous tile's P V product is done too: free its slot
+    st = warpgroup_mma_wait(0, deps=(st,))
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)
+    st = st * qk_scale
+    if MASKED:
+        k_pos = o_lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        vis = k_pos[None, :] < o_hi
+        if CAUSAL:
+            vis = vis & (k_pos[None, :] <= q_pos[:, None])
+        st = gl.where(vis, st, -1.0e6)
+    m_ij = gl.maximum(m_i, gl.max(st, 1))
+    p = gl.exp2(st - m_ij[:, None])
+    alpha = gl.exp2(m_i - m_ij)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout))[:, None]
+    p_op = gl.convert_layout(p.to(gl.bfloat16), op_layout)
+    acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
+    return acc, m_ij, l_i
+
+
+@gluon.jit
+def _fwd_consumer(q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
+                  rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale,
+                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NW: gl.constexpr):
+    s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_N)
+    acc_layout: gl.constexpr = _wgmma_layout(NW, HEAD_DIM)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    q_pos = rs + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.full([BLOCK_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
+    mbarrier.wait(q_bar, 0)
+    for j in range(0, u1):
+        acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, acc, m_i, l_i, qk_scale,
+                                  False, CAUSAL, BLOCK_M, BLOCK_N, s_layout, op_layout, acc_layout)
+    for j in range(u1, n_steps):
+        acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, acc, m_i, l_i, qk_scale,
+                                  True, CAUSAL, BLOCK_M, BLOCK_N, s_layout, op_layout, acc_layout)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc_layout))[:, None]
+    rows = rs + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    gl.store(O + rows.to(gl.int64)[:, None] * stride_ot + h * HEAD_DIM + cols[None, :], out.to(gl.bfloat16),
+             mask=(rows < re)[:, None])
+    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
+    gl.store(LSE + h * stride_lh + q_pos, lse, mask=q_pos < re)
+
+
+@gluon.jit
+def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
+                stride_ot, stride_lh, qk_scale,
+                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    # head-major grid (flash_fwd's grid_head_major): kv head after kv head, entries in decreasing
+    # cost inside it, the query heads of one GQA group side by side (they share K / V in L2)
+    pid = gl.program_id(0)
+    x = pid % (max_entries * GROUP)
+    e = x // GROUP
+    h = (pid // (max_entries * GROUP)) * GROUP + x % GROUP
+    hk = h // GROUP
+    F: gl.constexpr = WL_BM // BLOCK_M
+    qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
+    if not keep:
+        return
+    rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, F, BLOCK_M, BLOCK_N, CAUSAL)
+    if rs >= re:
+        return
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    mbarrier.init(q_bar, count=1)
+    gl.warp_specialize([
+        (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
+                         rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, 8)),
+        (_rows_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_bufs, v_bufs, ready, empty, q_bar,
+                          rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, False)),
+    ], [1], [24])
 
 
 def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
@@ -382,7 +515,8 @@ def _check_inputs(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
 def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                delta: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
                softmax_scale: float, *, block_m: int = 64, block_n: int = 128, wl_block_m: int = 128,
-               stages: int = 2, parts: int = 1, skip_len: int = 0, dk: torch.Tensor | None = None,
+               stages: int = 2, parts: int = 1, skip_len: int = 0, retire_first: bool = False,
+               dk: torch.Tensor | None = None,
                dv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV of causal packed attention (the dK/dV programs of ``flash_bwd``), warp-specialized Gluon.
 
@@ -391,8 +525,14 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
         lse: ``(H_q, T)`` float32 natural-log LSE of the forward; delta: ``(H_q, T)`` float32
             ``rowsum(dO * O)`` (``flash_bwd._bwd_preprocess``).
         cu_seqlens, items, num_items: as ``flash_bwd`` (a list built with ``block_m=wl_block_m``,
-            causal, no merged items).
+            causal); merged items and documents of at most ``skip_len`` tokens are skipped.
         softmax_scale: the forward's scale.
+        block_m, block_n, stages, parts: query step, key tile, ring depth, consumer partitions.
+        retire_first: wait for the previous step's dV / dK products before issuing the next step's
+            ``S^T`` / ``dP^T`` (config ``bwd_gluon_retire_first``). Without it ptxas serializes
+            every wgmma of the MHA D = 128 kernel for lack of registers (C7512, CPU-screened);
+            with it the products stay asynchronous, 128 B of spills. Not yet timed on the GPU.
+        dk, dv: optional preallocated outputs.
 
     Returns:
         ``(dk, dv)`` ``(T, H_kv, D)`` bf16; rows past ``cu_seqlens[-1]`` are left uninitialised.
@@ -420,7 +560,7 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
         lse, delta, dk, dv, items, num_items, cu_seqlens, max_entries, int(skip_len),
         lse.stride(0), dk.stride(0), dv.stride(0), float(softmax_scale) * LOG2E, float(softmax_scale),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, WL_BM=wl_block_m, STAGES=stages,
-        BLOCK_N=block_n, PARTS=parts, num_warps=8 // parts, maxnreg=maxnreg)
+        BLOCK_N=block_n, PARTS=parts, RETIRE_FIRST=bool(retire_first), num_warps=8 // parts, maxnreg=maxnreg)
     return dk, dv
 
 
@@ -455,3 +595,47 @@ def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
         PARTS=parts, num_warps=8 // parts, maxnreg=maxnreg)
     return dq
+
+
+def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor,
+              num_items: torch.Tensor, softmax_scale: float, *, causal: bool = True, block_m: int = 128,
+              block_n: int = 128, wl_block_m: int = 128, stages: int = 2, skip_len: int = 1,
+              o: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed attention forward (the programs of ``flash_fwd``), warp-specialized Gluon, sm_90.
+
+    Args:
+        q: ``(T, H_q, D)`` bf16 contiguous CUDA; k, v: ``(T, H_kv, D)``; D in {64, 128}.
+        cu_seqlens, items, num_items: as ``flash_fwd`` (list built with ``block_m=wl_block_m``).
+        softmax_scale: scale of ``q . k``; causal: causal mask inside each document.
+        block_m / block_n: queries per program / keys per walked tile; stages: K/V ring depth.
+        skip_len: items of documents of at most this many tokens, and merged items, are skipped
+            (>= 1: this kernel has no per-token document mask); ``flash_fwd`` runs them.
+        o, lse: optional preallocated outputs.
+
+    Returns:
+        ``(o, lse)``: ``(T, H_q, D)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
+        items and padding rows untouched.
+
+    Raises:
+        ValueError: as :func:`gluon_dkdv` (inputs), ``skip_len < 1``, or tiles that do not divide.
+    """
+    _check_inputs("gluon_fwd", q, k, v, q)
+    if skip_len < 1:
+        raise ValueError(f"gluon_fwd: skip_len must be >= 1 (merged items need the Triton kernel), got {skip_len}")
+    if wl_block_m % block_m:
+        raise ValueError(f"gluon_fwd: block_m={block_m} must divide wl_block_m={wl_block_m}")
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    o = torch.empty_like(q) if o is None else o
+    lse = torch.empty((H, T), dtype=torch.float32, device=q.device) if lse is None else lse
+    max_entries = items.shape[0] * (wl_block_m // block_m)
+    if T == 0 or max_entries == 0:
+        return o, lse
+    maxnreg = (65536 // (12 * 32)) // 8 * 8
+    _fwd_kernel[(max_entries * H,)](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), o, lse,
+        items, num_items, cu_seqlens, max_entries, int(skip_len), o.stride(0), lse.stride(0),
+        float(softmax_scale) * LOG2E,
+        GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
+        CAUSAL=bool(causal), num_warps=8, maxnreg=maxnreg)
+    return o, lse

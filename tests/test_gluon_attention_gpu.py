@@ -1,4 +1,4 @@
-"""GPU tests of the warp-specialized Gluon backward (``kernels/gluon_bwd.py``, config ``bwd_gluon``).
+"""GPU tests of the warp-specialized Gluon backward (``kernels/gluon_attention.py``, config ``bwd_gluon``).
 
 Same acceptance rule as tests/test_attention_gpu.py (``kernels.check``: dQ, dK, dV within 2x the
 bf16-torch error + atol of the fp32 reference, NaN-poisoned outputs, padding rows zero). Rows are

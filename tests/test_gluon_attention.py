@@ -1,4 +1,5 @@
-"""CPU tests of the Gluon backward's launchers and gate (the kernels themselves: test_gluon_bwd_gpu.py)."""
+"""CPU tests of the Gluon kernels' launchers, gates and Triton hand-off (the kernels themselves:
+test_gluon_attention_gpu.py)."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from flamia_pack.kernels.config import CANDIDATES, candidate_config
 
-gluon_bwd = pytest.importorskip("flamia_pack.kernels.gluon_bwd")
+gluon_attention = pytest.importorskip("flamia_pack.kernels.gluon_attention")
 
 
 def _inputs(T=64, H=4, Hkv=2, D=64, dtype=torch.bfloat16):
@@ -15,7 +16,7 @@ def _inputs(T=64, H=4, Hkv=2, D=64, dtype=torch.bfloat16):
     return q, k, v, do
 
 
-@pytest.mark.parametrize("fn", ["gluon_dkdv", "gluon_dq"])
+@pytest.mark.parametrize("fn", ["gluon_dkdv", "gluon_dq", "gluon_fwd"])
 @pytest.mark.parametrize("case,match", [
     ("cpu", "CUDA tensor"),
     ("fp32", "bf16"),
@@ -28,20 +29,24 @@ def test_launchers_reject_bad_inputs_before_launch(fn, case, match):
     lse = torch.zeros(4, 64)
     cu = torch.tensor([0, 64], dtype=torch.int32)
     items = torch.zeros(1, 4, dtype=torch.int32)
+    num = torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match=match):
-        getattr(gluon_bwd, fn)(q, k, v, do, lse, lse, cu, items, torch.ones(1, dtype=torch.int32), 0.125)
+        if fn == "gluon_fwd":
+            gluon_attention.gluon_fwd(q, k, v, cu, items, num, 0.125)
+        else:
+            getattr(gluon_attention, fn)(q, k, v, do, lse, lse, cu, items, num, 0.125)
 
 
 def test_shape_rules():
     q, k, v, do = _inputs(H=4, Hkv=3)
     with pytest.raises(ValueError, match="multiple of H_kv"):
-        gluon_bwd._check_inputs("x", q, k, v, do)
+        gluon_attention._check_inputs("x", q, k, v, do)
     q, k, v, do = _inputs(D=96)
     with pytest.raises(ValueError, match="64 or 128"):
-        gluon_bwd._check_inputs("x", q, k, v, do)
+        gluon_attention._check_inputs("x", q, k, v, do)
     q, k, v, do = _inputs()
     with pytest.raises(ValueError, match="shapes disagree"):
-        gluon_bwd._check_inputs("x", q, k[:32], v[:32], do)
+        gluon_attention._check_inputs("x", q, k[:32], v[:32], do)
 
 
 def test_candidates_that_vary_the_triton_backward_turn_gluon_off():
@@ -55,7 +60,7 @@ _LEFTOVER_SCRIPT = r"""
 import json, sys
 from dataclasses import replace
 import numpy as np, torch
-from flamia_pack.kernels import flash_bwd as B, flash_fwd as Fw, gluon_bwd as G
+from flamia_pack.kernels import flash_bwd as B, flash_fwd as Fw, gluon_attention as G
 from flamia_pack.kernels.attention import build_attention_work_list
 from flamia_pack.kernels.config import AttentionKernelConfig
 from flamia_pack.kernels.interpret import patch_triton_interpreter
@@ -106,7 +111,7 @@ for name, (lengths, pad, min_len, h, hkv, compact) in json.loads(sys.argv[1]).it
     got = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125, config=cfg)
     order, count, ranks = B.leftover_ranks(wl.items, wl.num_items, cu, min_len, 32)
     # the forward's Triton launch for what the Gluon forward skips (merged items, 1-token documents)
-    import flamia_pack.kernels.gluon_fwd as GF
+    import flamia_pack.kernels.gluon_attention as GF
     fcfg = replace(cfg, fwd_gluon=True)
     o_truth, lse_truth = Fw.flash_fwd(q, k, v, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125,
                                       config=replace(cfg, fwd_gluon=False))
@@ -120,7 +125,7 @@ for name, (lengths, pad, min_len, h, hkv, compact) in json.loads(sys.argv[1]).it
         return o, lse
 
     GF.gluon_fwd = fake_fwd
-    Fw._gluon_fwd_applies = lambda config, *a: config.fwd_gluon
+    Fw.gluon_applies = lambda enabled, *a: enabled
     o_got, lse_got = Fw.flash_fwd(q, k, v, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125, config=fcfg)
     out[name] = {"equal": all(torch.equal(a, b) for a, b in zip(got, truth)),
                  "fwd_equal": torch.equal(o_got, o_truth) and torch.equal(lse_got, lse_truth),
