@@ -1,9 +1,11 @@
-"""Compile the Gluon backward kernels for sm_90a WITHOUT a GPU: errors, shared memory, registers, spills.
+"""Compile the Gluon attention kernels for sm_90a WITHOUT a GPU: errors, shared memory, registers, spills,
+and whether ptxas keeps the wgmma products asynchronous.
 
     PYTHONPATH=. python benchmarks/gluon_compile_report.py '[{"KIND": "dkdv", "BM": 64, "STAGES": 2},
         {"KIND": "dq", "BM": 128, "BN": 64, "STAGES": 3, "GROUP": 4}]'
 
-Keys: KIND (dkdv | dq), D, BM, BN, STAGES, PARTS (consumer partitions), GROUP (GQA), dump (writes
+Keys: KIND (dkdv | dq | fwd), D, BM, BN, STAGES, PARTS (consumer partitions, dkdv/dq), GROUP (GQA),
+RETIRE (dkdv: bwd_gluon_retire_first), CAUSAL (fwd), dump (writes
 /tmp/gluon_dkdv.{ptx,ttgir,sass}). Uses triton's bundled ptxas / cuobjdump like
 attention_compile_report.py; registers are the launch allocation (maxnreg), the consumers run at
 240 after setmaxnreg.
@@ -14,7 +16,6 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from flamia_pack.kernels import gluon_attention as G
-GF = G
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
@@ -26,7 +27,7 @@ def run(D=128, BM=None, BN=None, STAGES=None, PARTS=1, GROUP=1, dump=False, KIND
     STAGES = STAGES or {'dkdv': 2, 'dq': 3, 'fwd': 2}[KIND]
     q = torch.zeros(256, 16, D, dtype=torch.bfloat16)
     kd = mangle_type(G._descriptor(q, BN)); qd = mangle_type(G._descriptor(q, BM))
-    fn = {'dkdv': G._dkdv_kernel, 'dq': G._dq_kernel, 'fwd': GF._fwd_kernel}[KIND]
+    fn = {'dkdv': G._dkdv_kernel, 'dq': G._dq_kernel, 'fwd': G._fwd_kernel}[KIND]
     if KIND in ('dq', 'fwd'): kd, qd = mangle_type(G._descriptor(q, BN)), mangle_type(G._descriptor(q, BM))
     types = {"q_desc": qd, "do_desc": qd, "k_desc": kd, "v_desc": kd, "LSE": "*fp32", "DELTA": "*fp32",
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32", "cu_ptr": "*i32",
@@ -41,7 +42,7 @@ def run(D=128, BM=None, BN=None, STAGES=None, PARTS=1, GROUP=1, dump=False, KIND
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     total = 12
     maxnreg = (65536 // (total * 32)) // 8 * 8
-    name = f"{KIND} D{D} BM{BM} BN{BN} S{STAGES} P{PARTS} G{GROUP} maxnreg{maxnreg}"
+    name = f"{KIND} D{D} BM{BM} BN{BN} S{STAGES} P{PARTS} G{GROUP}{' retire' if RETIRE and KIND == 'dkdv' else ''}{' noncausal' if KIND == 'fwd' and not CAUSAL else ''} maxnreg{maxnreg}"
     try:
         k = triton.compile(src, target=TARGET, options={"num_warps": 8 // PARTS, "maxnreg": maxnreg})
     except Exception as e:
