@@ -209,9 +209,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 def gluon_available() -> bool:
-    """True if this triton has the Gluon API of ``gluon_attention.py`` (triton >= 3.6)."""
+    """True if this triton has the Gluon API ``gluon_attention.py`` is written and tested against.
+
+    Gluon is experimental and its API changes between triton releases, so only 3.6.x qualifies; any
+    other version runs the Triton kernels (same results, the measured Triton speed).
+    """
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    if (major, minor) < (3, 6):
+    if (major, minor) != (3, 6):
         return False
     try:
         importlib.import_module("triton.experimental.gluon")
@@ -224,7 +228,7 @@ def gluon_applies(enabled: bool, config: AttentionKernelConfig, q: torch.Tensor,
                   v: torch.Tensor) -> bool:
     """True if a Gluon path (``enabled``: its config flag) can run this call: a CUDA device of compute
     capability 9.x, bf16, head_dim 64 / 128, contiguous 16-byte aligned q / k / v, ``wl_block_m`` a
-    multiple of 128, no ``hybrid_short_len``, triton >= 3.6 (config ``bwd_gluon`` / ``fwd_gluon``)."""
+    multiple of 128, no ``hybrid_short_len``, triton 3.6 (config ``bwd_gluon`` / ``fwd_gluon``)."""
     if not (enabled and q.is_cuda and q.dtype == torch.bfloat16 and q.shape[0] > 0 and q.shape[2] in (64, 128)
             and not config.hybrid_short_len and config.wl_block_m % 128 == 0):
         return False

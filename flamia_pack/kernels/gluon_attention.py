@@ -639,3 +639,72 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
         CAUSAL=bool(causal), num_warps=8, maxnreg=maxnreg)
     return o, lse
+
+
+def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None = None, block_n: int | None = None,
+                 stages: int | None = None, parts: int = 1, group: int = 1, causal: bool = True,
+                 retire_first: bool = False) -> dict:
+    """Compile one of this module's kernels for sm_90a WITHOUT a GPU (triton's bundled ptxas) and report.
+
+    For screening before spending device time (benchmarks/gluon_compile_report.py prints it; the CPU
+    tests keep the shipped kernels compiling). Pointer and stride arguments are marked divisible by
+    16 as the launcher's specialization does at run time.
+
+    Args:
+        kind: ``"dkdv"``, ``"dq"`` or ``"fwd"``; the other arguments default to the shipped tiles of
+            ``gluon_dkdv`` / ``gluon_dq`` / ``gluon_fwd``.
+
+    Returns:
+        dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
+        (ptxas warning C7512/C7515: the wgmma products were serialized), ``sass`` (cuobjdump text),
+        ``ptx``, ``ttgir``.
+
+    Raises:
+        ValueError: unknown kind; FileNotFoundError: no ptxas in the triton wheel;
+        triton.compiler.errors.CompilationError: the kernel does not compile.
+    """
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    if kind not in ("dkdv", "dq", "fwd"):
+        raise ValueError(f"compile_sm90: kind must be 'dkdv', 'dq' or 'fwd', got {kind!r}")
+    bm = block_m or (64 if kind == "dkdv" else 128)
+    bn = block_n or {"dkdv": 128, "dq": 64, "fwd": 128}[kind]
+    st = stages or {"dkdv": 2, "dq": 3, "fwd": 2}[kind]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        raise FileNotFoundError(f"compile_sm90: no ptxas at {ptxas}")
+    x = torch.zeros(256, 16, head_dim, dtype=torch.bfloat16)
+    rows, walked = mangle_type(_descriptor(x, bm)), mangle_type(_descriptor(x, bn))
+    fn = {"dkdv": _dkdv_kernel, "dq": _dq_kernel, "fwd": _fwd_kernel}[kind]
+    types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": walked, "LSE": "*fp32", "DELTA": "*fp32",
+             "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",
+             "cu_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+    consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=128, STAGES=st, PARTS=parts,
+                  RETIRE_FIRST=bool(retire_first), CAUSAL=bool(causal))
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or n.startswith("stride")}
+    compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 8 // parts, "maxnreg": (65536 // (12 * 32)) // 8 * 8})
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True, check=True)
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", os.path.join(d, "k.o")],
+                              capture_output=True, text=True).stdout
+    spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+    return {"shared": compiled.metadata.shared, "ptxas": r.stderr, "spill_bytes": sum(int(b) for b in spills),
+            "serialized": "serialized" in r.stderr, "sass": sass, "ptx": compiled.asm["ptx"],
+            "ttgir": compiled.asm["ttgir"]}
