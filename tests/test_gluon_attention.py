@@ -168,7 +168,8 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
 
 @pytest.mark.parametrize("kind,kw,async_ok,max_spill", [
     ("dkdv", {}, False, 256),                      # shipped: ptxas serializes its wgmma (NOTES.md)
-    ("dkdv", {"retire_first": True}, True, 256),   # bwd_gluon_retire_first
+    ("dkdv", {"retire_first": True}, True, 0),     # bwd_gluon_retire_first: async and spill-free
+    ("dkdv", {"retire_first": True, "group": 4}, True, 0),
     ("dkdv", {"group": 4}, False, 256),
     ("dkdv", {"head_dim": 64}, True, 0),
     ("dq", {}, True, 0),

@@ -170,8 +170,9 @@ class AttentionKernelConfig:
     """With ``bwd_gluon``: the dK/dV consumer retires the previous step's dV / dK products before
     issuing the next step's (``gluon_attention.gluon_dkdv(retire_first=...)``). ptxas serializes
     every wgmma of the shipped MHA D = 128 dK/dV kernel for lack of registers (warning C7512,
-    CPU-screened after the measurements); this ordering keeps them asynchronous (128 B of spills).
-    Not yet timed or run on the GPU, so off (candidate ``gluon_retire``)."""
+    CPU-screened after the measurements); this ordering, with the LSE / Delta loads issued behind
+    the step's first products, keeps them asynchronous and spill-free (MHA and GQA; 80 B of spills
+    before). Not yet timed or run on the GPU, so off (candidate ``gluon_retire``)."""
 
     bwd_leftover_compact: bool = False
     """With ``bwd_gluon``: run the Triton launch for what the Gluon programs skip over compacted rows

@@ -82,12 +82,13 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     s = c % STAGES
     q_pos = rs + j * BLOCK_M + offs_m
-    if MASKED:
-        lse = gl.load(LSE + h * stride_lh + q_pos, mask=q_pos < o_hi, other=0.0)
-        delta = gl.load(DELTA + h * stride_lh + q_pos, mask=q_pos < o_hi, other=0.0)
-    else:
-        lse = gl.load(LSE + h * stride_lh + q_pos)
-        delta = gl.load(DELTA + h * stride_lh + q_pos)
+    if not RETIRE_FIRST:
+        if MASKED:
+            lse = gl.load(LSE + h * stride_lh + q_pos, mask=q_pos < o_hi, other=0.0)
+            delta = gl.load(DELTA + h * stride_lh + q_pos, mask=q_pos < o_hi, other=0.0)
+        else:
+            lse = gl.load(LSE + h * stride_lh + q_pos)
+            delta = gl.load(DELTA + h * stride_lh + q_pos)
     mbarrier.wait(ready.index(s), (c // STAGES) & 1)
     if RETIRE_FIRST:
         # the previous tile's dV/dK products retire before this tile's are issued, so their
@@ -97,6 +98,14 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    if RETIRE_FIRST:
+        # LSE / Delta loaded while the products run (shorter live ranges than loading them first)
+        if MASKED:
+            lse = gl.load(LSE + h * stride_lh + q_pos, mask=q_pos < o_hi, other=0.0)
+            delta = gl.load(DELTA + h * stride_lh + q_pos, mask=q_pos < o_hi, other=0.0)
+        else:
+            lse = gl.load(LSE + h * stride_lh + q_pos)
+            delta = gl.load(DELTA + h * stride_lh + q_pos)
     # groups retire in order: at most dP^T in flight means the previous tile's dV/dK are done
     st = warpgroup_mma_wait(1, deps=(st,))
     if not RETIRE_FIRST:
@@ -530,8 +539,9 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
         block_m, block_n, stages, parts: query step, key tile, ring depth, consumer partitions.
         retire_first: wait for the previous step's dV / dK products before issuing the next step's
             ``S^T`` / ``dP^T`` (config ``bwd_gluon_retire_first``). Without it ptxas serializes
-            every wgmma of the MHA D = 128 kernel for lack of registers (C7512, CPU-screened);
-            with it the products stay asynchronous, 128 B of spills. Not yet timed on the GPU.
+            every wgmma of the D = 128 kernel for lack of registers (C7512, CPU-screened); with
+            it (and LSE / Delta loaded behind the step's first products) they stay asynchronous
+            and the kernel is spill-free. Not yet timed on the GPU.
         dk, dv: optional preallocated outputs.
 
     Returns:
