@@ -4,7 +4,7 @@ and whether ptxas keeps the wgmma products asynchronous.
     PYTHONPATH=. python benchmarks/gluon_compile_report.py '[{"KIND": "dkdv", "BM": 64, "STAGES": 2},
         {"KIND": "dq", "BM": 128, "BN": 64, "STAGES": 3, "GROUP": 4}]'
 
-Keys: KIND (dkdv | dq | fwd), D, BM, BN, STAGES, PARTS (consumer partitions, dkdv/dq), GROUP (GQA),
+Keys: KIND (dkdv | dq | fwd), D, BM, BN, STAGES, GROUP (GQA),
 RETIRE (dkdv: bwd_gluon_retire_first), CAUSAL (fwd), dump (writes
 /tmp/gluon_dkdv.{ptx,ttgir,sass}). Uses triton's bundled ptxas / cuobjdump like
 attention_compile_report.py; registers are the launch allocation (maxnreg), the consumers run at
@@ -15,11 +15,11 @@ import json, re, sys
 from flamia_pack.kernels.gluon_attention import compile_sm90
 
 
-def run(D=128, BM=None, BN=None, STAGES=None, PARTS=1, GROUP=1, dump=False, KIND="dkdv", CAUSAL=True, RETIRE=False):
-    name = (f"{KIND} D{D} BM{BM or 'default'} BN{BN or 'default'} S{STAGES or 'default'} P{PARTS} G{GROUP}"
+def run(D=128, BM=None, BN=None, STAGES=None, GROUP=1, dump=False, KIND="dkdv", CAUSAL=True, RETIRE=False):
+    name = (f"{KIND} D{D} BM{BM or 'default'} BN{BN or 'default'} S{STAGES or 'default'} G{GROUP}"
             f"{' retire' if RETIRE and KIND == 'dkdv' else ''}{' noncausal' if KIND == 'fwd' and not CAUSAL else ''}")
     try:
-        r = compile_sm90(KIND, head_dim=D, block_m=BM, block_n=BN, stages=STAGES, parts=PARTS, group=GROUP,
+        r = compile_sm90(KIND, head_dim=D, block_m=BM, block_n=BN, stages=STAGES, group=GROUP,
                          causal=CAUSAL, retire_first=RETIRE)
     except Exception as e:
         print(f"{name}: COMPILE ERROR {type(e).__name__}: {str(e)[:3000]}")

@@ -46,6 +46,13 @@ from flamia_pack.kernels.flash_fwd import LOG2E
 
 __all__ = ["gluon_dkdv", "gluon_dq", "gluon_fwd"]
 
+CONSUMER_WARPS = gl.constexpr(8)
+"""Warps of every kernel's consumer partition (two warpgroups; the kernels' ``num_warps``)."""
+MAXNREG = (65536 // (12 * 32)) // 8 * 8
+"""Launch register cap (168): three warpgroups -- the consumer's two and the producer's warp, registers
+being allocated per warpgroup -- share the SM's 64 K; the consumer then raises itself to 240 with
+``setmaxnreg`` on what the 24-register producer leaves."""
+
 
 @constexpr_function
 def _wgmma_layout(num_warps, n):
@@ -124,17 +131,15 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
 
 
 @gluon.jit
-def _dkdv_consumer(q_bufs, do_bufs, k_all, v_all, ready, empty, kv_bar, LSE, DELTA, DK, DV,
+def _dkdv_consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
                    stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
-                   WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, NW: gl.constexpr, RETIRE_FIRST: gl.constexpr):
-    # NW warps own keys [WG * BLOCK_N, (WG + 1) * BLOCK_N) of the program's key tile
-    s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_M)
-    acc_layout: gl.constexpr = _wgmma_layout(NW, HEAD_DIM)
+                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, RETIRE_FIRST: gl.constexpr):
+    # the consumer's warps own the program's BLOCK_N keys, 16 rows per warp
+    s_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, BLOCK_M)
+    acc_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    k_smem = k_all.slice(WG * BLOCK_N, BLOCK_N, dim=0)
-    v_smem = v_all.slice(WG * BLOCK_N, BLOCK_N, dim=0)
-    k0 = rs + WG * BLOCK_N  # walked query tiles start at rs, the whole key tile's first row
+    k0 = rs  # the key tile's first row; the walked query tiles start there too (causal)
     k_pos = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
@@ -202,10 +207,25 @@ def _query_rows(qs, qe, ds, de, e, F: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
 
 
 @gluon.jit
+def _ring(a_desc, b_desc, STAGES: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The walked tiles' shared-memory ring: ``STAGES`` slots of one ``a_desc`` and one ``b_desc`` tile
+    (``ROWS x HEAD_DIM`` bf16 each: Q / dO for dK/dV programs, K / V for dQ and forward programs) and
+    each slot's ``ready`` (producer's TMA bytes) / ``empty`` (consumer's release) mbarrier."""
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROWS, HEAD_DIM], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROWS, HEAD_DIM], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    return a_bufs, b_bufs, ready, empty
+
+
+@gluon.jit
 def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
                  stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                 WL_BM: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, PARTS: gl.constexpr,
+                 WL_BM: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                  RETIRE_FIRST: gl.constexpr = False):
     # head-major grid: all entries of kv head 0 in the list's decreasing-cost order, then kv head 1, ...
     pid = gl.program_id(0)
@@ -229,39 +249,19 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
     u1 = gl.maximum(u0, (o_hi - rs) // BLOCK_M)
     n_steps = (o_hi - rs + BLOCK_M - 1) // BLOCK_M
 
-    q_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    q_bufs, do_bufs, ready, empty = _ring(q_desc, do_desc, STAGES, BLOCK_M, HEAD_DIM)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=PARTS)  # one arrival per consumer partition
     mbarrier.init(kv_bar, count=1)
-
-    if PARTS == 1:
-        # one consumer of 8 warps (two warpgroups side by side on the 128 keys)
-        gl.warp_specialize([
-            (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
-                              stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
-                              0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, 8, RETIRE_FIRST)),
-            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                              rs, hk, n_steps, GROUP, HEAD_DIM, BLOCK_M)),
-        ], [1], [24])
-    else:
-        # two consumer partitions of one warpgroup each, half of the keys each: no barrier couples them
-        gl.warp_specialize([
-            (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
-                              stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
-                              0, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N // 2, 4, RETIRE_FIRST)),
-            (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
-                              stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
-                              1, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N // 2, 4, RETIRE_FIRST)),
-            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                              rs, hk, n_steps, GROUP, HEAD_DIM, BLOCK_M)),
-        ], [4, 1], [240, 24])
+    # one consumer of 8 warps (two warpgroups side by side on the 128 keys) and the producer warp
+    gl.warp_specialize([
+        (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
+                          stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                          GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST)),
+        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                          rs, hk, n_steps, GROUP, HEAD_DIM, BLOCK_M)),
+    ], [1], [24])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,17 +314,14 @@ def _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, l
 
 
 @gluon.jit
-def _dq_consumer(q_all, do_all, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
+def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
                  stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
-                 WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NW: gl.constexpr):
-    # NW warps own queries [WG * BLOCK_M, (WG + 1) * BLOCK_M) of the program's query tile
-    s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_N)
-    acc_layout: gl.constexpr = _wgmma_layout(NW, HEAD_DIM)
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    # the consumer's warps own the program's BLOCK_M queries, 16 rows per warp
+    s_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, BLOCK_N)
+    acc_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    q_smem = q_all.slice(WG * BLOCK_M, BLOCK_M, dim=0)
-    do_smem = do_all.slice(WG * BLOCK_M, BLOCK_M, dim=0)
-    q0 = rs + WG * BLOCK_M
+    q0 = rs
     q_pos = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     row_ok = q_pos < re
     lse2 = gl.load(LSE + h * stride_lh + q_pos, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -348,7 +345,7 @@ def _dq_consumer(q_all, do_all, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA
 def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
                stride_lh, stride_dqt, qk_scale, sm_scale,
                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               WL_BM: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr):
+               WL_BM: gl.constexpr, STAGES: gl.constexpr):
     # head-major grid: all entries of query head 0 in the list's decreasing-cost order, then head 1, ...
     pid = gl.program_id(0)
     e = pid % max_entries
@@ -364,34 +361,16 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
     qo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=PARTS)
     mbarrier.init(qo_bar, count=1)
-    if PARTS == 1:
-        gl.warp_specialize([
-            (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
-                            stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
-                            0, HEAD_DIM, BLOCK_M, BLOCK_N, 8)),
-            (_rows_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
-                              rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, True)),
-        ], [1], [24])
-    else:
-        gl.warp_specialize([
-            (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
-                            stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
-                            0, HEAD_DIM, BLOCK_M // 2, BLOCK_N, 4)),
-            (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
-                            stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
-                            1, HEAD_DIM, BLOCK_M // 2, BLOCK_N, 4)),
-            (_rows_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
-                              rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, True)),
-        ], [4, 1], [240, 24])
+    gl.warp_specialize([
+        (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
+                        stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
+                        HEAD_DIM, BLOCK_M, BLOCK_N)),
+        (_rows_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
+                          rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, True)),
+    ], [1], [24])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -430,10 +409,9 @@ def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, acc, m
 @gluon.jit
 def _fwd_consumer(q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
                   rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale,
-                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NW: gl.constexpr):
-    s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_N)
-    acc_layout: gl.constexpr = _wgmma_layout(NW, HEAD_DIM)
+                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    s_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, BLOCK_N)
+    acc_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     q_pos = rs + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
@@ -478,18 +456,12 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
         return
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
     mbarrier.init(q_bar, count=1)
     gl.warp_specialize([
         (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
-                         rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, 8)),
+                         rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N)),
         (_rows_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_bufs, v_bufs, ready, empty, q_bar,
                           rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, False)),
     ], [1], [24])
@@ -524,7 +496,7 @@ def _check_inputs(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
 def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                delta: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
                softmax_scale: float, *, block_m: int = 64, block_n: int = 128, wl_block_m: int = 128,
-               stages: int = 2, parts: int = 1, skip_len: int = 0, retire_first: bool = False,
+               stages: int = 2, skip_len: int = 0, retire_first: bool = False,
                dk: torch.Tensor | None = None,
                dv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV of causal packed attention (the dK/dV programs of ``flash_bwd``), warp-specialized Gluon.
@@ -536,7 +508,7 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
         cu_seqlens, items, num_items: as ``flash_bwd`` (a list built with ``block_m=wl_block_m``,
             causal); merged items and documents of at most ``skip_len`` tokens are skipped.
         softmax_scale: the forward's scale.
-        block_m, block_n, stages, parts: query step, key tile, ring depth, consumer partitions.
+        block_m, block_n, stages: query step, key tile, ring depth.
         retire_first: wait for the previous step's dV / dK products before issuing the next step's
             ``S^T`` / ``dP^T`` (config ``bwd_gluon_retire_first``). Without it ptxas serializes
             every wgmma of the D = 128 kernel for lack of registers (C7512, CPU-screened); with
@@ -561,27 +533,23 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
     max_entries = items.shape[0] * (wl_block_m // block_n)
     if T == 0 or max_entries == 0:
         return dk, dv
-    # three warpgroups: the consumer's two (one partition of 8 warps, or two of 4: ``parts``) and the
-    # producer's warp (registers are allocated per warpgroup); the default partition gets what the
-    # workers leave of maxnreg
-    maxnreg = (65536 // (12 * 32)) // 8 * 8
     _dkdv_kernel[(max_entries * Hkv,)](
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
         lse, delta, dk, dv, items, num_items, cu_seqlens, max_entries, int(skip_len),
         lse.stride(0), dk.stride(0), dv.stride(0), float(softmax_scale) * LOG2E, float(softmax_scale),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, WL_BM=wl_block_m, STAGES=stages,
-        BLOCK_N=block_n, PARTS=parts, RETIRE_FIRST=bool(retire_first), num_warps=8 // parts, maxnreg=maxnreg)
+        BLOCK_N=block_n, RETIRE_FIRST=bool(retire_first), num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
     return dk, dv
 
 
 def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
              softmax_scale: float, *, block_m: int = 128, block_n: int = 64, wl_block_m: int = 128,
-             stages: int = 3, parts: int = 1, skip_len: int = 0, dq: torch.Tensor | None = None) -> torch.Tensor:
+             stages: int = 3, skip_len: int = 0, dq: torch.Tensor | None = None) -> torch.Tensor:
     """dQ of causal packed attention (the dQ programs of ``flash_bwd``), warp-specialized Gluon.
 
-    Args: as :func:`gluon_dkdv`; ``block_m`` queries per program (split over ``parts`` consumer
-    partitions), ``block_n`` keys per walked tile; ``dq`` an optional preallocated output.
+    Args: as :func:`gluon_dkdv`; ``block_m`` queries per program, ``block_n`` keys per walked tile;
+    ``dq`` an optional preallocated output.
 
     Returns:
         ``dq`` ``(T, H_q, D)`` bf16; rows of skipped items (``skip_len``) and padding rows untouched.
@@ -597,13 +565,12 @@ def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     max_entries = items.shape[0] * (wl_block_m // block_m)
     if T == 0 or max_entries == 0:
         return dq
-    maxnreg = (65536 // (12 * 32)) // 8 * 8
     _dq_kernel[(max_entries * H,)](
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
         lse, delta, dq, items, num_items, cu_seqlens, max_entries, int(skip_len),
         lse.stride(0), dq.stride(0), float(softmax_scale) * LOG2E, float(softmax_scale),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
-        PARTS=parts, num_warps=8 // parts, maxnreg=maxnreg)
+        num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
     return dq
 
 
@@ -641,18 +608,17 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     max_entries = items.shape[0] * (wl_block_m // block_m)
     if T == 0 or max_entries == 0:
         return o, lse
-    maxnreg = (65536 // (12 * 32)) // 8 * 8
     _fwd_kernel[(max_entries * H,)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), o, lse,
         items, num_items, cu_seqlens, max_entries, int(skip_len), o.stride(0), lse.stride(0),
         float(softmax_scale) * LOG2E,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
-        CAUSAL=bool(causal), num_warps=8, maxnreg=maxnreg)
+        CAUSAL=bool(causal), num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
     return o, lse
 
 
 def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None = None, block_n: int | None = None,
-                 stages: int | None = None, parts: int = 1, group: int = 1, causal: bool = True,
+                 stages: int | None = None, group: int = 1, causal: bool = True,
                  retire_first: bool = False) -> dict:
     """Compile one of this module's kernels for sm_90a WITHOUT a GPU (triton's bundled ptxas) and report.
 
@@ -697,7 +663,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
     types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": walked, "LSE": "*fp32", "DELTA": "*fp32",
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",
              "cu_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32"}
-    consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=128, STAGES=st, PARTS=parts,
+    consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=128, STAGES=st,
                   RETIRE_FIRST=bool(retire_first), CAUSAL=bool(causal))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
@@ -705,7 +671,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
              if sig[n].startswith("*") or n.startswith("stride")}
     compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 8 // parts, "maxnreg": (65536 // (12 * 32)) // 8 * 8})
+                              options={"num_warps": CONSUMER_WARPS.value, "maxnreg": MAXNREG})
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
