@@ -228,7 +228,7 @@ def test_gluon_available_on_this_triton():
     """The Gluon paths' gate (version parse + import) runs without error; only triton 3.6.x qualifies."""
     import triton
 
-    from flamia_pack.kernels.flash_bwd import gluon_available
+    from flamia_pack.kernels.flash_fwd import gluon_available
 
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
     assert gluon_available() == ((major, minor) == (3, 6))

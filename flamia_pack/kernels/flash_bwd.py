@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from flamia_pack.kernels.config import AttentionKernelConfig
-from flamia_pack.kernels.flash_fwd import LOG2E, doc_major_order, fill_tail, gluon_applies, gluon_available  # noqa: F401
+from flamia_pack.kernels.flash_fwd import LOG2E, doc_major_order, fill_tail, gluon_applies
 from flamia_pack.kernels.tiles_triton import masked_tile_index, program_geometry, relative_doc, tile_visible
 
 

@@ -26,6 +26,7 @@ documents (``sel = -1``).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 
@@ -208,11 +209,13 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
+@functools.cache
 def gluon_available() -> bool:
     """True if this triton has the Gluon API ``gluon_attention.py`` is written and tested against.
 
     Gluon is experimental and its API changes between triton releases, so only 3.6.x qualifies; any
-    other version runs the Triton kernels (same results, the measured Triton speed).
+    other version runs the Triton kernels (same results, the measured Triton speed). Answered once per
+    process (it is asked on every attention call).
     """
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
     if (major, minor) != (3, 6):
@@ -268,7 +271,7 @@ def flash_fwd(
         from flamia_pack.kernels import gluon_attention
 
         gluon_attention.gluon_fwd(q, k, v, cu_seqlens, items, num_items, softmax_scale, causal=causal,
-                            wl_block_m=config.wl_block_m, skip_len=1, o=o, lse=lse)
+                                  wl_block_m=config.wl_block_m, skip_len=1, o=o, lse=lse)
         parts = [(config, -1)]  # merged items and 1-token documents: the Triton kernel
     for cfg, sel in parts:
         f = cfg.wl_block_m // cfg.block_m
