@@ -166,13 +166,15 @@ class AttentionKernelConfig:
     ``hybrid_short_len``; merged items and 1-token documents stay in a Triton launch. Compiled and
     screened on the CPU only (spill-free), not yet run on the GPU: off."""
 
-    bwd_gluon_retire_first: bool = False
+    bwd_gluon_retire_first: bool = True
     """With ``bwd_gluon``: the dK/dV consumer retires the previous step's dV / dK products before
-    issuing the next step's (``gluon_attention.gluon_dkdv(retire_first=...)``). ptxas serializes
-    every wgmma of the shipped MHA D = 128 dK/dV kernel for lack of registers (warning C7512,
-    CPU-screened after the measurements); this ordering, with the LSE / Delta loads issued behind
-    the step's first products, keeps them asynchronous and spill-free (MHA and GQA; 80 B of spills
-    before). Not yet timed or run on the GPU, so off (candidate ``gluon_retire``)."""
+    issuing the next step's (``gluon_attention.gluon_dkdv(retire_first=...)``). Without it ptxas
+    serializes every wgmma of the MHA D = 128 dK/dV kernel for lack of registers (warning C7512);
+    this ordering, with the LSE / Delta loads issued behind the step's first products, keeps them
+    asynchronous and spill-free (MHA and GQA; 80 B of spills before). Measured on the H200
+    (2026-11-29, RESULTS "Session of 2026-11-29 (day)" run 1): training call 1.019-1.057x the
+    serialized kernel on W1, W2, W4, W6, W9 (geo-mean 1.035x), same errors; on by default since then
+    (candidate ``gluon_serial`` is the previous kernel)."""
 
     bwd_leftover_compact: bool = False
     """With ``bwd_gluon``: run the Triton launch for what the Gluon programs skip over compacted rows
@@ -272,6 +274,8 @@ CANDIDATES: dict[str, dict] = {
     "gluon": {**HEAD_MAJOR, "bwd_gluon": True},
     "gluon_compact": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_leftover_compact": True},
     "gluon_retire": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": True},
+    # the dK/dV kernel of the night of 2026-11-29 (wgmma serialized by ptxas at D = 128)
+    "gluon_serial": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": False},
     "gluon_next": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": True, "bwd_leftover_compact": True,
                    "fwd_gluon": True},
     # the Gluon forward too (unmeasured: gluon_attention.py)
