@@ -67,13 +67,14 @@ from flamia_pack.kernels.interpret import patch_triton_interpreter
 
 patch_triton_interpreter()
 out = {}
-for name, (lengths, pad, min_len, h, hkv, compact) in json.loads(sys.argv[1]).items():
+for name, (lengths, pad, min_len, h, hkv, compact, *small) in json.loads(sys.argv[1]).items():
+    small = bool(small and small[0])  # bwd_gluon_leftover_small: the leftover launch runs SMALL_TILES
     torch.manual_seed(3)
     T = sum(lengths) + pad
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     q, do = (torch.randn(T, h, 64, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(T, hkv, 64, dtype=torch.bfloat16) for _ in range(2))
-    cfg = AttentionKernelConfig(wl_block_m=32, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16,
+    cfg = AttentionKernelConfig(wl_block_m=64 if small else 32, bwd_gluon_leftover_small=small, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16,
                                 bwd_block_m2=32, bwd_block_n2=16, bwd_gluon=True, bwd_gluon_min_len=min_len,
                                 bwd_leftover_compact=compact)
     wl = build_attention_work_list(cu, T, config=cfg)
@@ -109,7 +110,13 @@ for name, (lengths, pad, min_len, h, hkv, compact) in json.loads(sys.argv[1]).it
     G.gluon_dq = lambda *a, dq, **kw: fake((dq, truth[0]))
     B._gluon_applies = lambda config, *a: config.bwd_gluon
     got = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125, config=cfg)
-    order, count, ranks = B.leftover_ranks(wl.items, wl.num_items, cu, min_len, 32)
+    if small:  # the skipped tokens come from the small tiles (another summation order): their own truth
+        from flamia_pack.kernels.config import SMALL_TILES
+        small_truth = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125,
+                                  config=replace(cfg, **SMALL_TILES))
+        for t, ts in zip(truth, small_truth):
+            t[skip] = ts[skip]
+    order, count, ranks = B.leftover_ranks(wl.items, wl.num_items, cu, min_len, cfg.wl_block_m)
     # the forward's Triton launch for what the Gluon forward skips (merged items, 1-token documents)
     import flamia_pack.kernels.gluon_attention as GF
     fcfg = replace(cfg, fwd_gluon=True)
@@ -149,7 +156,9 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
     cases = {"merged_and_one_token": ([70, 5, 33, 1, 1, 2, 40, 1], 7, 1, 4, 2, True),
              "min_len_40": ([70, 5, 33, 1, 1, 2, 40, 90], 0, 40, 2, 2, True),
              "no_short_docs": ([64, 96, 40], 3, 1, 2, 1, True),
-             "whole_list_launch": ([70, 5, 33, 1, 1, 2, 40, 1], 7, 1, 4, 2, False)}
+             "whole_list_launch": ([70, 5, 33, 1, 1, 2, 40, 1], 7, 1, 4, 2, False),
+             "small_leftover": ([70, 5, 33, 1, 1, 2, 40, 130], 3, 40, 2, 1, False, True),
+             "small_leftover_compact": ([150, 5, 33, 1, 64, 2, 40, 1], 0, 64, 2, 2, True, True)}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", _LEFTOVER_SCRIPT, json.dumps(cases)], env=env, cwd=root,

@@ -182,6 +182,12 @@ class AttentionKernelConfig:
     instead of one exit-at-once program per (row, head) of the whole list (W1: 512 instead of 16,896
     programs). Checked bitwise on the CPU (interpreter); not yet timed or run on the GPU, so off."""
 
+    bwd_gluon_leftover_small: bool = False
+    """With ``bwd_gluon``: the Triton launch for what the Gluon programs skip (merged items, documents
+    of at most ``bwd_gluon_min_len`` tokens) runs the small tile set (:data:`SMALL_TILES`: 64-key
+    programs with 4 warps, two per SM) instead of the default tiles: the ``hybrid_short_len`` split
+    with the Gluon kernels for the long documents (candidates ``gluon_l256s`` / ``gluon_l512s``)."""
+
     bwd_gluon_min_len: int = 1
     """With ``bwd_gluon``: items of documents longer than this many tokens run in the Gluon kernels,
     the rest (and merged items) in the Triton launch (``sel = -bwd_gluon_min_len``); >= 1."""
@@ -230,7 +236,7 @@ class AttentionKernelConfig:
         if self.schedule not in SCHEDULES:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
-                     "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first"):
+                     "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -283,6 +289,10 @@ CANDIDATES: dict[str, dict] = {
     "gluon_l256": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 256},
     "gluon_l512": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 512},
     "gluon_l1024": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 1024},
+    # the same split with the small tile set for the short documents' Triton launch (W2's tail)
+    "gluon_l256s": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 256, "bwd_gluon_leftover_small": True},
+    "gluon_l512s": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 512, "bwd_gluon_leftover_small": True},
+    "gluon_l1024s": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 1024, "bwd_gluon_leftover_small": True},
     "triton_bwd": {**HEAD_MAJOR, "bwd_gluon": False},
     # walked Q/dO (dK/dV) and K/V (dQ) tiles through TMA descriptors (spill-free for MHA, like the
     # default; 0.94-0.99x of it on the H200, 2026-11-29 evening)

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flamia_pack.kernels.config import AttentionKernelConfig
+from flamia_pack.kernels.config import SMALL_TILES, AttentionKernelConfig
 from flamia_pack.kernels.flash_fwd import LOG2E, doc_major_order, fill_tail, gluon_applies
 from flamia_pack.kernels.tiles_triton import masked_tile_index, program_geometry, relative_doc, tile_visible
 
@@ -439,11 +439,12 @@ def flash_bwd(
         gluon_attention.gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
                                  wl_block_m=config.wl_block_m, skip_len=skip, dq=dq)
         # merged items and documents of <= bwd_gluon_min_len tokens (skipped by the Gluon programs)
+        left = replace(config, **SMALL_TILES) if config.bwd_gluon_leftover_small else config
         if config.bwd_leftover_compact:
             left_order, left_count, left_ranks = leftover_ranks(items, num_items, cu_seqlens, skip, config.wl_block_m)
-            parts = [(replace(config, doc_major=True, bwd_head_major=False), -skip, left_order, left_count, left_ranks)]
+            parts = [(replace(left, doc_major=True, bwd_head_major=False), -skip, left_order, left_count, left_ranks)]
         else:
-            parts = [(config, -skip, order, num_items, items.shape[0])]
+            parts = [(left, -skip, order, num_items, items.shape[0])]
     for cfg, sel, order, valid_ranks, ranks in parts:
         f1 = cfg.wl_block_m // cfg.bwd_block_n1
         f2 = cfg.wl_block_m // cfg.bwd_block_m2
