@@ -40,13 +40,19 @@ def test_env_var_selects_candidate(monkeypatch):
 
 
 def test_small_tiles_for_rows_of_short_documents(monkeypatch):
-    from flamia_pack.kernels.config import SMALL_MAX_SEQLEN
+    from flamia_pack.kernels.config import SMALL_BWD_MAX_SEQLEN, SMALL_MAX_SEQLEN
 
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     small = candidate_config("small")
     assert small.block_m == 64 and small.bwd_block_n1 == 64 and small.bwd_num_warps == 4
-    assert kernel_config(128, max_seqlen=SMALL_MAX_SEQLEN) == small
+    assert kernel_config(128, max_seqlen=SMALL_BWD_MAX_SEQLEN) == small
     assert kernel_config(128, max_seqlen=1) == small
+    # 513..1024: the small forward with the default (Gluon) backward
+    fwd_small = candidate_config("fwd_small")
+    assert kernel_config(128, max_seqlen=SMALL_MAX_SEQLEN) == fwd_small
+    assert kernel_config(128, max_seqlen=SMALL_BWD_MAX_SEQLEN + 1) == fwd_small
+    assert fwd_small.block_m == 64 and fwd_small.bwd_gluon and fwd_small.bwd_block_n1 == kernel_config(128).bwd_block_n1
+    assert kernel_config(128, max_seqlen=SMALL_MAX_SEQLEN + 1) == kernel_config(128)
     # GQA: the small set's spill-free 16-query dK/dV step
     assert kernel_config(128, max_seqlen=256, num_kv_groups=4) == candidate_config("small_m16")
     assert candidate_config("small_m16").bwd_block_m1 == 16 and small.bwd_block_m1 == 32

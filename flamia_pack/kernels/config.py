@@ -22,7 +22,7 @@ from dataclasses import astuple, dataclass, replace
 from flamia_pack.errors import FlamiaError
 
 __all__ = ["AttentionKernelConfig", "kernel_config", "work_list_tile_config", "SCHEDULES", "CANDIDATES",
-           "CONFIG_ENV", "candidate_config", "env_candidate", "SMALL_MAX_SEQLEN", "SMALL_TILES"]
+           "CONFIG_ENV", "candidate_config", "env_candidate", "SMALL_MAX_SEQLEN", "SMALL_BWD_MAX_SEQLEN", "SMALL_TILES"]
 
 SMALL_MAX_SEQLEN = 1024
 """Calls whose ``max_seqlen`` is at most this (head_dim 128) run the ``small`` tile set
@@ -30,6 +30,12 @@ SMALL_MAX_SEQLEN = 1024
 512-token documents and 1.03x on W3 (1,024), while the small set lost 0.91x on 2,048-token documents
 (gpu_bwd_sweep.py, H200, 2026-11-29 evening runs 3 and 7 in benchmarks/RESULTS.md). ``max_seqlen`` is
 a host int: the choice costs no device sync."""
+
+SMALL_BWD_MAX_SEQLEN = 512
+"""MHA calls with ``SMALL_BWD_MAX_SEQLEN < max_seqlen <= SMALL_MAX_SEQLEN`` run the small forward with the
+default (Gluon) backward (``fwd_small``): on W3 (1,024-token documents) 1.019x and 1.028x the whole
+small set once the Gluon backward was asynchronous (RESULTS "Session of 2026-11-29 (day)" runs 3-4),
+while 512-token documents (U512) and W7 keep the whole small set (1.15x / 1.32x the default)."""
 
 CONFIG_ENV = "FLAMIA_ATTN_CONFIG"
 """Environment variable naming a :data:`CANDIDATES` entry that :func:`kernel_config` applies on top
@@ -182,13 +188,16 @@ class AttentionKernelConfig:
     instead of one exit-at-once program per (row, head) of the whole list (W1: 512 instead of 16,896
     programs). Checked bitwise on the CPU (interpreter); not yet timed or run on the GPU, so off."""
 
-    bwd_gluon_leftover_small: bool = False
+    bwd_gluon_leftover_small: bool = True
     """With ``bwd_gluon``: the Triton launch for what the Gluon programs skip (merged items, documents
     of at most ``bwd_gluon_min_len`` tokens) runs the small tile set (:data:`SMALL_TILES`: 64-key
     programs with 4 warps, two per SM) instead of the default tiles: the ``hybrid_short_len`` split
-    with the Gluon kernels for the long documents (candidates ``gluon_l256s`` / ``gluon_l512s``)."""
+    with the Gluon kernels for the long documents. With ``bwd_gluon_min_len`` 512 (the default since
+    2026-11-29 day, RESULTS runs 3-4): training call 1.024-1.054x on W2 (one 8k document, 224 of
+    256 tokens), 0.99-1.01x (noise) on W1, W3, W5, W6, W9; candidate ``gluon_l1`` is the previous
+    default (every document longer than 1 token in Gluon, the rest in the default Triton tiles)."""
 
-    bwd_gluon_min_len: int = 1
+    bwd_gluon_min_len: int = 512
     """With ``bwd_gluon``: items of documents longer than this many tokens run in the Gluon kernels,
     the rest (and merged items) in the Triton launch (``sel = -bwd_gluon_min_len``); >= 1."""
 
@@ -286,9 +295,11 @@ CANDIDATES: dict[str, dict] = {
                    "fwd_gluon": True},
     # the Gluon forward too (unmeasured: gluon_attention.py)
     "gluon_fwd": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True},
-    "gluon_l256": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 256},
-    "gluon_l512": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 512},
-    "gluon_l1024": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 1024},
+    # documents of <= N tokens in the default-tile Triton launch (gluon_l1: the default until 2026-11-29 day)
+    "gluon_l1": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 1, "bwd_gluon_leftover_small": False},
+    "gluon_l256": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 256, "bwd_gluon_leftover_small": False},
+    "gluon_l512": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 512, "bwd_gluon_leftover_small": False},
+    "gluon_l1024": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 1024, "bwd_gluon_leftover_small": False},
     # the same split with the small tile set for the short documents' Triton launch (W2's tail)
     "gluon_l256s": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 256, "bwd_gluon_leftover_small": True},
     "gluon_l512s": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 512, "bwd_gluon_leftover_small": True},
@@ -451,7 +462,10 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
     if name:  # an explicit choice (``default`` included) wins over the max_seqlen rule
         return candidate_config(name, head_dim, causal, precision)
     if max_seqlen is not None and head_dim == 128 and max_seqlen <= SMALL_MAX_SEQLEN:
-        return candidate_config("small" if num_kv_groups == 1 else "small_m16", head_dim, causal, precision)
+        if num_kv_groups > 1:
+            return candidate_config("small_m16", head_dim, causal, precision)
+        return candidate_config("small" if max_seqlen <= SMALL_BWD_MAX_SEQLEN else "fwd_small", head_dim, causal,
+                                precision)
     return _default_config(head_dim, causal, precision)
 
 
