@@ -23,8 +23,9 @@ def log(m): print(f"[{time.time()-T0:6.1f}s] {m}", flush=True)
 OUT = os.environ.get("OUT", "/tmp")
 from flamia_pack.kernels.gluon_attention import gluon_dq
 # (two-partition consumers, measured 0.79-1.11x on 2026-11-29, were removed from the kernels)
-VARIANTS = [dict(block_m=64, stages=2), dict(block_m=64, stages=2, retire_first=True), dict(block_m=64, stages=3)]
-DQ_VARIANTS = [dict(block_m=128, block_n=64, stages=2), dict(block_m=128, block_n=64, stages=3),
+VARIANTS = [dict(block_m=64, stages=2, retire_first=False), dict(block_m=64, stages=2, retire_first=True),
+            dict(block_m=64, stages=3, retire_first=True)]
+DQ_VARIANTS = [dict(block_m=128, block_n=64, stages=3), dict(block_m=128, block_n=64, stages=4),
                dict(block_m=128, block_n=128, stages=2)]
 def vname(v): return "_".join(f"{k[0]}{x}" for k, x in v.items())
 

@@ -176,12 +176,13 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
 
 
 @pytest.mark.parametrize("kind,kw,async_ok,max_spill", [
-    ("dkdv", {}, False, 256),                      # shipped: ptxas serializes its wgmma (NOTES.md)
-    ("dkdv", {"retire_first": True}, True, 0),     # bwd_gluon_retire_first: async and spill-free
-    ("dkdv", {"retire_first": True, "group": 4}, True, 0),
-    ("dkdv", {"group": 4}, False, 256),
+    ("dkdv", {}, True, 0),                         # shipped (retire-first): async and spill-free
+    ("dkdv", {"group": 4}, True, 0),
+    ("dkdv", {"retire_first": False}, False, 256),  # gluon_serial: ptxas serializes its wgmma (NOTES.md)
+    ("dkdv", {"retire_first": False, "group": 4}, False, 256),
     ("dkdv", {"head_dim": 64}, True, 0),
-    ("dq", {}, True, 0),
+    ("dq", {}, True, 0),                           # 4 stages (197 KB)
+    ("dq", {"stages": 3}, True, 0),
     ("dq", {"group": 4}, True, 0),
     ("fwd", {}, True, 0),
     ("fwd", {"causal": False, "head_dim": 64, "group": 2}, True, 0),

@@ -545,7 +545,7 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
 def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
              softmax_scale: float, *, block_m: int = 128, block_n: int = 64, wl_block_m: int = 128,
-             stages: int = 3, skip_len: int = 0, dq: torch.Tensor | None = None) -> torch.Tensor:
+             stages: int = 4, skip_len: int = 0, dq: torch.Tensor | None = None) -> torch.Tensor:
     """dQ of causal packed attention (the dQ programs of ``flash_bwd``), warp-specialized Gluon.
 
     Args: as :func:`gluon_dkdv`; ``block_m`` queries per program, ``block_n`` keys per walked tile;
@@ -619,7 +619,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
 
 def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None = None, block_n: int | None = None,
                  stages: int | None = None, group: int = 1, causal: bool = True,
-                 retire_first: bool = False) -> dict:
+                 retire_first: bool = True) -> dict:
     """Compile one of this module's kernels for sm_90a WITHOUT a GPU (triton's bundled ptxas) and report.
 
     For screening before spending device time (benchmarks/gluon_compile_report.py prints it; the CPU
@@ -653,7 +653,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         raise ValueError(f"compile_sm90: kind must be 'dkdv', 'dq' or 'fwd', got {kind!r}")
     bm = block_m or (64 if kind == "dkdv" else 128)
     bn = block_n or {"dkdv": 128, "dq": 64, "fwd": 128}[kind]
-    st = stages or {"dkdv": 2, "dq": 3, "fwd": 2}[kind]
+    st = stages or {"dkdv": 2, "dq": 4, "fwd": 2}[kind]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         raise FileNotFoundError(f"compile_sm90: no ptxas at {ptxas}")
