@@ -67,20 +67,21 @@ from flamia_pack.kernels.interpret import patch_triton_interpreter
 
 patch_triton_interpreter()
 out = {}
-for name, (lengths, pad, min_len, h, hkv, compact, *small) in json.loads(sys.argv[1]).items():
-    small = bool(small and small[0])  # bwd_gluon_leftover_small: the leftover launch runs SMALL_TILES
+for name, (lengths, pad, min_len, h, hkv, compact, *extra) in json.loads(sys.argv[1]).items():
+    small = bool(extra and extra[0])  # bwd_gluon_leftover_small: the leftover launch runs SMALL_TILES
+    dqr = bool(len(extra) > 1 and extra[1])  # bwd_gluon_dq_reduce: dQ from the dK/dV kernel's fp32 accumulator
     torch.manual_seed(3)
     T = sum(lengths) + pad
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     q, do = (torch.randn(T, h, 64, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(T, hkv, 64, dtype=torch.bfloat16) for _ in range(2))
-    cfg = AttentionKernelConfig(wl_block_m=64 if small else 32, bwd_gluon_leftover_small=small, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16,
+    cfg = AttentionKernelConfig(wl_block_m=64 if small else 32, bwd_gluon_leftover_small=small, bwd_gluon_dq_reduce=dqr, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16,
                                 bwd_block_m2=32, bwd_block_n2=16, bwd_gluon=True, bwd_gluon_min_len=min_len,
                                 bwd_leftover_compact=compact)
     wl = build_attention_work_list(cu, T, config=cfg)
     o, lse = Fw.flash_fwd(q, k, v, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125, config=cfg)
     truth = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125,
-                        config=replace(cfg, bwd_gluon=False))
+                        config=replace(cfg, bwd_gluon=False, bwd_gluon_dq_reduce=False))
     # tokens the Gluon programs skip: merged items and documents of <= min_len tokens
     skip = torch.zeros(T, dtype=torch.bool)
     cu_l = cu.tolist()
@@ -106,8 +107,17 @@ for name, (lengths, pad, min_len, h, hkv, compact, *small) in json.loads(sys.arg
             dst.fill_(float("nan"))
             dst[own] = t[own]
 
-    G.gluon_dkdv = lambda *a, dk, dv, **kw: fake((dk, truth[1]), (dv, truth[2]))
-    G.gluon_dq = lambda *a, dq, **kw: fake((dq, truth[0]))
+    def fake_dkdv(*a, dk, dv, dq_acc=None, **kw):
+        fake((dk, truth[1]), (dv, truth[2]))
+        if dq_acc is not None:  # what the TMA reduces leave: dQ / softmax_scale on the owned rows
+            dq_acc[own] = truth[0][own].float() / 0.125
+
+    G.gluon_dkdv = fake_dkdv
+    def fake_dq(*a, dq, **kw):
+        assert not dqr, "the dQ programs ran although the dK/dV kernel reduces dQ"
+        fake((dq, truth[0]))
+
+    G.gluon_dq = fake_dq
     B._gluon_applies = lambda config, *a: config.bwd_gluon
     got = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125, config=cfg)
     if small:  # the skipped tokens come from the small tiles (another summation order): their own truth
@@ -158,7 +168,8 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
              "no_short_docs": ([64, 96, 40], 3, 1, 2, 1, True),
              "whole_list_launch": ([70, 5, 33, 1, 1, 2, 40, 1], 7, 1, 4, 2, False),
              "small_leftover": ([70, 5, 33, 1, 1, 2, 40, 130], 3, 40, 2, 1, False, True),
-             "small_leftover_compact": ([150, 5, 33, 1, 64, 2, 40, 1], 0, 64, 2, 2, True, True)}
+             "small_leftover_compact": ([150, 5, 33, 1, 64, 2, 40, 1], 0, 64, 2, 2, True, True),
+             "dq_reduce": ([70, 5, 33, 1, 1, 2, 40, 90], 5, 40, 4, 2, False, True, True)}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", _LEFTOVER_SCRIPT, json.dumps(cases)], env=env, cwd=root,
@@ -181,6 +192,9 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
     ("dkdv", {"retire_first": False}, False, 256),  # gluon_serial: ptxas serializes its wgmma (NOTES.md)
     ("dkdv", {"retire_first": False, "group": 4}, False, 256),
     ("dkdv", {"head_dim": 64}, True, 0),
+    ("dkdv", {"dq_reduce": True}, True, 128),      # bwd_gluon_dq_reduce (unmeasured): 88 B of spills
+    ("dkdv", {"dq_reduce": True, "group": 4}, True, 128),
+    ("dkdv", {"dq_reduce": True, "head_dim": 64}, True, 0),
     ("dq", {}, True, 0),                           # 4 stages (197 KB)
     ("dq", {"stages": 3}, True, 0),
     ("dq", {"group": 4}, True, 0),

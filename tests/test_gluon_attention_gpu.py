@@ -30,7 +30,8 @@ def _gluon(d: int, name: str = "gluon"):
     return cfg
 
 
-@pytest.mark.parametrize("name", ["gluon", "gluon_l1", "gluon_l256", "gluon_serial", "gluon_compact", "gluon_next"])
+@pytest.mark.parametrize("name", ["gluon", "gluon_l1", "gluon_l256", "gluon_serial", "gluon_compact", "gluon_next",
+                                  "gluon_dqr"])
 @pytest.mark.parametrize("lengths,h,hkv,d,pad", [
     ([2048, 2048], 8, 8, 128, 0),
     ([300, 129, 1000, 77, 700, 1890], 4, 4, 128, 37),
@@ -71,6 +72,35 @@ def test_gluon_matches_triton_backward_and_is_deterministic():
     for a, b in zip(grads["gluon"], grads["triton_bwd"]):
         err = ((a.float() - b.float()).norm() / b.float().norm()).item()
         assert err < 2e-3, err
+
+
+def test_dq_reduce_agrees_and_deterministic_turns_it_off():
+    """``bwd_gluon_dq_reduce`` (dQ partials by TMA bulk reduce from the dK/dV programs) computes the
+    same dQ as the dQ programs up to fp32 summation order; ``deterministic=True`` runs without it
+    (bitwise equal to the default backward)."""
+    if not _HOPPER:
+        pytest.skip("sm_90 only")
+    from flamia_pack.kernels import varlen_attention
+
+    lengths = [3000, 17, 900, 4275, 1]
+    T = sum(lengths)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v, do = (torch.randn((T, hh, 128), device="cuda", generator=g, dtype=torch.bfloat16) for hh in (8, 4, 4, 8))
+    grads = {}
+    for name, det in (("gluon", False), ("gluon_dqr", False), ("gluon_dqr", True)):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        for x in xs:
+            x.grad = None
+        o = varlen_attention(*xs, cu, max(lengths), config=candidate_config(name, head_dim=128), deterministic=det)
+        o.backward(do)
+        grads[(name, det)] = [x.grad for x in xs]
+    ref, red, det = grads[("gluon", False)], grads[("gluon_dqr", False)], grads[("gluon_dqr", True)]
+    for a, b in zip(det, ref):
+        assert torch.equal(a, b)
+    assert torch.equal(red[1], ref[1]) and torch.equal(red[2], ref[2])  # dK, dV: the same products
+    err = ((red[0].float() - ref[0].float()).norm() / ref[0].float().norm()).item()
+    assert err < 2e-3, err
 
 
 def test_noncausal_falls_back_to_triton():

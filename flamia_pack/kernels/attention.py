@@ -438,8 +438,9 @@ def varlen_attention(
             host (one sync) and a list is built on the device.
         return_lse: also return the LSE ``(H_q, T)`` float32 (natural log; differentiable).
         deterministic: bitwise reproducible gradients. With ``False`` (default) a configuration
-            with ``bwd_dq_atomic`` accumulates dQ with fp32 atomics (5 matrix products per tile pair,
-            the order of the additions varies run to run); ``True`` turns that off and runs the
+            with ``bwd_dq_atomic`` (Triton) or ``bwd_gluon_dq_reduce`` (Gluon, TMA bulk reduce)
+            accumulates dQ in fp32 from the dK/dV programs (5 matrix products per tile pair, the
+            order of the additions varies run to run); ``True`` turns that off and runs the
             atomic-free backward (separate dQ programs, 7 products; FlashAttention's
             ``deterministic`` flag). The forward, dK and dV are deterministic either way.
         config: tile/launch configuration (default :func:`flamia_pack.kernels.config.kernel_config`
@@ -483,8 +484,8 @@ def varlen_attention(
     if use_kernels:
         cfg = config if config is not None else kernel_config(D, causal, max_seqlen=max_seqlen,
                                                                num_kv_groups=q.shape[1] // k.shape[1])
-        if deterministic and cfg.bwd_dq_atomic:
-            cfg = dataclasses.replace(cfg, bwd_dq_atomic=False)
+        if deterministic and (cfg.bwd_dq_atomic or cfg.bwd_gluon_dq_reduce):
+            cfg = dataclasses.replace(cfg, bwd_dq_atomic=False, bwd_gluon_dq_reduce=False)
         if work_list is None:
             items, num_items = _default_work_list(cu32, T, max_seqlen, causal, cfg)
         else:

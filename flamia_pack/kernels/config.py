@@ -188,6 +188,15 @@ class AttentionKernelConfig:
     instead of one exit-at-once program per (row, head) of the whole list (W1: 512 instead of 16,896
     programs). Checked bitwise on the CPU (interpreter); not yet timed or run on the GPU, so off."""
 
+    bwd_gluon_dq_reduce: bool = False
+    """With ``bwd_gluon``: no dQ programs; every dK/dV step also computes its dQ partial ``dS K`` (a
+    fifth product, with P^T and dS^T through shared memory) and adds it to a float32 accumulator by
+    one TMA bulk reduce per 64 x D tile (FlashAttention-3's dQ path: 5 products per visible tile
+    pair instead of 7), then one cast to bf16. Not bitwise reproducible (the reduces' order
+    varies), so ``varlen_attention(..., deterministic=True)`` turns it off. CPU-screened only
+    (asynchronous wgmma, 88 B of spills for MHA D = 128); not yet run on the GPU: off (candidate
+    ``gluon_dqr``)."""
+
     bwd_gluon_leftover_small: bool = True
     """With ``bwd_gluon``: the Triton launch for what the Gluon programs skip (merged items, documents
     of at most ``bwd_gluon_min_len`` tokens) runs the small tile set (:data:`SMALL_TILES`: 64-key
@@ -245,7 +254,8 @@ class AttentionKernelConfig:
         if self.schedule not in SCHEDULES:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
-                     "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small"):
+                     "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small",
+                     "bwd_gluon_dq_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -289,6 +299,8 @@ CANDIDATES: dict[str, dict] = {
     "gluon": {**HEAD_MAJOR, "bwd_gluon": True},
     "gluon_compact": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_leftover_compact": True},
     "gluon_retire": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": True},
+    # dQ partials reduced into fp32 by TMA from the dK/dV programs (5 products; unmeasured)
+    "gluon_dqr": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_dq_reduce": True},
     # the dK/dV kernel of the night of 2026-11-29 (wgmma serialized by ptxas at D = 128)
     "gluon_serial": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": False},
     "gluon_next": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": True, "bwd_leftover_compact": True,

@@ -433,11 +433,20 @@ def flash_bwd(
 
         do_c = do if do.is_contiguous() else do.contiguous()
         skip = config.bwd_gluon_min_len
-        gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
-                                   wl_block_m=config.wl_block_m, skip_len=skip,
-                                   retire_first=config.bwd_gluon_retire_first, dk=dk, dv=dv)
-        gluon_attention.gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
-                                 wl_block_m=config.wl_block_m, skip_len=skip, dq=dq)
+        if config.bwd_gluon_dq_reduce and config.bwd_gluon_retire_first:
+            # dQ partials added by the dK/dV programs (TMA bulk reduce into fp32), one cast after;
+            # the Triton launch below then overwrites the rows of what the Gluon programs skip
+            dq_red = torch.zeros((T, H, D), dtype=torch.float32, device=q.device)
+            gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
+                                       wl_block_m=config.wl_block_m, skip_len=skip, retire_first=True,
+                                       dk=dk, dv=dv, dq_acc=dq_red)
+            dq.copy_(dq_red.mul_(softmax_scale))
+        else:
+            gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
+                                       wl_block_m=config.wl_block_m, skip_len=skip,
+                                       retire_first=config.bwd_gluon_retire_first, dk=dk, dv=dv)
+            gluon_attention.gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
+                                     wl_block_m=config.wl_block_m, skip_len=skip, dq=dq)
         # merged items and documents of <= bwd_gluon_min_len tokens (skipped by the Gluon programs)
         left = replace(config, **SMALL_TILES) if config.bwd_gluon_leftover_small else config
         if config.bwd_leftover_compact:

@@ -37,14 +37,19 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton._C.libtriton import ir
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
 from flamia_pack.kernels.flash_fwd import LOG2E
 
 __all__ = ["gluon_dkdv", "gluon_dq", "gluon_fwd"]
+
+
+
 
 CONSUMER_WARPS = gl.constexpr(8)
 """Warps of every kernel's consumer partition (two warpgroups; the kernels' ``num_warps``)."""
@@ -58,6 +63,24 @@ being allocated per warpgroup -- share the SM's 64 K; the consumer then raises i
 def _wgmma_layout(num_warps, n):
     """Accumulator layout of a wgmma product with ``n`` columns, the warps stacked along its rows."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@constexpr_function
+def _dq_part_layout(num_warps, m, n):
+    """Accumulator layout of the ``m x n`` dQ partial of a dK/dV step (``m`` = 64 queries): one
+    warpgroup per 64-row block, the remaining warpgroups side by side along the ``n`` columns."""
+    along_m = max(1, min(num_warps // 4, m // 64))
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * along_m, num_warps // (4 * along_m)],
+                                     instr_shape=[16, n // (num_warps // (4 * along_m)), 16])
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA bulk reduce (``cp.reduce.async.bulk.tensor ... .add``): global[box at ``coord``] += the shared
+    tile ``src``; completion tracked like a TMA store (``tma.store_wait``). triton 3.6's Gluon builds
+    the op (``GluonOpBuilder.create_async_tma_reduce``) but exposes no Python wrapper for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -83,9 +106,10 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_s
 
 @gluon.jit
 def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
-               rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale,
+               rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc,
                MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               s_layout: gl.constexpr, op_layout: gl.constexpr, RETIRE_FIRST: gl.constexpr):
+               s_layout: gl.constexpr, op_layout: gl.constexpr, RETIRE_FIRST: gl.constexpr,
+               DQ_REDUCE: gl.constexpr, dq_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     s = c % STAGES
     q_pos = rs + j * BLOCK_M + offs_m
@@ -123,22 +147,48 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
         p = gl.where(vis, p, 0.0)
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
     ds = p * (dpt - delta[None, :])
-    p_op = gl.convert_layout(p.to(gl.bfloat16), op_layout)
-    ds_op = gl.convert_layout(ds.to(gl.bfloat16), op_layout)
-    dv = warpgroup_mma(p_op, do_bufs.index(s), dv, is_async=True)
-    dk = warpgroup_mma(ds_op, q_bufs.index(s), dk, is_async=True)
+    ds_bf = ds.to(gl.bfloat16)
+    if DQ_REDUCE:
+        # dQ partial = dS K: dS^T goes through shared memory (both warpgroups read all 128 keys of
+        # it), and so does P^T (registers for the dQ partial's accumulator instead of the A
+        # operands); the previous step's readers retired before this step (retire-first)
+        gl.thread_barrier()
+        ds_smem.store(ds_bf)
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+        dqp = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+    if DQ_REDUCE:
+        dv = warpgroup_mma(p_smem, do_bufs.index(s), dv, is_async=True)
+        dk = warpgroup_mma(ds_smem, q_bufs.index(s), dk, is_async=True)
+    else:
+        dv = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), op_layout), do_bufs.index(s), dv, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds_bf, op_layout), q_bufs.index(s), dk, is_async=True)
+    if DQ_REDUCE:
+        # the dQ partial retires first (groups retire in order) while dV / dK run; it is added to
+        # the fp32 dQ accumulator by one TMA bulk reduce (FlashAttention-3's dQ path)
+        dqp = warpgroup_mma_wait(2, deps=(dqp,))
+        tma.store_wait(0)  # the issuing thread's previous reduce has read the staging tile
+        gl.thread_barrier()
+        dq_stage.store(dqp)
+        fence_async_shared()
+        gl.thread_barrier()
+        _tma_reduce_add(dq_desc, [rs + j * BLOCK_M, h * HEAD_DIM], dq_stage)
     return dk, dv
 
 
 @gluon.jit
 def _dkdv_consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
                    stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                   ds_smem, p_smem, dq_stage, dq_desc,
                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, RETIRE_FIRST: gl.constexpr):
+                   BLOCK_N: gl.constexpr, RETIRE_FIRST: gl.constexpr, DQ_REDUCE: gl.constexpr):
     # the consumer's warps own the program's BLOCK_N keys, 16 rows per warp
     s_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, BLOCK_M)
     acc_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    dq_layout: gl.constexpr = _dq_part_layout(CONSUMER_WARPS, BLOCK_M, HEAD_DIM)
     k0 = rs  # the key tile's first row; the walked query tiles start there too (causal)
     k_pos = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -150,20 +200,22 @@ def _dkdv_consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, D
         h = hk * GROUP + g
         for j in range(0, u0):
             dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
-                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, True, BLOCK_M, BLOCK_N,
-                                s_layout, op_layout, RETIRE_FIRST)
+                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, True,
+                                BLOCK_M, BLOCK_N, s_layout, op_layout, RETIRE_FIRST, DQ_REDUCE, dq_layout, HEAD_DIM)
             c += 1
         for j in range(u0, u1):
             dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
-                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, False, BLOCK_M, BLOCK_N,
-                                s_layout, op_layout, RETIRE_FIRST)
+                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, False,
+                                BLOCK_M, BLOCK_N, s_layout, op_layout, RETIRE_FIRST, DQ_REDUCE, dq_layout, HEAD_DIM)
             c += 1
         for j in range(u1, n_steps):
             dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
-                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, True, BLOCK_M, BLOCK_N,
-                                s_layout, op_layout, RETIRE_FIRST)
+                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, True,
+                                BLOCK_M, BLOCK_N, s_layout, op_layout, RETIRE_FIRST, DQ_REDUCE, dq_layout, HEAD_DIM)
             c += 1
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    if DQ_REDUCE:
+        tma.store_wait(0)  # the last reduce has read its staging tile before the program exits
     rows = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     ok = (rows < re)[:, None]
@@ -223,10 +275,10 @@ def _ring(a_desc, b_desc, STAGES: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl
 
 @gluon.jit
 def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
-                 stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale,
+                 stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, dq_desc,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                  WL_BM: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                 RETIRE_FIRST: gl.constexpr = False):
+                 RETIRE_FIRST: gl.constexpr = False, DQ_REDUCE: gl.constexpr = False):
     # head-major grid: all entries of kv head 0 in the list's decreasing-cost order, then kv head 1, ...
     pid = gl.program_id(0)
     e = pid % max_entries
@@ -254,11 +306,21 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HEAD_DIM], v_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    if DQ_REDUCE:
+        ds_smem = gl.allocate_shared_memory(
+            gl.bfloat16, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16))
+        p_smem = gl.allocate_shared_memory(
+            gl.bfloat16, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16))
+        dq_stage = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_desc.layout)
+    else:
+        ds_smem = k_smem  # unused
+        p_smem = k_smem
+        dq_stage = k_smem
     # one consumer of 8 warps (two warpgroups side by side on the 128 keys) and the producer warp
     gl.warp_specialize([
         (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
                           stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
-                          GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST)),
+                          ds_smem, p_smem, dq_stage, dq_desc, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST, DQ_REDUCE)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
                           rs, hk, n_steps, GROUP, HEAD_DIM, BLOCK_M)),
     ], [1], [24])
@@ -468,9 +530,9 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
 
 
 def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
-    """TMA descriptor over ``x`` (T, H, D) viewed as (T, H * D), blocks of ``block_rows`` tokens x D."""
+    """TMA descriptor over ``x`` (T, H, D) bf16 or float32 viewed as (T, H * D), blocks of ``block_rows`` tokens x D."""
     T, H, D = x.shape
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, D], gl.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, D], gl.float32 if x.dtype == torch.float32 else gl.bfloat16)
     return TensorDescriptor(x.view(T, H * D), [T, H * D], [H * D, 1], [block_rows, D], layout)
 
 
@@ -497,8 +559,8 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
                delta: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
                softmax_scale: float, *, block_m: int = 64, block_n: int = 128, wl_block_m: int = 128,
                stages: int = 2, skip_len: int = 0, retire_first: bool = True,
-               dk: torch.Tensor | None = None,
-               dv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
+               dq_acc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV of causal packed attention (the dK/dV programs of ``flash_bwd``), warp-specialized Gluon.
 
     Args:
@@ -515,6 +577,12 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
             it (and LSE / Delta loaded behind the step's first products) they stay asynchronous
             and the kernel is spill-free: 1.02-1.06x faster training calls on the H200 (the default).
         dk, dv: optional preallocated outputs.
+        dq_acc: optional ``(T, H_q, D)`` float32 contiguous accumulator (zeroed by the caller): each
+            step also computes its dQ partial ``dS K`` (a fifth product, dS^T through shared memory)
+            and adds it to ``dq_acc`` by a TMA bulk reduce (FlashAttention-3's dQ path; needs
+            ``retire_first``). ``dq_acc`` then holds ``dQ / softmax_scale`` for the rows this
+            kernel owns, so the dQ programs are not needed; the summation order of the reduces
+            varies run to run (not bitwise reproducible). Config ``bwd_gluon_dq_reduce``.
 
     Returns:
         ``(dk, dv)`` ``(T, H_kv, D)`` bf16; rows past ``cu_seqlens[-1]`` are left uninitialised.
@@ -528,6 +596,13 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
     _check_inputs("gluon_dkdv", q, k, v, do)
     if wl_block_m % block_n or block_n % block_m:
         raise ValueError(f"gluon_dkdv: need block_n | wl_block_m and block_m | block_n, got {block_m}, {block_n}, {wl_block_m}")
+    if dq_acc is not None:
+        if dq_acc.shape != q.shape or dq_acc.dtype != torch.float32 or not dq_acc.is_contiguous() \
+                or dq_acc.device != q.device:
+            raise ValueError(f"gluon_dkdv: dq_acc must be a contiguous float32 tensor shaped like q {tuple(q.shape)} "
+                             f"on {q.device}, got {dq_acc.dtype} {tuple(dq_acc.shape)} on {dq_acc.device}")
+        if not retire_first:
+            raise ValueError("gluon_dkdv: dq_acc (the dQ reduce) needs retire_first=True")
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     max_entries = items.shape[0] * (wl_block_m // block_n)
@@ -537,8 +612,10 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
         lse, delta, dk, dv, items, num_items, cu_seqlens, max_entries, int(skip_len),
         lse.stride(0), dk.stride(0), dv.stride(0), float(softmax_scale) * LOG2E, float(softmax_scale),
+        _descriptor(dq_acc if dq_acc is not None else q, block_m),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, WL_BM=wl_block_m, STAGES=stages,
-        BLOCK_N=block_n, RETIRE_FIRST=bool(retire_first), num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
+        BLOCK_N=block_n, RETIRE_FIRST=bool(retire_first), DQ_REDUCE=dq_acc is not None,
+        num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
     return dk, dv
 
 
@@ -619,7 +696,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
 
 def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None = None, block_n: int | None = None,
                  stages: int | None = None, group: int = 1, causal: bool = True,
-                 retire_first: bool = True) -> dict:
+                 retire_first: bool = True, dq_reduce: bool = False) -> dict:
     """Compile one of this module's kernels for sm_90a WITHOUT a GPU (triton's bundled ptxas) and report.
 
     For screening before spending device time (benchmarks/gluon_compile_report.py prints it; the CPU
@@ -659,12 +736,13 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         raise FileNotFoundError(f"compile_sm90: no ptxas at {ptxas}")
     x = torch.zeros(256, 16, head_dim, dtype=torch.bfloat16)
     rows, walked = mangle_type(_descriptor(x, bm)), mangle_type(_descriptor(x, bn))
+    acc = mangle_type(_descriptor(x.float(), bm)) if dq_reduce else rows
     fn = {"dkdv": _dkdv_kernel, "dq": _dq_kernel, "fwd": _fwd_kernel}[kind]
     types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": walked, "LSE": "*fp32", "DELTA": "*fp32",
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",
-             "cu_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+             "cu_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc}
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=128, STAGES=st,
-                  RETIRE_FIRST=bool(retire_first), CAUSAL=bool(causal))
+                  RETIRE_FIRST=bool(retire_first), CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
