@@ -440,7 +440,8 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
     with a runtime trip count), which made the training call 1.00-1.04x faster (W1-W9, 2026-11-29).
 
     Rows of short documents only (``max_seqlen <=`` :data:`SMALL_MAX_SEQLEN`, head_dim 128) get the
-    ``small`` tile set instead: 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
+    ``small`` tile set instead (MHA rows of ``SMALL_BWD_MAX_SEQLEN < max_seqlen <=
+    SMALL_MAX_SEQLEN`` only its forward, ``fwd_small``, with the default Gluon backward): 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
     programs with 4 warps, two programs per SM, so one program's prologue and epilogue (which
     dominate when each program walks only a few tiles) overlap another's tiles. GQA calls
     (``num_kv_groups > 1``) get its 16-query dK/dV step (``small_m16``): with the group loop the
