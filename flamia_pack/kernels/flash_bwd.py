@@ -440,7 +440,7 @@ def flash_bwd(
             gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
                                        wl_block_m=config.wl_block_m, skip_len=skip, retire_first=True,
                                        dk=dk, dv=dv, dq_acc=dq_red)
-            dq.copy_(dq_red.mul_(softmax_scale))
+            torch.mul(dq_red, softmax_scale, out=dq)  # one pass: fp32 read, bf16 write
         else:
             gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
                                        wl_block_m=config.wl_block_m, skip_len=skip,
