@@ -139,6 +139,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.heads < 1 or args.d_model < 1 or args.d_model % args.heads or (args.d_model // args.heads) % 2:
+        p.error(f"--d-model {args.d_model} must be a positive multiple of --heads {args.heads} with an even "
+                f"head_dim (d_model / heads; 64 or 128 for the GPU kernels)")
+    if args.device not in ("auto", "cpu", "cuda") and not args.device.startswith("cuda:"):
+        p.error(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this torch has no usable CUDA device (torch {torch.__version__}); "
+                f"use --device cpu or auto")
+    if args.packed is not None and not (args.packed / "manifest.json").is_file():
+        p.error(f"--packed {args.packed}: not a `flamia pack` output directory (no manifest.json there)")
     return args
 
 

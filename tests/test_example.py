@@ -122,3 +122,21 @@ def test_model_options_have_help(example, capsys):
     for opt in ("--layers LAYERS transformer blocks", "--d-model D_MODEL model width", "--lr LR peak AdamW",
                 "--seed SEED seed of"):
         assert opt in out, opt
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--d-model", "100", "--heads", "3"], "multiple of --heads"),
+    (["--device", "tpu"], "--device must be"),
+    (["--packed", "no/such/dir"], "no manifest.json"),
+])
+def test_bad_arguments_are_one_line_errors(example, capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        example.parse_args(argv)
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_cuda_device_without_cuda_is_a_clear_error(example, capsys, monkeypatch):
+    monkeypatch.setattr(example.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        example.parse_args(["--device", "cuda"])
+    assert "no usable CUDA device" in capsys.readouterr().err
