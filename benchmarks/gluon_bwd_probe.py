@@ -5,9 +5,11 @@
 1. correctness on three small rows (unaligned documents, MHA and GQA): dK, dV, dQ of every Gluon
    variant and of the Triton programs vs the fp32 reference (relative L2 error; outputs poisoned
    with NaN before the timed run's write);
+   Also ``bwd_gluon_dq_reduce`` (``gluon_dqr``: dQ, dK, dV vs the reference).
 2. per workload: median ms of the Triton dK/dV launch (``flash_bwd._bwd_kernel`` KIND=1), its dQ
    launch (KIND=2), its fused launch (KIND=0) and of each Gluon variant, printed with the ratio
-   Triton / Gluon (> 1: Gluon faster). Writes $OUT/gluon_probe.json.
+   Triton / Gluon (> 1: Gluon faster), and the shipped Gluon pair (dK/dV + dQ programs) vs the
+   dQ-reduce kernel with its accumulator zero + cast. Writes $OUT/gluon_probe.json.
 """
 import os, sys, json, time, math, traceback
 import numpy as np, torch, triton
@@ -78,6 +80,19 @@ def dq_run(s, var):
     return gluon_dq(s["q"], s["k"], s["v"], s["do"], s["lse"], s["delta"], s["cu"], s["items"], s["num_items"],
                     s["scale"], wl_block_m=s["cfg"].wl_block_m, **var)
 
+def dqr_run(s):
+    """bwd_gluon_dq_reduce: zero the fp32 accumulator, dK/dV programs with the dQ reduce, one cast."""
+    acc = torch.zeros(s["q"].shape, dtype=torch.float32, device="cuda")
+    dk, dv = gl_run(s, dict(retire_first=True, dq_acc=acc))
+    dq = torch.empty_like(s["q"])
+    torch.mul(acc, s["scale"], out=dq)
+    return dq, dk, dv
+
+def pair_run(s):
+    """the shipped Gluon backward programs: dK/dV then dQ."""
+    dk, dv = gl_run(s, dict(retire_first=True))
+    return dq_run(s, {}), dk, dv
+
 def rel(a, b, n):
     a = a[:n].float(); b = b[:n].float()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -107,6 +122,10 @@ for (lengths, H, Hkv) in [([300, 129, 1000, 77, 700, 1890], 4, 4), ([513, 2048, 
             torch.cuda.synchronize()
             row["gluon_" + vname(var)] = (rel(dk2, kf.grad, n), rel(dv2, vf.grad, n),
                                                                bool(torch.isnan(dk2[:n]).any() or torch.isnan(dv2[:n]).any()))
+        dq, dk, dv = dqr_run(s)
+        torch.cuda.synchronize()
+        row["gluon_dqr"] = (rel(dq, qf.grad, n), rel(dk, kf.grad, n), rel(dv, vf.grad, n),
+                            bool(torch.isnan(dq[:n]).any() or torch.isnan(dk[:n]).any()))
         log(json.dumps(row)); results["correctness"].append(row)
     except Exception:
         log("correctness FAILED: " + traceback.format_exc()[-3000:])
@@ -131,10 +150,17 @@ for name in rows:
             key = "gluon_dq_" + vname(var)
             r[key + "_err_vs_triton"] = rel(dq_run(s, var), tdq, s["T"])
             fns[key] = (lambda var=var: dq_run(s, var))
+        dq, _, _ = dqr_run(s)
+        r["gluon_dqr_err_vs_triton"] = rel(dq, tdq, s["T"])
+        fns["gluon_pair"] = lambda: pair_run(s)
+        fns["gluon_dqr"] = lambda: dqr_run(s)
         for key, fn in fns.items():
             r[key] = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
         log(name + " " + " ".join(f"{k}={v:.3f}ms" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "wl"))
-        log(name + " ratios " + " ".join(f"{k}={r['triton_dq' if 'dq' in k else 'triton_dkdv'] / r[k]:.3f}x" for k in fns if k.startswith("gluon")))
+        log(name + " ratios " + " ".join(f"{k}={r['triton_dq' if 'dq' in k else 'triton_dkdv'] / r[k]:.3f}x" for k in fns
+                                         if k.startswith("gluon") and k not in ("gluon_pair", "gluon_dqr")))
+        log(f"{name} dQ reduce: shipped pair {r['gluon_pair']:.3f} ms, dqr (zero + dK/dV/dQ + cast) {r['gluon_dqr']:.3f} ms "
+            f"-> {r['gluon_pair'] / r['gluon_dqr']:.3f}x")
         results["timing"].append(r)
     except Exception:
         log(f"{name} FAILED: " + traceback.format_exc()[-3000:])
