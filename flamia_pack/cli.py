@@ -73,13 +73,13 @@ def pack_cmd(
                                   "truncate or drop."),
     shard_rows: int = typer.Option(None, "--shard-rows", metavar="N", help="Packed rows per parquet shard "
                                    "(default: ~128 MiB uncompressed per shard)."),
-    pad_id: int = typer.Option(0, "--pad-id", metavar="N", help="Token id written past the last document of a row."),
+    pad_id: int = typer.Option(0, "--pad-id", metavar="N", help="Token id (>= 0) written past the last document of a row."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout (no table)."),
 ) -> None:
     """Pack documents into fixed-capacity rows and write parquet shards + manifest.json.
 
     Errors in the input (missing file, unknown column, non-integer or negative token ids, corrupt
-    parquet, capacity < 1, ...) print one red line on stderr and exit with code 2; nothing is
+    parquet, capacity < 1, pad id < 0, ...) print one red line on stderr and exit with code 2; nothing is
     presented as complete (no manifest.json is written).
 
     Memory: the tokens once (int32) plus one shard of rows (--shard-rows x capacity x 8 bytes),
@@ -112,6 +112,8 @@ def pack_cmd(
             fail(f"--capacity must be >= 1 (tokens per row), got {capacity}")
         if shard_rows is not None and shard_rows < 1:
             fail(f"--shard-rows must be >= 1, got {shard_rows}")
+        if pad_id < 0:
+            fail(f"--pad-id must be >= 0 (a token id), got {pad_id}")
         config = PackConfig(capacity=capacity, algorithm=algorithm, long_docs=long_docs, pad_id=pad_id)
         formats.check_output_dir(out)  # fail before reading the input, not after
         path = source if source is not None else str(resources.files("flamia_pack") / "data" / "python-stdlib.parquet")
@@ -175,24 +177,34 @@ def pack_cmd(
 
 
 def _plan_read_lengths_file(path: str):
-    """Document lengths from a text file: one positive integer per line ('#' comments, blanks ok)."""
+    """Document lengths from a text file: one positive integer per line ('#' comments, blanks ok).
+
+    Raises:
+        SourceError: not UTF-8 text (e.g. a parquet file), a line that is not an integer, a length < 1,
+            or no lengths at all.
+        OSError: the file cannot be opened.
+    """
     import numpy as np
 
     from flamia_pack.errors import SourceError
 
     out = []
     with open(path, encoding="utf-8") as f:
-        for no, line in enumerate(f, 1):
-            s = line.split("#", 1)[0].strip()
-            if not s:
-                continue
-            try:
-                v = int(s)
-            except ValueError:
-                raise SourceError(f"{path}:{no}: expected one document length (integer) per line, got {s[:40]!r}") from None
-            if v < 1:
-                raise SourceError(f"{path}:{no}: document lengths must be >= 1, got {v}")
-            out.append(v)
+        try:
+            for no, line in enumerate(f, 1):
+                s = line.split("#", 1)[0].strip()
+                if not s:
+                    continue
+                try:
+                    v = int(s)
+                except ValueError:
+                    raise SourceError(f"{path}:{no}: expected one document length (integer) per line, got {s[:40]!r}") from None
+                if v < 1:
+                    raise SourceError(f"{path}:{no}: document lengths must be >= 1, got {v}")
+                out.append(v)
+        except UnicodeDecodeError:
+            raise SourceError(f"{path}: not a UTF-8 text file; SOURCE must be a text file with one document "
+                              "length per line or a packed dataset directory (manifest.json + parquet shards)") from None
     if not out:
         raise SourceError(f"{path}: no document lengths found (one integer per line)")
     return [np.asarray(out, dtype=np.int64)], None
@@ -286,7 +298,7 @@ def plan_cmd(
     policy: str = typer.Option("auto", "--policy", help="auto (rule: causal -> dynamic; non-causal -> dynamic "
                                "iff max_len >= 4 x mean_len), static or dynamic."),
     gpu: str = typer.Option("H200", "--gpu", help="GPU of the calibration table."),
-    num_sms: int = typer.Option(None, "--num-sms", help="SMs / persistent CTAs (default: the GPU's, 132)."),
+    num_sms: int = typer.Option(None, "--num-sms", help="SMs / persistent CTAs, >= 1 (default: the GPU's, 132)."),
     calibration: str = typer.Option(None, "--calibration", help="Calibration JSON (default: the shipped one)."),
     rows_limit: int = typer.Option(None, "--rows", help="Packed directory: plan only the first N rows."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout."),
@@ -320,6 +332,12 @@ def plan_cmd(
             fail("give exactly one of SOURCE (lengths file or packed directory) and --lognormal MU SIGMA TOTAL_TOKENS")
         if rows_limit is not None and rows_limit < 1:
             fail(f"--rows must be >= 1, got {rows_limit}")
+        if num_sms is not None and num_sms < 1:
+            fail(f"--num-sms must be >= 1 (SMs / persistent CTAs), got {num_sms}")
+        if block_m is not None and not (16 <= block_m <= 256 and block_m & (block_m - 1) == 0):
+            fail(f"--block-m must be a power of two in [16, 256] (16, 32, 64, 128 or 256), got {block_m}")
+        if block_n is not None and not (block_n >= 16 and block_n & (block_n - 1) == 0):
+            fail(f"--block-n must be a power of two >= 16 (16, 32, 64, 128, ...), got {block_n}")
         man_capacity = None
         if use_lognormal:
             mu, sigma, total = lognormal
@@ -338,7 +356,8 @@ def plan_cmd(
             from flamia_pack.scheduler import kernel_path
 
             ref = table.lookup(kernel_path(precision, pass_), head_dim, gpu)
-            config = TileConfig(block_m=block_m or ref.block_m, block_n=block_n or ref.block_n, causal=causal,
+            config = TileConfig(block_m=ref.block_m if block_m is None else block_m,
+                                block_n=ref.block_n if block_n is None else block_n, causal=causal,
                                 merge_short=ref.merge_short if merge_short is None else merge_short)
         kw = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=causal, precision=precision,
                   gpu=gpu, config=config, num_sms=num_sms, pass_=pass_, policy=policy, calibration=table,
@@ -625,6 +644,10 @@ def serve_cmd(
 
     Settings come from FLAMIA_* environment variables (see flamia_pack/service/settings.py); --db and
     --calibration override theirs. OpenAPI docs at /docs. Needs the `service` extra (fastapi, uvicorn).
+
+    Bad settings (an invalid FLAMIA_* value, a missing, unreadable or malformed calibration JSON, a
+    database path that is a directory or not a SQLite file) are checked before the server starts and
+    print one red line on stderr, exit code 2.
     """
     from rich.console import Console
     from rich.text import Text
@@ -636,12 +659,16 @@ def serve_cmd(
         raise typer.Exit(2)
 
     try:
+        import sqlite3
+
         import uvicorn
         from pydantic import ValidationError
 
         from flamia_pack.errors import FlamiaError
+        from flamia_pack.scheduler.simulate import load_calibration
         from flamia_pack.service.app import create_app
         from flamia_pack.service.settings import Settings
+        from flamia_pack.service.store import RunStore
     except ImportError as exc:
         fail(f"the service needs its extra: pip install 'flamia-pack[service]' ({exc})")
     if log_level not in ("critical", "error", "warning", "info", "debug"):
@@ -653,8 +680,18 @@ def serve_cmd(
         overrides["calibration_path"] = calibration
     try:
         settings = Settings(**overrides)
-        if settings.calibration_path is not None and not settings.calibration_path.is_file():
+        # check what the lifespan will open, so bad files are one line here, not a uvicorn traceback
+        if settings.calibration_path is not None and not settings.calibration_path.exists():
             fail(f"calibration file not found: {settings.calibration_path}")
+        load_calibration(settings.calibration_path)
+        if settings.db_path.is_dir():
+            fail(f"database {settings.db_path} is a directory; --db (or FLAMIA_DB_PATH) must name a SQLite "
+                 "file (created if missing)")
+        try:
+            RunStore(settings.db_path)
+        except sqlite3.Error as exc:
+            fail(f"cannot open the run database {settings.db_path}: {exc}; --db (or FLAMIA_DB_PATH) must name a "
+                 "SQLite file (created if missing)")
         application = create_app(settings)
         uvicorn.run(application, host=host, port=port, log_level=log_level, lifespan="on")
     except ValidationError as exc:

@@ -113,12 +113,14 @@ def _bad_inputs(tmp_path: pathlib.Path) -> dict[str, tuple[list[str], str]]:
         "shard rows 0": ([str(good), "--shard-rows", "0"], "--shard-rows"),
         "bad tokenizer": ([str(good), "--tokenizer", str(tmp_path / "tok.json")], "tokenizer file not found"),
         "tokenizer with ids": ([str(neg), "--tokenizer", str(tmp_path / "tok.json")], "is pre-tokenized"),
+        # token ids are >= 0; a negative pad id was accepted and written into every row's tail
+        "pad id negative": ([str(good), "--pad-id", "-1"], "--pad-id must be >= 0 (a token id), got -1"),
     }
 
 
 BAD_CASES = ["missing file", "unknown column", "non-integer tokens", "negative ids", "corrupt parquet",
              "capacity 0", "capacity negative", "bad algorithm", "bad long-docs", "shard rows 0", "bad tokenizer",
-             "tokenizer with ids"]
+             "tokenizer with ids", "pad id negative"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

@@ -114,6 +114,16 @@ def test_packed_directory_reason_counts_rows_per_policy(tmp_path):
         (("NEG",), ">= 1"),
         (("MISSING",), "No such file"),
         (("EMPTYDIR",), "manifest.json"),
+        # --num-sms < 1 crashed in the simulator (ZeroDivisionError / "negative dimensions")
+        (("LENS", "--num-sms", 0), "--num-sms must be >= 1"),
+        (("LENS", "--num-sms", -3), "--num-sms must be >= 1"),
+        # --block-m/--block-n 0 silently fell back to the calibrated defaults
+        (("LENS", "--block-m", 0), "--block-m must be a power of two in [16, 256]"),
+        (("LENS", "--block-m", 512), "--block-m must be a power of two in [16, 256]"),
+        (("LENS", "--block-n", 0), "--block-n must be a power of two >= 16"),
+        (("LENS", "--block-n", 24), "--block-n must be a power of two >= 16"),
+        # a binary file where a lengths text file belongs was a UnicodeDecodeError traceback, rc 1
+        (("BINARY",), "not a UTF-8 text file"),
     ],
 )
 def test_bad_input_one_red_line_exit_2(tmp_path, args, needle):
@@ -121,8 +131,9 @@ def test_bad_input_one_red_line_exit_2(tmp_path, args, needle):
     (tmp_path / "bad.txt").write_text("100\nabc\n")
     (tmp_path / "neg.txt").write_text("100\n0\n")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "some.parquet").write_bytes(b"PAR1\x15\x04\x15\xcc\xff\x00" * 64 + b"PAR1")
     sub = {"LENS": tmp_path / "lens.txt", "BAD": tmp_path / "bad.txt", "NEG": tmp_path / "neg.txt",
-           "MISSING": tmp_path / "nope.txt", "EMPTYDIR": tmp_path / "empty"}
+           "MISSING": tmp_path / "nope.txt", "EMPTYDIR": tmp_path / "empty", "BINARY": tmp_path / "some.parquet"}
     r = _run(*[sub.get(a, a) if isinstance(a, str) else a for a in args])
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.output.splitlines() if ln.strip()]

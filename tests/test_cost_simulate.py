@@ -218,6 +218,44 @@ def test_predict_options_and_errors():
         predict(lens, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("max_intervals", [0, 1, 1_000_000])
+@pytest.mark.parametrize("num_sms", [0, -3, 2.5, True])
+def test_predict_rejects_num_sms_below_one_on_every_path(num_sms, max_intervals):
+    """num_sms was validated only on the interval path: the item path (max_intervals=0, what
+    `flamia plan` uses) raised ZeroDivisionError for 0 and "negative dimensions" for -3."""
+    with pytest.raises(FlamiaError, match="num_sms must be an integer >= 1"):
+        predict([100, 200], num_sms=num_sms, max_intervals=max_intervals)
+    assert predict([100, 200], num_sms=1, max_intervals=max_intervals).num_sms == 1
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ("{bad", "not valid JSON"),
+        (b"\xff\xfe\x00", "cannot read calibration"),
+        ("[1, 2]", "top level is not a JSON object"),
+        ('{"entries": []}', "missing key 'version'"),
+        ('{"version": "v"}', "missing key 'entries'"),
+        ('{"version": "v", "entries": {}}', "'entries' is not a list"),
+        ('{"version": "v", "entries": [3]}', "entries[0] is not a JSON object"),
+        ('{"version": "v", "entries": [{"kernel_path": "bf16_fwd", "head_dim": 128}]}',
+         "entries[0] is missing key(s) 'gpu', 'a_us_per_tile', 'b_us_per_item'"),
+    ],
+)
+def test_load_calibration_says_what_is_wrong_and_what_is_expected(tmp_path, content, needle):
+    """A calibration without "version" was reported as "malformed calibration X: 'version'"."""
+    f = tmp_path / "cal.json"
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(FlamiaError) as info:
+        load_calibration(f)
+    msg = str(info.value)
+    assert needle in msg and str(f) in msg
+    if "malformed" in msg:
+        assert 'expected {"version": str, "entries": [{kernel_path, head_dim, gpu' in msg
+    with pytest.raises(FlamiaError, match="Is a directory|cannot read calibration"):
+        load_calibration(tmp_path)
+
+
 def test_predict_merge_short_makes_one_token_documents_cheap():
     lens = np.ones(8192, np.int64)
     plain = predict(lens, pass_="fwd", config=TileConfig(merge_short=False))

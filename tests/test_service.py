@@ -149,7 +149,7 @@ def test_predict_says_whether_the_calibration_was_measured(client, precision, he
 
 def test_predict_multi_row_uses_packed_segments(client):
     rng = np.random.default_rng(7)
-    lengths = rng.integers(0, 40_000, size=300)
+    lengths = rng.integers(1, 40_000, size=300)
     lengths[5] = 150_000  # longer than the row: split into pieces
     r = client.post("/v1/cost:predict", json={"lengths": lengths.tolist(), "capacity": 65536, "num_kv_heads": 4,
                                               "causal": False, "head_dim": 64})
@@ -159,7 +159,7 @@ def test_predict_multi_row_uses_packed_segments(client):
     assert b["packing"]["rows"] == plan.stats.rows > 1
     assert b["packing"]["fill"] == pytest.approx(plan.stats.fill)
     assert b["packing"]["documents_split"] == 1
-    assert b["empty_documents"] == int((lengths == 0).sum())
+    assert b["empty_documents"] == 0
     ref = predict(plan.seg_len.astype(np.int64), num_heads=16, num_kv_heads=4, head_dim=64, causal=False)
     assert b["visible_pairs"] == visible_pairs(plan.seg_len, causal=False)
     assert (b["work_items"], b["tiles"]) == (ref.items, ref.tiles)
@@ -270,6 +270,26 @@ def test_schema_error_names_the_field_once(client, body, loc):
     assert [d["loc"] for d in detail] == [loc], detail
 
 
+@pytest.mark.parametrize(
+    "body, loc",
+    [
+        ({"lengths": [0]}, ["body", "lengths", 0]),
+        ({"lengths": [0, 0, 0]}, ["body", "lengths", 0]),
+        ({"lengths": [4096, 0, 300]}, ["body", "lengths", 1]),
+        ({"histogram": [[0, 5]]}, ["body", "histogram", 0, 0]),
+        ({"lengths": [0], "capacity": 1024}, ["body", "lengths", 0]),
+    ],
+)
+@pytest.mark.parametrize("route", ["/v1/cost:predict", "/v1/runs"])
+def test_zero_length_documents_are_422_like_flamia_plan(client, body, loc, route):
+    """Zero-length documents were accepted by the service while `flamia plan` rejects them."""
+    r = client.post(route, json=body)
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    bad = [d for d in detail if d["loc"] == loc]
+    assert bad and "greater than or equal to 1" in bad[0]["msg"], detail
+
+
 def test_invalid_json_is_422_and_input_not_echoed(client):
     assert client.post("/v1/cost:predict", content=b"{not json", headers={"content-type": "application/json"}).status_code == 422
     r = client.post("/v1/cost:predict", json={"lengths": [7] * 50_000 + [-1]})
@@ -280,8 +300,7 @@ def test_invalid_json_is_422_and_input_not_echoed(client):
     "body, reason",
     [
         ({"lengths": []}, "no tokens"),
-        ({"lengths": [0, 0, 0]}, "no tokens"),
-        ({"histogram": [[0, 5]]}, "no tokens"),
+        ({"histogram": [[5, 0]]}, "no tokens"),
         ({"lengths": [128], "num_heads": 16, "num_kv_heads": 5}, "multiple of num_kv_heads"),
         ({"lengths": [100, 70_000], "long_docs": "error"}, "longer than capacity"),
         ({"lengths": [70_000, 80_000], "long_docs": "drop"}, "dropped all"),
@@ -443,7 +462,7 @@ def test_page_submit_renders_both_gantt_charts(client, form):
     "form, reason",
     [
         ({"mix": "lengths", "lengths": "12, abc"}, "not an integer"),
-        ({"mix": "lengths", "lengths": "0 0"}, "no tokens"),
+        ({"mix": "lengths", "lengths": "0 0"}, "greater than or equal to 1"),
         ({"mix": "histogram", "histogram": "12 by 4"}, "length x count"),
         ({"mix": "preset", "preset": "W99"}, "unknown workload"),
         ({"mix": "lengths", "lengths": "100", "num_heads": "16", "num_kv_heads": "3"}, "multiple"),
@@ -483,6 +502,50 @@ def test_serve_cli_errors_are_one_line_exit_2(tmp_path, monkeypatch):
     monkeypatch.setenv("FLAMIA_MAX_DOCUMENTS", "lots")
     r = runner.invoke(cli_app, ["serve", "--db", str(tmp_path / "x.db")])
     assert r.exit_code == 2 and "max_documents" in r.output
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("invalid json", "not valid JSON"),
+        ("not an object", "top level is not a JSON object"),
+        ("no version", "missing key 'version'"),
+        ("entry without keys", "entries[0] is missing key(s) 'head_dim', 'gpu', 'a_us_per_tile', 'b_us_per_item'"),
+        ("calibration is a directory", "Is a directory"),
+        ("db is a directory", "is a directory; --db (or FLAMIA_DB_PATH) must name a SQLite file"),
+        ("db is not sqlite", "file is not a database"),
+    ],
+)
+def test_serve_bad_calibration_or_db_is_one_line_exit_2_before_uvicorn(tmp_path, monkeypatch, case, needle):
+    """Invalid calibration JSON or a directory as --db was a uvicorn startup traceback, exit 3; a
+    calibration without "version" said "malformed calibration ...: 'version'"."""
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from flamia_pack.cli import app as cli_app
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("uvicorn.run was called"))
+    files = {"invalid json": "{bad", "not an object": "[1]", "no version": '{"entries": []}',
+             "entry without keys": '{"version": "v", "entries": [{"kernel_path": "bf16_fwd"}]}'}
+    db = tmp_path / "runs.db"
+    args = ["serve", "--db", str(db)]
+    if case in files:
+        (tmp_path / "cal.json").write_text(files[case])
+        args += ["--calibration", str(tmp_path / "cal.json")]
+    elif case == "calibration is a directory":
+        args += ["--calibration", str(tmp_path)]
+    elif case == "db is a directory":
+        args[2] = str(tmp_path)
+    else:
+        db.write_text("not a database, just text " * 100)
+    r = CliRunner().invoke(cli_app, args)
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert needle in lines[0]
+    if case in files:
+        assert "expected" in lines[0] or case == "invalid json"
     assert "Traceback" not in r.output
 
 

@@ -214,14 +214,14 @@ def test_page_renders_submits_and_shows_both_gantt_charts(server, browser, tmp_p
     assert len(shot) > 10_000  # something was painted
     (tmp_path / "page.png.b64").write_text(shot)
 
-    # 4. a bad form shows the reason on the page (400), still no charts
+    # 4. a bad form shows the reason on the page (422: zero-length documents are refused), still no charts
     _eval(cdp, session, """
         (() => { const k = document.getElementById('mix-kind'); k.value = 'lengths';
                  k.dispatchEvent(new Event('change'));
                  document.getElementById('lengths').value = '0 0 0';
                  document.getElementById('submit').click(); return true; })()""")
     text = _wait_for(cdp, session, "document.getElementById('error') && document.getElementById('error').innerText")
-    assert "no tokens" in text
+    assert "greater than or equal to 1" in text
     assert _eval(cdp, session, "document.querySelectorAll('#gantt-static svg').length") == 0
 
 

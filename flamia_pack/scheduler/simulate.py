@@ -122,6 +122,10 @@ class CalibrationTable:
         raise FlamiaError(f"no calibration for kernel path {kernel_path!r}, head_dim {head_dim}, gpu {gpu!r}; available: {have}")
 
 
+_CALIBRATION_KEYS = ("kernel_path", "head_dim", "gpu", "a_us_per_tile", "b_us_per_item")
+"""Keys every calibration entry must have (the others have defaults)."""
+
+
 def load_calibration(path: str | Path | None = None) -> CalibrationTable:
     """Read a calibration JSON (default: the shipped ``scheduler/calibration.json``).
 
@@ -129,13 +133,31 @@ def load_calibration(path: str | Path | None = None) -> CalibrationTable:
     a_us_per_tile, b_us_per_item, block_m, block_n, merge_short, source, measured}, ...]}``.
 
     Raises:
-        FlamiaError: unreadable file or malformed content.
+        FlamiaError: unreadable file (missing, a directory, not UTF-8, not JSON) or malformed
+            content (the message names the missing key or the wrong part and the expected format).
     """
     p = Path(path) if path is not None else DEFAULT_CALIBRATION_PATH
     try:
-        raw = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise FlamiaError(f"cannot read calibration {p}: not valid JSON ({exc})") from exc
+    except (OSError, UnicodeDecodeError) as exc:
         raise FlamiaError(f"cannot read calibration {p}: {exc}") from exc
+    expected = ('expected {"version": str, "entries": [{' + ", ".join(_CALIBRATION_KEYS) + ', ...}, ...]}')
+    if not isinstance(raw, dict):
+        raise FlamiaError(f"malformed calibration {p}: the top level is not a JSON object; {expected}")
+    for key in ("version", "entries"):
+        if key not in raw:
+            raise FlamiaError(f"malformed calibration {p}: missing key {key!r}; {expected}")
+    if not isinstance(raw["entries"], list):
+        raise FlamiaError(f"malformed calibration {p}: 'entries' is not a list; {expected}")
+    for i, e in enumerate(raw["entries"]):
+        if not isinstance(e, dict):
+            raise FlamiaError(f"malformed calibration {p}: entries[{i}] is not a JSON object; {expected}")
+        missing = [k for k in _CALIBRATION_KEYS if k not in e]
+        if missing:
+            raise FlamiaError(f"malformed calibration {p}: entries[{i}] is missing key(s) "
+                              f"{', '.join(map(repr, missing))}; {expected}")
     try:
         version = str(raw["version"])
         names = {f.name for f in dataclasses.fields(Calibration)}
@@ -146,7 +168,7 @@ def load_calibration(path: str | Path | None = None) -> CalibrationTable:
             for e in raw["entries"]
         )
     except (KeyError, TypeError) as exc:
-        raise FlamiaError(f"malformed calibration {p}: {exc}") from exc
+        raise FlamiaError(f"malformed calibration {p}: {exc}; {expected}") from exc
     return CalibrationTable(version=version, entries=entries, description=str(raw.get("description", "")))
 
 
@@ -581,7 +603,8 @@ def predict(
         causal: causal attention (overrides ``config.causal``).
         precision: ``"bf16"`` or ``"fp8"``.
         capacity: row length T the buffers are sized for (default: the tokens); must be >= tokens.
-        gpu: calibration key (``"H200"``); num_sms: default from the GPU (132 on H200).
+        gpu: calibration key (``"H200"``); num_sms: persistent CTAs, an integer >= 1 (default
+            from the GPU: 132 on H200).
         config: tile geometry (block_m/block_n/merge_short); default: the calibration entry's
             geometry, i.e. the work lists the calibrated kernel really builds.
         pass_: ``"fwd"``, ``"bwd"`` or ``"fwd_bwd"`` (one training call).
@@ -592,9 +615,12 @@ def predict(
         :class:`Prediction` with ``schedules = {"static": Schedule, "dynamic": Schedule}``.
 
     Raises:
-        FlamiaError: invalid lengths, zero documents, bad heads/precision/pass/capacity, missing
-            calibration entry.
+        FlamiaError: invalid lengths, zero documents, bad heads/precision/pass/capacity, num_sms
+            not an integer >= 1, missing calibration entry.
     """
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer))
+                                or num_sms < 1):
+        raise FlamiaError(f"num_sms must be an integer >= 1 (persistent CTAs, one per SM), got {num_sms!r}")
     if cu_seqlens is not None and seqlens is not None:
         raise FlamiaError("give seqlens or cu_seqlens, not both")
     if cu_seqlens is None and seqlens is None:

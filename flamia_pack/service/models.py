@@ -1,7 +1,7 @@
 """Pydantic v2 request and response models of the service (issue 7; DESIGN.md §1.5, §6).
 
-Schema errors (wrong types, out-of-range numbers, unknown fields, not exactly one mix) are 422;
-requests that are well-formed but describe an impossible mix (a document longer than the row with
+Schema errors (wrong types, out-of-range numbers such as a document length < 1, unknown fields, not
+exactly one mix) are 422; requests that are well-formed but describe an impossible mix (a document longer than the row with
 ``long_docs="error"``, zero tokens, ``num_heads % num_kv_heads != 0``, over the service limits, an
 uncalibrated GPU) are 400 with the reason (raised as :class:`~flamia_pack.errors.FlamiaError` by the
 code below the routes).
@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _INT32_MAX = 2**31 - 1
 
-Length = Annotated[int, Field(ge=0, le=_INT32_MAX)]
-"""One document length in tokens (0 = an empty document: counted, then skipped)."""
+Length = Annotated[int, Field(ge=1, le=_INT32_MAX)]
+"""One document length in tokens, >= 1 (as ``flamia plan``: a zero-length document is a schema error, 422)."""
 Count = Annotated[int, Field(ge=0, le=_INT32_MAX)]
 
 
@@ -58,10 +58,10 @@ class PredictRequest(BaseModel):
     # union with None would make every schema error of a length also report a second, confusing
     # "Input should be null" error and a ``list[constrained-int]`` step in ``loc``.
     lengths: list[Length] = Field(  # type: ignore[assignment]
-        None, description="Document lengths in tokens, in order.", examples=[[4096] * 16]
+        None, description="Document lengths in tokens (each >= 1), in order.", examples=[[4096] * 16]
     )
     histogram: list[tuple[Length, Count]] = Field(  # type: ignore[assignment]
-        None, description="[length, count] pairs, expanded in order.", examples=[[[8192, 1], [256, 224]]]
+        None, description="[length, count] pairs (length >= 1), expanded in order.", examples=[[[8192, 1], [256, 224]]]
     )
     distribution: LognormalMix = Field(None, description="A random mix (seeded).")  # type: ignore[assignment]
     num_heads: int = Field(16, ge=1, le=512, description="Query heads H_q.")
@@ -126,8 +126,8 @@ class PackingSummary(BaseModel):
 class PredictResponse(BaseModel):
     """Everything ``flamia plan`` reports for the mix, plus packing (issue 7 item 2)."""
 
-    documents: int = Field(description="Documents in the mix (including empty ones).")
-    empty_documents: int
+    documents: int = Field(description="Documents in the mix.")
+    empty_documents: int = Field(description="Zero-length documents (always 0: requests reject lengths < 1).")
     tokens: int = Field(description="Tokens of the mix (sum of lengths).")
     max_seqlen: int
     packing: PackingSummary
