@@ -477,7 +477,7 @@ def probe_leak_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed of inputs and perturbations."),
     magnitude: float = typer.Option(64.0, "--magnitude", help="Perturbation scale (inputs are N(0, 1))."),
 ) -> None:
-    """Causal leak probe (DESIGN.md §5): is an attention path causally safe?
+    """Causal leak probe (docs/DESIGN.md §5): is an attention path causally safe?
 
     Perturbs q/k/v/dO after a cut inside one document and reports how much O and dQ before the cut
     change (positive control), and whether anything outside a second perturbed document changes
@@ -523,7 +523,7 @@ def probe_leak_cmd(
 @app.command("bench")
 def bench_cmd(
     workloads: str = typer.Option("W1,W6,W7", "--workloads", metavar="W1,W2,..",
-                                  help="WORKLOADS.md rows (comma separated); ignored with --lengths."),
+                                  help="docs/WORKLOADS.md rows (comma separated); ignored with --lengths."),
     lengths: str = typer.Option(None, "--lengths", metavar="N1,N2,..", help="Custom document lengths of one row."),
     num_heads: int = typer.Option(16, "--num-heads", metavar="H", help="Query heads (with --lengths)."),
     num_kv_heads: int = typer.Option(None, "--num-kv-heads", metavar="H_KV", help="K/V heads (with --lengths; default H)."),
