@@ -841,12 +841,14 @@ def iter_rows(
     Args:
         out_dir: a complete output directory (its manifest lists the shards in row order).
         columns: subset of :data:`COLUMNS` to read (default all).
-        verify_checksums: run :func:`verify` first.
+        verify_checksums: run :func:`verify` first. Without it every shard's row count (parquet
+            footer only) is still checked against the manifest before the first row is yielded.
         batch_rows: rows per parquet read batch (memory: ``batch_rows * capacity * 8`` bytes).
 
     Raises:
-        FormatError: bad manifest, missing or unreadable/corrupt shard (or any :func:`verify`
-            error when ``verify_checksums``), unknown column.
+        FormatError: bad manifest, missing or unreadable/corrupt shard, a shard whose row count
+            differs from the manifest's (or any :func:`verify` error when ``verify_checksums``),
+            unknown column.
     """
     out = pathlib.Path(out_dir)
     m = verify(out) if verify_checksums else read_manifest(out)
@@ -854,8 +856,32 @@ def iter_rows(
     unknown = [c for c in cols if c not in COLUMNS]
     if unknown:
         raise FormatError(f"unknown column(s) {', '.join(unknown)}; available: {', '.join(COLUMNS)}")
+    if not verify_checksums:  # verify() checked the row counts already
+        for s in m.shards:
+            _check_shard_rows_match(out / s.file, _shard_num_rows(out, s), s)
     for s in m.shards:
         yield from _iter_shard_rows(out, s, cols, batch_rows)
+
+
+def _shard_num_rows(out: pathlib.Path, s: ShardInfo) -> int:
+    """Rows of shard ``s`` from its parquet footer (no data read)."""
+    import pyarrow.parquet as pq
+
+    p = out / s.file
+    try:
+        return pq.read_metadata(p).num_rows
+    except FileNotFoundError:
+        raise FormatError(f"shard {s.file} listed in {out / MANIFEST_NAME} is missing") from None
+    except (pa.ArrowException, OSError) as e:
+        raise FormatError(f"shard {p} is not readable parquet: {_one_line(e)}") from None
+
+
+def _check_shard_rows_match(p: pathlib.Path, n: int, s: ShardInfo) -> None:
+    """The cheap integrity check of readers that skip the checksums: the shard's row count
+    (parquet footer) must be the manifest's (catches a shard replaced by another one)."""
+    if n != s.rows:
+        raise FormatError(f"shard {p} holds {n} rows, manifest says {s.rows} (the file was replaced or "
+                          "rewritten; run verify() / re-run flamia pack)")
 
 
 def _iter_shard_rows(out: pathlib.Path, s: ShardInfo, cols: list[str], batch_rows: int) -> Iterator[dict[str, np.ndarray]]:
@@ -897,7 +923,9 @@ def load_packed(out_dir: str | os.PathLike[str], *, verify_checksums: bool = Tru
     Stats are rebuilt from the manifest. Memory: ``rows * capacity * 8`` bytes plus metadata.
 
     Raises:
-        FormatError: as :func:`verify` (when ``verify_checksums``) / :func:`read_manifest`.
+        FormatError: as :func:`verify` (when ``verify_checksums``) / :func:`read_manifest`; without
+            ``verify_checksums``, a missing or corrupt shard or one whose row count differs from
+            the manifest's.
     """
     import pyarrow.parquet as pq
 
@@ -913,6 +941,7 @@ def load_packed(out_dir: str | os.PathLike[str], *, verify_checksums: bool = Tru
             raise FormatError(f"shard {s.file} listed in {out / MANIFEST_NAME} is missing") from None
         except (pa.ArrowException, OSError) as e:
             raise FormatError(f"shard {out / s.file} is corrupt: {_one_line(e)}") from None
+        _check_shard_rows_match(out / s.file, tables[-1].num_rows, s)
     table = pa.concat_tables(tables) if tables else None
     cap, n = m.capacity, m.rows
 

@@ -103,7 +103,7 @@ class PackConfig:
 
     Raises:
         FlamiaError: ``capacity`` not an integer in ``[1, 2**31 - 1]``; unknown ``algorithm`` or
-            ``long_docs``; ``pad_id`` not an integer in the int32 range.
+            ``long_docs``; ``pad_id`` not an integer in [0, 2**31 - 1].
     """
 
     capacity: int
@@ -129,8 +129,8 @@ class PackConfig:
                 f"long_docs must be one of {', '.join(LONG_DOC_POLICIES)}; got {self.long_docs!r}"
             )
         pad = _as_int(self.pad_id, "pad_id")
-        if not _INT32_MIN <= pad <= _INT32_MAX:
-            raise FlamiaError(f"pad_id must fit int32 ([{_INT32_MIN}, {_INT32_MAX}]), got {pad}")
+        if not 0 <= pad <= _INT32_MAX:
+            raise FlamiaError(f"pad_id must be a token id in [0, {_INT32_MAX}] (ids are non-negative int32), got {pad}")
         object.__setattr__(self, "pad_id", pad)
 
 

@@ -11,6 +11,7 @@ GPU builders with ``validate=False`` after validating once.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Union
 
 import numpy as np
@@ -90,11 +91,31 @@ def seqlens(cu_seqlens: ArrayLike) -> ArrayLike:
     return cu_seqlens[1:] - cu_seqlens[:-1]
 
 
-def max_seqlen(cu_seqlens: ArrayLike) -> int:
+def max_seqlen(cu_seqlens: ArrayLike | Sequence[int]) -> int:
     """``max(diff(cu_seqlens))`` as a Python int (0 for no documents). Syncs for CUDA tensors.
 
-    ``cu_seqlens`` is not validated (see :func:`validate_cu_seqlens`).
+    Args:
+        cu_seqlens: shape ``(n_docs + 1,)``, dtype int32 or int64: a numpy array, a torch tensor
+            (any device) or a sequence of Python ints (read with ``np.asarray``).
+
+    Only the dtype and rank are checked; the values are not validated (see
+    :func:`validate_cu_seqlens`): a decreasing ``cu_seqlens`` gives a wrong result.
+
+    Raises:
+        MetadataError: not integer (float input is rejected, not truncated) or not 1-D.
     """
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dtype not in _INT_DTYPES_TORCH:
+            raise MetadataError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    else:
+        arr = np.asarray(cu_seqlens)
+        if arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
+            arr = arr.astype(np.int64)
+        if arr.dtype.type not in _INT_DTYPES_NP:
+            raise MetadataError(f"cu_seqlens must be int32 or int64 (integer offsets), got {arr.dtype}")
+        cu_seqlens = arr
+    if cu_seqlens.ndim != 1:
+        raise MetadataError(f"cu_seqlens must be 1-D of shape (n_docs + 1,), got shape {tuple(cu_seqlens.shape)}")
     d = seqlens(cu_seqlens)
     if len(d) == 0:
         return 0
@@ -111,11 +132,41 @@ def doc_index_per_token(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Te
     return (torch.searchsorted(cu_seqlens, pos, right=True) - 1).to(torch.int32)
 
 
-def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """Per-token position inside its document, shape ``(T,)`` int64 (restarts at 0 per document).
+def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int, *, validate: bool = True) -> torch.Tensor:
+    """Per-token position inside its document, shape ``(T,)`` int64 (restarts at 0 per document),
+    on ``cu_seqlens.device``.
 
-    Padding tokens past ``cu_seqlens[-1]`` continue counting from the last document end.
+    Padding tokens past ``cu_seqlens[-1]`` continue counting from the last document end
+    (``cu_seqlens=[0, 3, 5]``, ``T=7`` gives ``[0, 1, 2, 0, 1, 0, 1]``).
+
+    Args:
+        cu_seqlens: 1-D int32/int64 tensor of shape ``(n_docs + 1,)``: first 0, non-decreasing
+            (empty segments are allowed; they own no token), ``cu_seqlens[-1] <= total_tokens``.
+        total_tokens: T, the number of tokens (int >= 0; tokens past ``cu_seqlens[-1]`` are padding).
+        validate: check the values of ``cu_seqlens`` (one host read-back for a CUDA tensor). With
+            False the call does no host sync (CUDA-graph capturable) and invalid values give
+            undefined positions; type, dtype, rank and ``total_tokens`` are checked in any case.
+
+    Raises:
+        MetadataError: ``cu_seqlens`` not a 1-D int32/int64 tensor, ``total_tokens`` not an int
+            >= 0; with ``validate``: first != 0, decreasing, or ``cu_seqlens[-1] > total_tokens``.
     """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise MetadataError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in _INT_DTYPES_TORCH:
+        raise MetadataError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
+        raise MetadataError(f"cu_seqlens must be 1-D of shape (n_docs + 1,), got shape {tuple(cu_seqlens.shape)}")
+    if isinstance(total_tokens, (bool, np.bool_)) or not isinstance(total_tokens, (int, np.integer)) or total_tokens < 0:
+        raise MetadataError(f"total_tokens must be an integer >= 0, got {total_tokens!r}")
+    total_tokens = int(total_tokens)
+    if validate:
+        arr = validate_cu_seqlens(cu_seqlens, allow_empty_segments=True)
+        if int(arr[-1]) > total_tokens:
+            raise MetadataError(
+                f"cu_seqlens[-1]={int(arr[-1])} exceeds total_tokens={total_tokens} "
+                "(tokens past cu_seqlens[-1] are row-end padding; total_tokens must cover every document)"
+            )
     doc = doc_index_per_token(cu_seqlens, total_tokens).long()
     starts = cu_seqlens.long()[doc.clamp(max=cu_seqlens.numel() - 1)]
     return torch.arange(total_tokens, device=cu_seqlens.device) - starts

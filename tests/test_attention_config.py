@@ -238,3 +238,12 @@ def test_gluon_available_on_this_triton():
 
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
     assert gluon_available() == ((major, minor) == (3, 6))
+
+
+@pytest.mark.parametrize("bad", [["small"], None, 3])
+def test_candidate_config_name_must_be_a_str(bad):
+    """candidate_config(['small']) raised TypeError: unhashable type: 'list' (regression)."""
+    with pytest.raises(FlamiaError, match="candidate name must be a str.*known: default"):
+        candidate_config(bad)
+    with pytest.raises(FlamiaError, match="unknown attention config candidate 'nope'; known: default"):
+        candidate_config("nope")

@@ -209,3 +209,32 @@ def test_collate_rejects_values_it_used_to_cast_silently():
         c([row(num_tokens=torch.tensor([5, 5]))])
     with pytest.raises(FlamiaError, match="row 1 of the batch must be a dict"):
         c([row(), 7])
+
+
+@pytest.mark.parametrize("bad", ["x", 1.5, None, True, 2**31, -1])
+def test_collator_rejects_bad_pad_id(bad):
+    """PackedCollator(pad_id='x') raised a raw ValueError from int(); 1.5 became 1 (regression)."""
+    with pytest.raises(FlamiaError, match=r"pad_id must be an integer in \[0, 2147483647\]"):
+        PackedCollator(pad_id=bad)
+
+
+def test_collator_pad_id_and_ignore_index_accept_integers():
+    c = PackedCollator(pad_id=np.int32(7), ignore_index=-1)
+    b = c([make_row([2], 4, pad_id=7)])
+    assert b["input_ids"][0, 2:].tolist() == [7, 7]
+    assert b["labels"][0, 1:].tolist() == [-1, -1, -1]
+    with pytest.raises(FlamiaError, match="ignore_index must be an integer"):
+        PackedCollator(ignore_index="-100")
+
+
+def test_to_device_rejects_a_config_that_is_not_a_tile_config():
+    """to_device(batch, 'cpu', object()) raised AttributeError 'block_m' (regression)."""
+    from flamia_pack.kernels.config import kernel_config, work_list_tile_config
+
+    b = PackedCollator()([make_row([2, 1], 4)])
+    with pytest.raises(FlamiaError, match="work_list_config must be a .*TileConfig or None, got object"):
+        to_device(b, "cpu", object())
+    kc = kernel_config(128, True)
+    with pytest.raises(FlamiaError, match="got AttentionKernelConfig.*work_list_tile_config"):
+        to_device(b, "cpu", kc)
+    assert "work_list" in to_device(b, "cpu", work_list_tile_config(kc, True))

@@ -429,3 +429,19 @@ def test_write_plan_crash_then_resume(tmp_path):
     clean = write_via_plan(tmp_path / "clean", seed=7, shard_rows=4)
     assert [s.sha256 for s in clean.shards] == [s.sha256 for s in m.shards]
     assert_rows_equal(make_packed(seed=7), formats.iter_rows(out))
+
+
+def test_replaced_shard_is_caught_without_checksums(written):
+    """A shard overwritten by another (copy train-00002 over train-00001) lost rows silently
+    when reading with verify_checksums=False (regression): the footer row count is checked."""
+    out, packed = written
+    shards = formats.read_manifest(out).shards
+    last = shards[-1]
+    assert last.rows != shards[1].rows  # a short last shard
+    (out / "train-00001.parquet").write_bytes((out / last.file).read_bytes())
+    with pytest.raises(FormatError, match=rf"train-00001.parquet holds {last.rows} rows, manifest says {shards[1].rows}"):
+        next(formats.iter_rows(out))  # before the first row, not after the good shards
+    with pytest.raises(FormatError, match="train-00001.parquet holds"):
+        formats.load_packed(out, verify_checksums=False)
+    with pytest.raises(FormatError, match="checksum mismatch.*train-00001"):
+        list(formats.iter_rows(out, verify_checksums=True))

@@ -334,3 +334,13 @@ def test_row_count_disagrees_with_manifest(broken_dir):
     (broken_dir / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(FormatError, match="rows"):
         PackedDataset(broken_dir, verify=False)
+
+
+def test_no_random_access_is_a_clear_type_error(packed_dir):
+    """ds[0] raised torch's 'Subclasses of Dataset should implement __getitem__' (regression)."""
+    ds = PackedDataset(packed_dir)
+    with pytest.raises(TypeError, match=r"PackedDataset is an IterableDataset and has no random access.*iterate it"):
+        ds[0]
+    with pytest.raises(TypeError, match="StreamingPackedDataset is an IterableDataset"):
+        StreamingPackedDataset([[1, 2]], capacity=8)[0]
+    assert key(next(iter(ds))) == key(next(iter_rows(packed_dir)))  # iteration is unaffected

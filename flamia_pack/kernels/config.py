@@ -402,8 +402,12 @@ def candidate_config(name: str, head_dim: int = 128, causal: bool = True, precis
     """The default configuration for ``(head_dim, causal, precision)`` with :data:`CANDIDATES` ``[name]`` applied.
 
     Raises:
-        FlamiaError: unknown name (the message lists the known ones), or an invalid combination.
+        FlamiaError: ``name`` not a str or unknown (the message lists the known ones), or an
+            invalid combination.
     """
+    if not isinstance(name, str):
+        raise FlamiaError(f"candidate name must be a str, got {type(name).__name__} ({name!r}); "
+                          f"known: {', '.join(CANDIDATES)}")
     if name not in CANDIDATES:
         raise FlamiaError(f"unknown attention config candidate {name!r}; known: {', '.join(CANDIDATES)}")
     return replace(_default_config(head_dim, causal, precision), **CANDIDATES[name])

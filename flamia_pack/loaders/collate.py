@@ -85,6 +85,14 @@ def cu_seqlens_from_position_ids(position_ids: Any, num_tokens: Optional[int] = 
     return np.concatenate([head, starts, [n]]).astype(np.int32) if n else np.zeros(1, np.int32)
 
 
+def _check_int(value: Any, name: str, lo: int, hi: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise FlamiaError(f"{name} must be an integer in [{lo}, {hi}], got {type(value).__name__} ({value!r})")
+    if not lo <= int(value) <= hi:
+        raise FlamiaError(f"{name} must be an integer in [{lo}, {hi}], got {int(value)}")
+    return int(value)
+
+
 class PackedCollator:
     """Collate packed rows (items of :class:`PackedDataset`/:class:`StreamingPackedDataset`) into a batch.
 
@@ -121,12 +129,17 @@ class PackedCollator:
     option for CPU-only pipelines.
 
     Args:
-        pad_id: id of padding tokens in ``input_ids``.
-        ignore_index: label of tokens with no target (the cross-entropy ``ignore_index``).
+        pad_id: id of padding tokens in ``input_ids``: a token id, int in ``[0, 2**31 - 1]``
+            (usually the dataset's ``pad_id``; ``flamia pack --pad-id`` is >= 0 too).
+        ignore_index: label of tokens with no target (the cross-entropy ``ignore_index``; an int).
         scale_groups: ``"block"`` or ``"token"``: add the scale-group keys, computed on the CPU by
             ``flamia_pack.quant.scale_groups`` with that granularity; None (default): leave them
             out (see above; :func:`to_device` can add them on the device).
         validate: check every row's ``cu_seqlens`` (cheap; on by default).
+
+    Raises (from ``__init__``):
+        FlamiaError: ``pad_id``/``ignore_index`` not an integer (or out of range), unknown
+            ``scale_groups``.
 
     Raises (from ``__call__``):
         FlamiaError: empty batch, a row that is not a dict, rows of different capacities, missing
@@ -137,8 +150,8 @@ class PackedCollator:
 
     def __init__(self, *, pad_id: int = 0, ignore_index: int = -100, scale_groups: Optional[str] = None,
                  validate: bool = True) -> None:
-        self.pad_id = int(pad_id)
-        self.ignore_index = int(ignore_index)
+        self.pad_id = _check_int(pad_id, "pad_id", 0, 2**31 - 1)
+        self.ignore_index = _check_int(ignore_index, "ignore_index", -(2**63), 2**63 - 1)
         if scale_groups not in (None, "block", "token"):
             raise FlamiaError(f"scale_groups must be 'block', 'token' or None, got {scale_groups!r}")
         self.scale_groups = scale_groups
@@ -297,9 +310,22 @@ def to_device(
 
     Returns:
         A new dict with the same keys (plus ``work_list``); the input is not modified.
+
+    Raises:
+        FlamiaError: unknown ``scale_groups``, ``work_list_config`` not a ``TileConfig`` (e.g. an
+            ``AttentionKernelConfig``: convert it with ``work_list_tile_config``).
     """
     if scale_groups not in (None, "block", "token"):
         raise FlamiaError(f"scale_groups must be 'block', 'token' or None, got {scale_groups!r}")
+    if work_list_config is not None:
+        from flamia_pack.scheduler.worklist import TileConfig
+
+        if not isinstance(work_list_config, TileConfig):
+            raise FlamiaError(
+                f"work_list_config must be a flamia_pack.scheduler.worklist.TileConfig or None, got "
+                f"{type(work_list_config).__name__}; for the default kernel tiles pass "
+                "work_list_tile_config(kernel_config(head_dim, causal), causal) from flamia_pack.kernels.config"
+            )
     device = torch.device(device)
     cuda = device.type == "cuda"
     out: dict[str, Any] = {}

@@ -112,6 +112,16 @@ def _shard_identity(rank: Optional[int], world_size: Optional[int]) -> dict[str,
             "shard": r * nw + wid, "num_shards": w * nw}
 
 
+def _no_random_access(ds: Any, index: Any) -> None:
+    """``ds[index]`` on an iterable-only dataset: a clear TypeError instead of torch's
+    ``NotImplementedError`` from ``Dataset.__getitem__``."""
+    raise TypeError(
+        f"{type(ds).__name__} is an IterableDataset and has no random access ({type(ds).__name__}[{index!r}]): "
+        "iterate it (`for row in ds`, `next(iter(ds))`) or pass it to a DataLoader; for rows by index "
+        "of a packed directory use flamia_pack.formats.iter_rows or load_packed(...).row(i)"
+    )
+
+
 def _check_state(state: Any, kind: str, expect: dict[str, Any]) -> None:
     """Raise FlamiaError unless ``state`` is a ``kind`` state whose config entries equal ``expect``."""
     if not isinstance(state, dict) or state.get("kind") != kind:
@@ -366,6 +376,14 @@ class PackedDataset(IterableDataset):
         n = self.num_rows
         return (r + 1) * n // w - r * n // w
 
+    def __getitem__(self, index: Any) -> Any:
+        """Not supported (iterable-only; ``len`` is the per-rank row count, not an index range).
+
+        Raises:
+            TypeError: always; the message says how to read rows.
+        """
+        _no_random_access(self, index)
+
     # -- order ------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Select epoch ``epoch`` (>= 0): its shuffle order, starting from its first row.
@@ -578,6 +596,14 @@ class StreamingPackedDataset(IterableDataset):
         d = dict(self.__dict__)
         d["_rng"] = None  # rebuilt from _rng_state
         return d
+
+    def __getitem__(self, index: Any) -> Any:
+        """Not supported: rows are packed on the fly, in stream order only.
+
+        Raises:
+            TypeError: always; the message says how to read rows.
+        """
+        _no_random_access(self, index)
 
     def set_epoch(self, epoch: int) -> None:
         """Select epoch ``epoch`` (>= 0; seeds the shuffle buffer) and start it from the beginning.
