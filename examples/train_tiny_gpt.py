@@ -116,8 +116,15 @@ class TinyGPT(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # training loop
 # ---------------------------------------------------------------------------------------------
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: ...)`` except where the default is None (the help text says what None means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_DefaultsFormatter)
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cuda' or 'cpu'")
     p.add_argument("--capacity", type=int, default=None, help="tokens per packed row (default 16384 on GPU, 512 on CPU)")
