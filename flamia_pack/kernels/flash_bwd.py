@@ -433,20 +433,19 @@ def flash_bwd(
 
         do_c = do if do.is_contiguous() else do.contiguous()
         skip = config.bwd_gluon_min_len
-        if config.bwd_gluon_dq_reduce and config.bwd_gluon_retire_first:
-            # dQ partials added by the dK/dV programs (TMA bulk reduce into fp32), one cast after;
-            # the Triton launch below then overwrites the rows of what the Gluon programs skip
-            dq_red = torch.zeros((T, H, D), dtype=torch.float32, device=q.device)
-            gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
-                                       wl_block_m=config.wl_block_m, skip_len=skip, retire_first=True,
-                                       dk=dk, dv=dv, dq_acc=dq_red)
-            torch.mul(dq_red, softmax_scale, out=dq)  # one pass: fp32 read, bf16 write
-        else:
-            gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
-                                       wl_block_m=config.wl_block_m, skip_len=skip,
-                                       retire_first=config.bwd_gluon_retire_first, dk=dk, dv=dv)
+        # with bwd_gluon_dq_reduce the dK/dV programs add the dQ partials to an fp32 accumulator (TMA
+        # bulk reduce) and one cast replaces the dQ programs; the Triton launch below then overwrites
+        # the rows of what the Gluon programs skip
+        dq_red = (torch.zeros((T, H, D), dtype=torch.float32, device=q.device)
+                  if config.bwd_gluon_dq_reduce and config.bwd_gluon_retire_first else None)
+        gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
+                                   wl_block_m=config.wl_block_m, skip_len=skip,
+                                   retire_first=config.bwd_gluon_retire_first, dk=dk, dv=dv, dq_acc=dq_red)
+        if dq_red is None:
             gluon_attention.gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
                                      wl_block_m=config.wl_block_m, skip_len=skip, dq=dq)
+        else:
+            torch.mul(dq_red, softmax_scale, out=dq)  # one pass: fp32 read, bf16 write
         # merged items and documents of <= bwd_gluon_min_len tokens (skipped by the Gluon programs)
         left = replace(config, **SMALL_TILES) if config.bwd_gluon_leftover_small else config
         if config.bwd_leftover_compact:

@@ -159,13 +159,8 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
         gl.thread_barrier()
         dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
         dqp = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
-    if DQ_REDUCE:
         dv = warpgroup_mma(p_smem, do_bufs.index(s), dv, is_async=True)
         dk = warpgroup_mma(ds_smem, q_bufs.index(s), dk, is_async=True)
-    else:
-        dv = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), op_layout), do_bufs.index(s), dv, is_async=True)
-        dk = warpgroup_mma(gl.convert_layout(ds_bf, op_layout), q_bufs.index(s), dk, is_async=True)
-    if DQ_REDUCE:
         # the dQ partial retires first (groups retire in order) while dV / dK run; it is added to
         # the fp32 dQ accumulator by one TMA bulk reduce (FlashAttention-3's dQ path)
         dqp = warpgroup_mma_wait(2, deps=(dqp,))
@@ -175,6 +170,9 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
         fence_async_shared()
         gl.thread_barrier()
         _tma_reduce_add(dq_desc, [rs + j * BLOCK_M, h * HEAD_DIM], dq_stage)
+    else:
+        dv = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), op_layout), do_bufs.index(s), dv, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds_bf, op_layout), q_bufs.index(s), dk, is_async=True)
     return dk, dv
 
 
