@@ -109,8 +109,8 @@ for name, (lengths, pad, min_len, h, hkv, compact, *extra) in json.loads(sys.arg
 
     def fake_dkdv(*a, dk, dv, dq_acc=None, **kw):
         fake((dk, truth[1]), (dv, truth[2]))
-        if dq_acc is not None:  # what the TMA reduces leave: dQ / softmax_scale on the owned rows
-            dq_acc[own] = truth[0][own].float() / 0.125
+        if dq_acc is not None:  # the TMA reduces add dQ / softmax_scale to the (zeroed) owned rows
+            dq_acc[own] += truth[0][own].float() / 0.125
 
     G.gluon_dkdv = fake_dkdv
     def fake_dq(*a, dq, **kw):
@@ -119,7 +119,18 @@ for name, (lengths, pad, min_len, h, hkv, compact, *extra) in json.loads(sys.arg
 
     G.gluon_dq = fake_dq
     B._gluon_applies = lambda config, *a: config.bwd_gluon
-    got = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125, config=cfg)
+    empty = torch.empty
+
+    def poisoned(*a, **kw):  # fresh float buffers start as NaN: the dQ accumulator must be zeroed by flash_bwd
+        t = empty(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = poisoned
+    try:
+        got = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125,
+                          config=cfg)
+    finally:
+        torch.empty = empty
     if small:  # the skipped tokens come from the small tiles (another summation order): their own truth
         from flamia_pack.kernels.config import SMALL_TILES
         small_truth = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125,

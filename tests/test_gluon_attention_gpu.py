@@ -31,7 +31,7 @@ def _gluon(d: int, name: str = "gluon"):
 
 
 @pytest.mark.parametrize("name", ["gluon", "gluon_l1", "gluon_l256", "gluon_serial", "gluon_compact", "gluon_next",
-                                  "gluon_dqr"])
+                                  "gluon_dqr", "gluon_dq_programs"])
 @pytest.mark.parametrize("lengths,h,hkv,d,pad", [
     ([2048, 2048], 8, 8, 128, 0),
     ([300, 129, 1000, 77, 700, 1890], 4, 4, 128, 37),
@@ -88,14 +88,14 @@ def test_dq_reduce_agrees_and_deterministic_turns_it_off():
     g = torch.Generator(device="cuda").manual_seed(6)
     q, k, v, do = (torch.randn((T, hh, 128), device="cuda", generator=g, dtype=torch.bfloat16) for hh in (8, 4, 4, 8))
     grads = {}
-    for name, det in (("gluon", False), ("gluon_dqr", False), ("gluon_dqr", True)):
+    for name, det in (("gluon_dq_programs", False), ("gluon_dqr", False), ("gluon_dqr", True)):
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
         for x in xs:
             x.grad = None
         o = varlen_attention(*xs, cu, max(lengths), config=candidate_config(name, head_dim=128), deterministic=det)
         o.backward(do)
         grads[(name, det)] = [x.grad for x in xs]
-    ref, red, det = grads[("gluon", False)], grads[("gluon_dqr", False)], grads[("gluon_dqr", True)]
+    ref, red, det = grads[("gluon_dq_programs", False)], grads[("gluon_dqr", False)], grads[("gluon_dqr", True)]
     for a, b in zip(det, ref):
         assert torch.equal(a, b)
     assert torch.equal(red[1], ref[1]) and torch.equal(red[2], ref[2])  # dK, dV: the same products

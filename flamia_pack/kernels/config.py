@@ -188,14 +188,17 @@ class AttentionKernelConfig:
     instead of one exit-at-once program per (row, head) of the whole list (W1: 512 instead of 16,896
     programs). Checked bitwise on the CPU (interpreter); not yet timed or run on the GPU, so off."""
 
-    bwd_gluon_dq_reduce: bool = False
+    bwd_gluon_dq_reduce: bool = True
     """With ``bwd_gluon``: no dQ programs; every dK/dV step also computes its dQ partial ``dS K`` (a
     fifth product, with P^T and dS^T through shared memory) and adds it to a float32 accumulator by
     one TMA bulk reduce per 64 x D tile (FlashAttention-3's dQ path: 5 products per visible tile
-    pair instead of 7), then one cast to bf16. Not bitwise reproducible (the reduces' order
-    varies), so ``varlen_attention(..., deterministic=True)`` turns it off. CPU-screened only
-    (asynchronous wgmma, 88 B of spills for MHA D = 128); not yet run on the GPU: off (candidate
-    ``gluon_dqr``)."""
+    pair instead of 7); the backward's preprocess zeroes the accumulator and one cast writes dQ,
+    both only on the rows of documents the Gluon programs own. Not bitwise reproducible (the
+    reduces' order varies), so ``varlen_attention(..., deterministic=True)`` turns it off. Measured
+    on the H200 (2026-11-29, RESULTS "Session of 2026-11-29 (evening)" run 2, three passes): training
+    call 1.019x W1, 1.034x W2, 1.040x W5, 1.059x W8, 1.053x W9, 0.987x W3 vs the dQ programs; on by
+    default since then except for 513-1,024-token rows (``fwd_small``); candidate
+    ``gluon_dq_programs`` is the previous backward."""
 
     bwd_gluon_leftover_small: bool = True
     """With ``bwd_gluon``: the Triton launch for what the Gluon programs skip (merged items, documents
@@ -299,10 +302,12 @@ CANDIDATES: dict[str, dict] = {
     "gluon": {**HEAD_MAJOR, "bwd_gluon": True},
     "gluon_compact": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_leftover_compact": True},
     "gluon_retire": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": True},
-    # dQ partials reduced into fp32 by TMA from the dK/dV programs (5 products; unmeasured)
+    # dQ partials reduced into fp32 by TMA from the dK/dV programs (5 products; the default)
     "gluon_dqr": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_dq_reduce": True},
+    # separate Gluon dQ programs (7 products; bitwise reproducible; the default until 2026-11-29 evening)
+    "gluon_dq_programs": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_dq_reduce": False},
     # the dK/dV kernel of the night of 2026-11-29 (wgmma serialized by ptxas at D = 128)
-    "gluon_serial": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": False},
+    "gluon_serial": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": False, "bwd_gluon_dq_reduce": False},
     "gluon_next": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": True, "bwd_leftover_compact": True,
                    "fwd_gluon": True},
     # the Gluon forward too (unmeasured: gluon_attention.py)
@@ -341,8 +346,10 @@ CANDIDATES: dict[str, dict] = {
     "bwd_small": {**HEAD_MAJOR, **{f: v for f, v in SMALL_TILES.items() if f.startswith("bwd_")}},
     # the same with the 64 x 64 forward (4 warps, two programs per SM)
     "small": {**HEAD_MAJOR, **SMALL_TILES},
-    # the small forward alone (default backward)
-    "fwd_small": {**HEAD_MAJOR, **{f: v for f, v in SMALL_TILES.items() if not f.startswith("bwd_")}},
+    # the small forward alone (default Gluon backward, with the dQ programs: the dQ reduce measured
+    # 0.987x on W3's 1,024-token rows)
+    "fwd_small": {**HEAD_MAJOR, **{f: v for f, v in SMALL_TILES.items() if not f.startswith("bwd_")},
+                  "bwd_gluon": True, "bwd_gluon_dq_reduce": False},
     # document-major launch order inside each head (L2 locality; the backward's L2 hit rate was
     # 56% vs FlexAttention's 82% on W1 under Nsight Compute)
     "doc_major": {**HEAD_MAJOR, "doc_major": True},

@@ -50,10 +50,37 @@ from flamia_pack.kernels.flash_fwd import LOG2E, doc_major_order, fill_tail, glu
 from flamia_pack.kernels.tiles_triton import masked_tile_index, program_geometry, relative_doc, tile_visible
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
+def _gluon_rows(CU, n_docs, rows, T, skip, n_steps):
+    """Mask of the ``rows`` (int32 block) the Gluon dK/dV programs own: rows of documents longer than
+    ``skip`` tokens, and padding rows past ``cu_seqlens[-1]`` (their dQ is zero).
+
+    A branch-free binary search over ``cu_seqlens`` (``n_steps >= ceil(log2(n_docs + 1))``) for the
+    document ``d`` with ``cu[d] <= row < cu[d + 1]``.
+    """
+    lo = tl.zeros_like(rows)
+    hi = lo + n_docs
+    for _ in range(n_steps):
+        mid = (lo + hi) // 2
+        go = tl.load(CU + mid, mask=rows < T, other=0) <= rows
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    start = tl.load(CU + lo, mask=rows < T, other=0)
+    end = tl.load(CU + lo + 1, mask=rows < T, other=0)
+    total = tl.load(CU + n_docs)
+    return (rows >= total) | (end - start > skip)
+
+
+@triton.jit(do_not_specialize=["T", "n_docs", "skip", "n_steps"])
 def _bwd_preprocess(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh,
-                    HAS_DLSE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """``Delta[h, t] = sum_d O[t, h, d] * dO[t, h, d] - dLSE[h, t]`` (fp32)."""
+                    DQ_ACC, CU, n_docs, skip, n_steps,
+                    HAS_DLSE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    ZERO_DQ: tl.constexpr):
+    """``Delta[h, t] = sum_d O[t, h, d] * dO[t, h, d] - dLSE[h, t]`` (fp32).
+
+    With ``ZERO_DQ`` it also zeroes the contiguous ``(T, H, HEAD_DIM)`` fp32 dQ accumulator of the Gluon
+    dQ reduce on the rows those programs own (:func:`_gluon_rows`); the other rows are left alone.
+    """
     h = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < T
@@ -64,6 +91,26 @@ def _bwd_preprocess(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, str
     if HAS_DLSE:
         delta -= tl.load(DLSE + h * stride_lh + rows, mask=ok, other=0.0)
     tl.store(DELTA + h * stride_lh + rows, delta, mask=ok)
+    if ZERO_DQ:
+        own = ok & _gluon_rows(CU, n_docs, rows, T, skip, n_steps)
+        acc = DQ_ACC + (rows.to(tl.int64)[:, None] * tl.num_programs(1) + h) * HEAD_DIM + d[None, :]
+        tl.store(acc, tl.zeros((BLOCK, HEAD_DIM), tl.float32), mask=own[:, None])
+
+
+@triton.jit(do_not_specialize=["T", "n_docs", "skip", "n_steps"])
+def _dq_reduce_cast(DQ_ACC, DQ, CU, n_docs, skip, n_steps, T, stride_qt, stride_qh, sm_scale,
+                    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``dQ = softmax_scale * acc`` (fp32 accumulator of the Gluon dQ reduce -> dQ's dtype) on the rows
+    those programs own (:func:`_gluon_rows`); the other rows are left to the small-document launch.
+    Grid ``(cdiv(T, BLOCK), H)``."""
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    own = (rows < T) & _gluon_rows(CU, n_docs, rows, T, skip, n_steps)
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(DQ_ACC + (rows.to(tl.int64)[:, None] * tl.num_programs(1) + h) * HEAD_DIM + d[None, :],
+                  mask=own[:, None], other=0.0)
+    tl.store(DQ + rows.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
+             (acc * sm_scale).to(DQ.dtype.element_ty), mask=own[:, None])
 
 
 @triton.jit
@@ -407,12 +454,23 @@ def flash_bwd(
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty((H, T), dtype=torch.float32, device=q.device)
+    gluon = _gluon_applies(config, causal, q, k, v)
+    # with bwd_gluon_dq_reduce the Gluon dK/dV programs add their dQ partials to an fp32 accumulator (TMA
+    # bulk reduce); the preprocess zeroes it and one cast replaces the dQ programs, both only on the
+    # rows those programs own (documents > bwd_gluon_min_len tokens, and padding rows)
+    dq_red = None
+    n_docs = cu_seqlens.shape[0] - 1
+    n_steps = max(1, int(n_docs).bit_length() + 1)
+    if gluon and config.bwd_gluon_dq_reduce and config.bwd_gluon_retire_first:
+        dq_red = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
     if T > 0:
         blk = 64
         has_dlse = dlse is not None
         _bwd_preprocess[(triton.cdiv(T, blk), H)](
             o, do, dlse if has_dlse else lse, delta, T, o.stride(0), o.stride(1), do.stride(0), do.stride(1),
-            delta.stride(0), HAS_DLSE=has_dlse, BLOCK=blk, HEAD_DIM=D, num_warps=4)
+            delta.stride(0), dq_red if dq_red is not None else delta, cu_seqlens, n_docs,
+            config.bwd_gluon_min_len, n_steps, HAS_DLSE=has_dlse, BLOCK=blk, HEAD_DIM=D,
+            ZERO_DQ=dq_red is not None, num_warps=4)
     atomic = bool(config.bwd_dq_atomic)  # never with hybrid_short_len (config validation)
     dq_desc = None
     dq_acc = delta  # unused unless atomic
@@ -428,24 +486,21 @@ def flash_bwd(
     order = doc_major_order(items) if config.doc_major else items
     # Triton launches: (config, sel, rank order, valid-rank count, ranks launched)
     parts = [(cfg, sel, order, num_items, items.shape[0]) for cfg, sel in config.launch_parts()]
-    if _gluon_applies(config, causal, q, k, v):
+    if gluon:
         from flamia_pack.kernels import gluon_attention
 
         do_c = do if do.is_contiguous() else do.contiguous()
         skip = config.bwd_gluon_min_len
-        # with bwd_gluon_dq_reduce the dK/dV programs add the dQ partials to an fp32 accumulator (TMA
-        # bulk reduce) and one cast replaces the dQ programs; the Triton launch below then overwrites
-        # the rows of what the Gluon programs skip
-        dq_red = (torch.zeros((T, H, D), dtype=torch.float32, device=q.device)
-                  if config.bwd_gluon_dq_reduce and config.bwd_gluon_retire_first else None)
         gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
                                    wl_block_m=config.wl_block_m, skip_len=skip,
                                    retire_first=config.bwd_gluon_retire_first, dk=dk, dv=dv, dq_acc=dq_red)
         if dq_red is None:
             gluon_attention.gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
                                      wl_block_m=config.wl_block_m, skip_len=skip, dq=dq)
-        else:
-            torch.mul(dq_red, softmax_scale, out=dq)  # one pass: fp32 read, bf16 write
+        elif T > 0:
+            _dq_reduce_cast[(triton.cdiv(T, 64), H)](dq_red, dq, cu_seqlens, n_docs, skip, n_steps, T,
+                                                     dq.stride(0), dq.stride(1), softmax_scale,
+                                                     BLOCK=64, HEAD_DIM=D, num_warps=4)
         # merged items and documents of <= bwd_gluon_min_len tokens (skipped by the Gluon programs)
         left = replace(config, **SMALL_TILES) if config.bwd_gluon_leftover_small else config
         if config.bwd_leftover_compact:
