@@ -45,7 +45,7 @@ def setup(lengths, H, Hkv, D=128, seed=0):
     o, lse = Fw.flash_fwd(q, k, v, cu, wl.items, wl.num_items, causal=True, softmax_scale=scale, config=cfg)
     delta = torch.empty((H, T), dtype=torch.float32, device="cuda")
     B._bwd_preprocess[(triton.cdiv(T, 64), H)](o, do, lse, delta, T, o.stride(0), o.stride(1), do.stride(0), do.stride(1),
-                                               delta.stride(0), delta, cu, cu.shape[0] - 1, 0, 1,
+                                               delta.stride(0), delta, cu, cu.shape[0] - 1, 0, 1, 0,
                                                HAS_DLSE=False, BLOCK=64, HEAD_DIM=D, ZERO_DQ=False, num_warps=4)
     items = wl.items
     n = int(wl.num_items.item())

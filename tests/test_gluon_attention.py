@@ -70,12 +70,14 @@ out = {}
 for name, (lengths, pad, min_len, h, hkv, compact, *extra) in json.loads(sys.argv[1]).items():
     small = bool(extra and extra[0])  # bwd_gluon_leftover_small: the leftover launch runs SMALL_TILES
     dqr = bool(len(extra) > 1 and extra[1])  # bwd_gluon_dq_reduce: dQ from the dK/dV kernel's fp32 accumulator
+    max_bytes = extra[2] if len(extra) > 2 else 512 << 20  # bwd_dq_reduce_max_bytes (chunks of kv heads)
     torch.manual_seed(3)
     T = sum(lengths) + pad
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     q, do = (torch.randn(T, h, 64, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(T, hkv, 64, dtype=torch.bfloat16) for _ in range(2))
-    cfg = AttentionKernelConfig(wl_block_m=64 if small else 32, bwd_gluon_leftover_small=small, bwd_gluon_dq_reduce=dqr, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16,
+    cfg = AttentionKernelConfig(wl_block_m=64 if small else 32, bwd_gluon_leftover_small=small, bwd_gluon_dq_reduce=dqr,
+                                bwd_dq_reduce_max_bytes=max_bytes, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16,
                                 bwd_block_m2=32, bwd_block_n2=16, bwd_gluon=True, bwd_gluon_min_len=min_len,
                                 bwd_leftover_compact=compact)
     wl = build_attention_work_list(cu, T, config=cfg)
@@ -107,10 +109,15 @@ for name, (lengths, pad, min_len, h, hkv, compact, *extra) in json.loads(sys.arg
             dst.fill_(float("nan"))
             dst[own] = t[own]
 
-    def fake_dkdv(*a, dk, dv, dq_acc=None, **kw):
+    chunks = []
+
+    def fake_dkdv(*a, dk, dv, dq_acc=None, kv_head0=0, kv_heads=None, **kw):
         fake((dk, truth[1]), (dv, truth[2]))
-        if dq_acc is not None:  # the TMA reduces add dQ / softmax_scale to the (zeroed) owned rows
-            dq_acc[own] += truth[0][own].float() / 0.125
+        chunks.append((kv_head0, kv_heads))
+        if dq_acc is not None:  # the TMA reduces add dQ / softmax_scale of the chunk's heads to the zeroed owned rows
+            g = h // hkv
+            n = (hkv - kv_head0) if kv_heads is None else kv_heads
+            dq_acc[own, : n * g] += truth[0][own][:, kv_head0 * g: (kv_head0 + n) * g].float() / 0.125
 
     G.gluon_dkdv = fake_dkdv
     def fake_dq(*a, dq, **kw):
@@ -158,7 +165,8 @@ for name, (lengths, pad, min_len, h, hkv, compact, *extra) in json.loads(sys.arg
     out[name] = {"equal": all(torch.equal(a, b) for a, b in zip(got, truth)),
                  "fwd_equal": torch.equal(o_got, o_truth) and torch.equal(lse_got, lse_truth),
                  "skipped_tokens": int(skip[: cu_l[-1]].sum()), "count": int(count), "ranks": ranks,
-                 "rows": int(wl.num_items), "capacity": wl.items.shape[0], "n_docs": len(lengths)}
+                 "rows": int(wl.num_items), "capacity": wl.items.shape[0], "n_docs": len(lengths),
+                 "chunks": chunks}
 print("RESULTS " + json.dumps(out))
 """
 
@@ -180,7 +188,9 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
              "whole_list_launch": ([70, 5, 33, 1, 1, 2, 40, 1], 7, 1, 4, 2, False),
              "small_leftover": ([70, 5, 33, 1, 1, 2, 40, 130], 3, 40, 2, 1, False, True),
              "small_leftover_compact": ([150, 5, 33, 1, 64, 2, 40, 1], 0, 64, 2, 2, True, True),
-             "dq_reduce": ([70, 5, 33, 1, 1, 2, 40, 90], 5, 40, 4, 2, False, True, True)}
+             "dq_reduce": ([70, 5, 33, 1, 1, 2, 40, 90], 5, 40, 4, 2, False, True, True),
+             # accumulator capped at one kv head's (4 * T * 2 * 64 bytes, T = 247): four chunks, one buffer
+             "dq_reduce_chunks": ([70, 5, 33, 1, 1, 2, 40, 90], 5, 40, 8, 4, False, True, True, 4 * 247 * 2 * 64)}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", _LEFTOVER_SCRIPT, json.dumps(cases)], env=env, cwd=root,
@@ -193,6 +203,8 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
         assert r["count"] <= r["ranks"] <= r["capacity"], (name, r)
     assert res["merged_and_one_token"]["skipped_tokens"] > 0 and res["merged_and_one_token"]["count"] > 0
     assert res["no_short_docs"]["count"] == 0
+    assert res["dq_reduce"]["chunks"] == [[0, 2]]
+    assert res["dq_reduce_chunks"]["chunks"] == [[0, 1], [1, 1], [2, 1], [3, 1]]
     # min_len 1: at most one leftover row per document, far fewer than the list's rows
     assert res["merged_and_one_token"]["ranks"] <= res["merged_and_one_token"]["n_docs"]
 

@@ -9,6 +9,8 @@ rows, and a non-causal call (which falls back to Triton).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -50,7 +52,7 @@ def test_gluon_backward_vs_reference(lengths, h, hkv, d, pad, name):
 
 def test_gluon_matches_triton_backward_and_is_deterministic():
     """Same computation as the Triton backward (fp32 accumulation of the same products): the two agree
-    to bf16 rounding, and two Gluon runs agree bitwise (no atomics)."""
+    to bf16 rounding, and two Gluon runs with the dQ programs agree bitwise (no atomics, no reduces)."""
     if not _HOPPER:
         pytest.skip("sm_90 only")
     from flamia_pack.kernels import varlen_attention
@@ -63,7 +65,7 @@ def test_gluon_matches_triton_backward_and_is_deterministic():
     grads = {}
     for name in ("gluon", "gluon2", "triton_bwd"):
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
-        cfg = candidate_config(name.rstrip("2"), head_dim=128)
+        cfg = candidate_config("gluon_dq_programs" if name.startswith("gluon") else name, head_dim=128)
         o = varlen_attention(*xs, cu, max(lengths), config=cfg)
         o.backward(do)
         grads[name] = [x.grad for x in xs]
@@ -88,19 +90,23 @@ def test_dq_reduce_agrees_and_deterministic_turns_it_off():
     g = torch.Generator(device="cuda").manual_seed(6)
     q, k, v, do = (torch.randn((T, hh, 128), device="cuda", generator=g, dtype=torch.bfloat16) for hh in (8, 4, 4, 8))
     grads = {}
-    for name, det in (("gluon_dq_programs", False), ("gluon_dqr", False), ("gluon_dqr", True)):
+    # "chunks": the accumulator capped at one kv head's bytes (bwd_dq_reduce_max_bytes): 4 launches, one buffer
+    one_head = 4 * T * 2 * 128
+    for name, det in (("gluon_dq_programs", False), ("gluon_dqr", False), ("gluon_dqr", True), ("chunks", False)):
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
-        for x in xs:
-            x.grad = None
-        o = varlen_attention(*xs, cu, max(lengths), config=candidate_config(name, head_dim=128), deterministic=det)
+        cfg = candidate_config("gluon_dqr" if name == "chunks" else name, head_dim=128)
+        if name == "chunks":
+            cfg = dataclasses.replace(cfg, bwd_dq_reduce_max_bytes=one_head)
+        o = varlen_attention(*xs, cu, max(lengths), config=cfg, deterministic=det)
         o.backward(do)
         grads[(name, det)] = [x.grad for x in xs]
-    ref, red, det = grads[("gluon_dq_programs", False)], grads[("gluon_dqr", False)], grads[("gluon_dqr", True)]
+    ref, det = grads[("gluon_dq_programs", False)], grads[("gluon_dqr", True)]
     for a, b in zip(det, ref):
         assert torch.equal(a, b)
-    assert torch.equal(red[1], ref[1]) and torch.equal(red[2], ref[2])  # dK, dV: the same products
-    err = ((red[0].float() - ref[0].float()).norm() / ref[0].float().norm()).item()
-    assert err < 2e-3, err
+    for red in (grads[("gluon_dqr", False)], grads[("chunks", False)]):
+        assert torch.equal(red[1], ref[1]) and torch.equal(red[2], ref[2])  # dK, dV: the same products
+        err = ((red[0].float() - ref[0].float()).norm() / ref[0].float().norm()).item()
+        assert err < 2e-3, err
 
 
 def test_noncausal_falls_back_to_triton():

@@ -200,6 +200,14 @@ class AttentionKernelConfig:
     default since then except for 513-1,024-token rows (``fwd_small``); candidate
     ``gluon_dq_programs`` is the previous backward."""
 
+    bwd_dq_reduce_max_bytes: int = 512 << 20
+    """With ``bwd_gluon_dq_reduce``: the most bytes of the float32 dQ accumulator (``4 * T * H_q * D``
+    for the whole call). A call that needs more runs the Gluon dK/dV programs over chunks of kv heads
+    whose accumulator fits (one buffer, reused), so the backward's extra memory stays bounded on
+    long rows (S2, T = 131,072, 16 heads: two chunks of 512 MiB instead of 1 GiB: peak 1.13x of the
+    call's own tensors instead of 1.25x; the limit of issue 5 is 1.15x). At least one kv head's
+    accumulator is always used."""
+
     bwd_gluon_leftover_small: bool = True
     """With ``bwd_gluon``: the Triton launch for what the Gluon programs skip (merged items, documents
     of at most ``bwd_gluon_min_len`` tokens) runs the small tile set (:data:`SMALL_TILES`: 64-key
@@ -252,6 +260,9 @@ class AttentionKernelConfig:
             raise FlamiaError(f"AttentionKernelConfig.hybrid_short_len must be an int >= 0, got {self.hybrid_short_len!r}")
         if self.hybrid_short_len and self.bwd_dq_atomic:
             raise FlamiaError("AttentionKernelConfig.hybrid_short_len needs bwd_dq_atomic=False (one dQ path per call)")
+        if not _is_int(self.bwd_dq_reduce_max_bytes) or self.bwd_dq_reduce_max_bytes < 1:
+            raise FlamiaError(f"AttentionKernelConfig.bwd_dq_reduce_max_bytes must be an int >= 1, "
+                              f"got {self.bwd_dq_reduce_max_bytes!r}")
         if not _is_int(self.bwd_gluon_min_len) or self.bwd_gluon_min_len < 1:
             raise FlamiaError(f"AttentionKernelConfig.bwd_gluon_min_len must be an int >= 1, got {self.bwd_gluon_min_len!r}")
         if self.schedule not in SCHEDULES:

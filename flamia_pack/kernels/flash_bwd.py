@@ -71,15 +71,16 @@ def _gluon_rows(CU, n_docs, rows, T, skip, n_steps):
     return (rows >= total) | (end - start > skip)
 
 
-@triton.jit(do_not_specialize=["T", "n_docs", "skip", "n_steps"])
+@triton.jit(do_not_specialize=["T", "n_docs", "skip", "n_steps", "acc_heads"])
 def _bwd_preprocess(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh,
-                    DQ_ACC, CU, n_docs, skip, n_steps,
+                    DQ_ACC, CU, n_docs, skip, n_steps, acc_heads,
                     HAS_DLSE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                     ZERO_DQ: tl.constexpr):
     """``Delta[h, t] = sum_d O[t, h, d] * dO[t, h, d] - dLSE[h, t]`` (fp32).
 
-    With ``ZERO_DQ`` it also zeroes the contiguous ``(T, H, HEAD_DIM)`` fp32 dQ accumulator of the Gluon
-    dQ reduce on the rows those programs own (:func:`_gluon_rows`); the other rows are left alone.
+    With ``ZERO_DQ`` it also zeroes the contiguous ``(T, acc_heads, HEAD_DIM)`` fp32 dQ accumulator of
+    the Gluon dQ reduce (the first chunk's heads ``h < acc_heads``) on the rows those programs own
+    (:func:`_gluon_rows`); the other rows are left alone.
     """
     h = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -92,25 +93,29 @@ def _bwd_preprocess(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, str
         delta -= tl.load(DLSE + h * stride_lh + rows, mask=ok, other=0.0)
     tl.store(DELTA + h * stride_lh + rows, delta, mask=ok)
     if ZERO_DQ:
-        own = ok & _gluon_rows(CU, n_docs, rows, T, skip, n_steps)
-        acc = DQ_ACC + (rows.to(tl.int64)[:, None] * tl.num_programs(1) + h) * HEAD_DIM + d[None, :]
-        tl.store(acc, tl.zeros((BLOCK, HEAD_DIM), tl.float32), mask=own[:, None])
+        if h < acc_heads:
+            own = ok & _gluon_rows(CU, n_docs, rows, T, skip, n_steps)
+            acc = DQ_ACC + (rows.to(tl.int64)[:, None] * acc_heads + h) * HEAD_DIM + d[None, :]
+            tl.store(acc, tl.zeros((BLOCK, HEAD_DIM), tl.float32), mask=own[:, None])
 
 
-@triton.jit(do_not_specialize=["T", "n_docs", "skip", "n_steps"])
-def _dq_reduce_cast(DQ_ACC, DQ, CU, n_docs, skip, n_steps, T, stride_qt, stride_qh, sm_scale,
-                    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """``dQ = softmax_scale * acc`` (fp32 accumulator of the Gluon dQ reduce -> dQ's dtype) on the rows
-    those programs own (:func:`_gluon_rows`); the other rows are left to the small-document launch.
-    Grid ``(cdiv(T, BLOCK), H)``."""
+@triton.jit(do_not_specialize=["T", "n_docs", "skip", "n_steps", "acc_heads", "h0"])
+def _dq_reduce_cast(DQ_ACC, DQ, CU, n_docs, skip, n_steps, T, acc_heads, h0, stride_qt, stride_qh, sm_scale,
+                    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ZERO_AFTER: tl.constexpr):
+    """``dQ[:, h0 + h] = softmax_scale * acc[:, h]`` (the ``(T, acc_heads, HEAD_DIM)`` fp32 accumulator of
+    the Gluon dQ reduce -> dQ's dtype) on the rows those programs own (:func:`_gluon_rows`); the
+    other rows are left to the small-document launch. With ``ZERO_AFTER`` the read rows are zeroed
+    for the next chunk of heads. Grid ``(cdiv(T, BLOCK), heads of the chunk)``."""
     h = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     own = (rows < T) & _gluon_rows(CU, n_docs, rows, T, skip, n_steps)
     d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(DQ_ACC + (rows.to(tl.int64)[:, None] * tl.num_programs(1) + h) * HEAD_DIM + d[None, :],
-                  mask=own[:, None], other=0.0)
-    tl.store(DQ + rows.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
+    ptrs = DQ_ACC + (rows.to(tl.int64)[:, None] * acc_heads + h) * HEAD_DIM + d[None, :]
+    acc = tl.load(ptrs, mask=own[:, None], other=0.0)
+    tl.store(DQ + rows.to(tl.int64)[:, None] * stride_qt + (h0 + h) * stride_qh + d[None, :],
              (acc * sm_scale).to(DQ.dtype.element_ty), mask=own[:, None])
+    if ZERO_AFTER:
+        tl.store(ptrs, tl.zeros((BLOCK, HEAD_DIM), tl.float32), mask=own[:, None])
 
 
 @triton.jit
@@ -458,18 +463,21 @@ def flash_bwd(
     # with bwd_gluon_dq_reduce the Gluon dK/dV programs add their dQ partials to an fp32 accumulator (TMA
     # bulk reduce); the preprocess zeroes it and one cast replaces the dQ programs, both only on the
     # rows those programs own (documents > bwd_gluon_min_len tokens, and padding rows)
+    # (heads in chunks of chunk_kv kv heads when the whole accumulator would pass bwd_dq_reduce_max_bytes)
     dq_red = None
     n_docs = cu_seqlens.shape[0] - 1
     n_steps = max(1, int(n_docs).bit_length() + 1)
+    group = H // Hkv
+    chunk_kv = max(1, min(Hkv, config.bwd_dq_reduce_max_bytes // max(1, 4 * T * group * D)))
     if gluon and config.bwd_gluon_dq_reduce and config.bwd_gluon_retire_first:
-        dq_red = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
+        dq_red = torch.empty((T, chunk_kv * group, D), dtype=torch.float32, device=q.device)
     if T > 0:
         blk = 64
         has_dlse = dlse is not None
         _bwd_preprocess[(triton.cdiv(T, blk), H)](
             o, do, dlse if has_dlse else lse, delta, T, o.stride(0), o.stride(1), do.stride(0), do.stride(1),
             delta.stride(0), dq_red if dq_red is not None else delta, cu_seqlens, n_docs,
-            config.bwd_gluon_min_len, n_steps, HAS_DLSE=has_dlse, BLOCK=blk, HEAD_DIM=D,
+            config.bwd_gluon_min_len, n_steps, chunk_kv * group, HAS_DLSE=has_dlse, BLOCK=blk, HEAD_DIM=D,
             ZERO_DQ=dq_red is not None, num_warps=4)
     atomic = bool(config.bwd_dq_atomic)  # never with hybrid_short_len (config validation)
     dq_desc = None
@@ -491,16 +499,20 @@ def flash_bwd(
 
         do_c = do if do.is_contiguous() else do.contiguous()
         skip = config.bwd_gluon_min_len
-        gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
-                                   wl_block_m=config.wl_block_m, skip_len=skip,
-                                   retire_first=config.bwd_gluon_retire_first, dk=dk, dv=dv, dq_acc=dq_red)
+        for kv0 in range(0, Hkv, chunk_kv if dq_red is not None else Hkv):
+            n_kv = min(Hkv - kv0, chunk_kv) if dq_red is not None else Hkv
+            gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
+                                       wl_block_m=config.wl_block_m, skip_len=skip,
+                                       retire_first=config.bwd_gluon_retire_first, dk=dk, dv=dv, dq_acc=dq_red,
+                                       kv_head0=kv0, kv_heads=n_kv)
+            if dq_red is not None and T > 0:  # the chunk's dQ rows; its accumulator zeroed for the next chunk
+                _dq_reduce_cast[(triton.cdiv(T, 64), n_kv * group)](
+                    dq_red, dq, cu_seqlens, n_docs, skip, n_steps, T, chunk_kv * group, kv0 * group,
+                    dq.stride(0), dq.stride(1), softmax_scale, BLOCK=64, HEAD_DIM=D,
+                    ZERO_AFTER=kv0 + n_kv < Hkv, num_warps=4)
         if dq_red is None:
             gluon_attention.gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
                                      wl_block_m=config.wl_block_m, skip_len=skip, dq=dq)
-        elif T > 0:
-            _dq_reduce_cast[(triton.cdiv(T, 64), H)](dq_red, dq, cu_seqlens, n_docs, skip, n_steps, T,
-                                                     dq.stride(0), dq.stride(1), softmax_scale,
-                                                     BLOCK=64, HEAD_DIM=D, num_warps=4)
         # merged items and documents of <= bwd_gluon_min_len tokens (skipped by the Gluon programs)
         left = replace(config, **SMALL_TILES) if config.bwd_gluon_leftover_small else config
         if config.bwd_leftover_compact:

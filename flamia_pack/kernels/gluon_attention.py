@@ -106,7 +106,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_s
 
 @gluon.jit
 def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
-               rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc,
+               rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, dq_h0,
                MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                s_layout: gl.constexpr, op_layout: gl.constexpr, RETIRE_FIRST: gl.constexpr,
                DQ_REDUCE: gl.constexpr, dq_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
@@ -169,7 +169,7 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
         dq_stage.store(dqp)
         fence_async_shared()
         gl.thread_barrier()
-        _tma_reduce_add(dq_desc, [rs + j * BLOCK_M, h * HEAD_DIM], dq_stage)
+        _tma_reduce_add(dq_desc, [rs + j * BLOCK_M, (h - dq_h0) * HEAD_DIM], dq_stage)
     else:
         dv = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), op_layout), do_bufs.index(s), dv, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(ds_bf, op_layout), q_bufs.index(s), dk, is_async=True)
@@ -179,7 +179,7 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
 @gluon.jit
 def _dkdv_consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
                    stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
-                   ds_smem, p_smem, dq_stage, dq_desc,
+                   ds_smem, p_smem, dq_stage, dq_desc, dq_h0,
                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, RETIRE_FIRST: gl.constexpr, DQ_REDUCE: gl.constexpr):
     # the consumer's warps own the program's BLOCK_N keys, 16 rows per warp
@@ -198,17 +198,17 @@ def _dkdv_consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, D
         h = hk * GROUP + g
         for j in range(0, u0):
             dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
-                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, True,
+                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, dq_h0, True,
                                 BLOCK_M, BLOCK_N, s_layout, op_layout, RETIRE_FIRST, DQ_REDUCE, dq_layout, HEAD_DIM)
             c += 1
         for j in range(u0, u1):
             dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
-                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, False,
+                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, dq_h0, False,
                                 BLOCK_M, BLOCK_N, s_layout, op_layout, RETIRE_FIRST, DQ_REDUCE, dq_layout, HEAD_DIM)
             c += 1
         for j in range(u1, n_steps):
             dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, stride_lh,
-                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, True,
+                                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, dq_h0, True,
                                 BLOCK_M, BLOCK_N, s_layout, op_layout, RETIRE_FIRST, DQ_REDUCE, dq_layout, HEAD_DIM)
             c += 1
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
@@ -273,14 +273,14 @@ def _ring(a_desc, b_desc, STAGES: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl
 
 @gluon.jit
 def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
-                 stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, dq_desc,
+                 stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, dq_desc, kv_head0,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                  WL_BM: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                  RETIRE_FIRST: gl.constexpr = False, DQ_REDUCE: gl.constexpr = False):
-    # head-major grid: all entries of kv head 0 in the list's decreasing-cost order, then kv head 1, ...
+    # head-major grid: all entries of kv head kv_head0 in the list's decreasing-cost order, then the next, ...
     pid = gl.program_id(0)
     e = pid % max_entries
-    hk = pid // max_entries
+    hk = kv_head0 + pid // max_entries
     F: gl.constexpr = WL_BM // BLOCK_N
     # tiles_triton.program_geometry, rows are keys, causal, non-merged item
     qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
@@ -318,7 +318,8 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
     gl.warp_specialize([
         (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
                           stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
-                          ds_smem, p_smem, dq_stage, dq_desc, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST, DQ_REDUCE)),
+                          ds_smem, p_smem, dq_stage, dq_desc, kv_head0 * GROUP,
+                          GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST, DQ_REDUCE)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
                           rs, hk, n_steps, GROUP, HEAD_DIM, BLOCK_M)),
     ], [1], [24])
@@ -558,7 +559,8 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
                softmax_scale: float, *, block_m: int = 64, block_n: int = 128, wl_block_m: int = 128,
                stages: int = 2, skip_len: int = 0, retire_first: bool = True,
                dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
-               dq_acc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               dq_acc: torch.Tensor | None = None, kv_head0: int = 0,
+               kv_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV of causal packed attention (the dK/dV programs of ``flash_bwd``), warp-specialized Gluon.
 
     Args:
@@ -575,30 +577,40 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
             it (and LSE / Delta loaded behind the step's first products) they stay asynchronous
             and the kernel is spill-free: 1.02-1.06x faster training calls on the H200 (the default).
         dk, dv: optional preallocated outputs.
-        dq_acc: optional ``(T, H_q, D)`` float32 contiguous accumulator (zeroed by the caller): each
-            step also computes its dQ partial ``dS K`` (a fifth product, dS^T through shared memory)
-            and adds it to ``dq_acc`` by a TMA bulk reduce (FlashAttention-3's dQ path; needs
-            ``retire_first``). ``dq_acc`` then holds ``dQ / softmax_scale`` for the rows this
-            kernel owns, so the dQ programs are not needed; the summation order of the reduces
-            varies run to run (not bitwise reproducible). Config ``bwd_gluon_dq_reduce``.
+        dq_acc: optional ``(T, Hc, D)`` float32 contiguous accumulator (zeroed by the caller; ``Hc >=
+            kv_heads * H_q / H_kv``): each step also computes its dQ partial ``dS K`` (a fifth
+            product, dS^T through shared memory) and adds it to ``dq_acc[:, h - kv_head0 * H_q / H_kv]``
+            by a TMA bulk reduce (FlashAttention-3's dQ path; needs ``retire_first``). ``dq_acc`` then
+            holds ``dQ / softmax_scale`` of the chunk's query heads for the rows this kernel owns, so
+            the dQ programs are not needed; the summation order of the reduces varies run to run
+            (not bitwise reproducible). Config ``bwd_gluon_dq_reduce``.
+        kv_head0, kv_heads: run only kv heads ``[kv_head0, kv_head0 + kv_heads)`` (default all: a
+            caller bounding the accumulator's memory runs the heads in chunks,
+            ``bwd_dq_reduce_max_bytes``).
 
     Returns:
         ``(dk, dv)`` ``(T, H_kv, D)`` bf16; rows past ``cu_seqlens[-1]`` are left uninitialised.
 
     Raises:
         ValueError: an input not a contiguous bf16 CUDA tensor, shapes that disagree (T, head_dim,
-            ``H_q % H_kv``), a head_dim other than 64 / 128, or block sizes that do not tile.
+            ``H_q % H_kv``), a head_dim other than 64 / 128, block sizes that do not tile, a kv head
+            range outside ``[0, H_kv)``, or a ``dq_acc`` too small for the range's query heads.
     """
     T, H, D = q.shape
     Hkv = k.shape[1]
     _check_inputs("gluon_dkdv", q, k, v, do)
     if wl_block_m % block_n or block_n % block_m:
         raise ValueError(f"gluon_dkdv: need block_n | wl_block_m and block_m | block_n, got {block_m}, {block_n}, {wl_block_m}")
+    kv_heads = Hkv - kv_head0 if kv_heads is None else kv_heads
+    if not (0 <= kv_head0 and 1 <= kv_heads and kv_head0 + kv_heads <= Hkv):
+        raise ValueError(f"gluon_dkdv: kv heads [{kv_head0}, {kv_head0} + {kv_heads}) must lie in [0, H_kv={Hkv})")
     if dq_acc is not None:
-        if dq_acc.shape != q.shape or dq_acc.dtype != torch.float32 or not dq_acc.is_contiguous() \
-                or dq_acc.device != q.device:
-            raise ValueError(f"gluon_dkdv: dq_acc must be a contiguous float32 tensor shaped like q {tuple(q.shape)} "
-                             f"on {q.device}, got {dq_acc.dtype} {tuple(dq_acc.shape)} on {dq_acc.device}")
+        hc = kv_heads * (H // Hkv)
+        if dq_acc.dim() != 3 or dq_acc.shape[0] != T or dq_acc.shape[2] != D or dq_acc.shape[1] < hc \
+                or dq_acc.dtype != torch.float32 or not dq_acc.is_contiguous() or dq_acc.device != q.device:
+            raise ValueError(f"gluon_dkdv: dq_acc must be a contiguous float32 (T={T}, >= {hc}, D={D}) tensor "
+                             f"on {q.device} (the query heads of kv heads [{kv_head0}, {kv_head0 + kv_heads})), "
+                             f"got {dq_acc.dtype} {tuple(dq_acc.shape)} on {dq_acc.device}")
         if not retire_first:
             raise ValueError("gluon_dkdv: dq_acc (the dQ reduce) needs retire_first=True")
     dk = torch.empty_like(k) if dk is None else dk
@@ -606,11 +618,11 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
     max_entries = items.shape[0] * (wl_block_m // block_n)
     if T == 0 or max_entries == 0:
         return dk, dv
-    _dkdv_kernel[(max_entries * Hkv,)](
+    _dkdv_kernel[(max_entries * kv_heads,)](
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
         lse, delta, dk, dv, items, num_items, cu_seqlens, max_entries, int(skip_len),
         lse.stride(0), dk.stride(0), dv.stride(0), float(softmax_scale) * LOG2E, float(softmax_scale),
-        _descriptor(dq_acc if dq_acc is not None else q, block_m),
+        _descriptor(dq_acc if dq_acc is not None else q, block_m), int(kv_head0),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, WL_BM=wl_block_m, STAGES=stages,
         BLOCK_N=block_n, RETIRE_FIRST=bool(retire_first), DQ_REDUCE=dq_acc is not None,
         num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
