@@ -1,6 +1,6 @@
 """Compile the attention kernels for sm_90 WITHOUT a GPU and print their resource report.
 
-    PYTHONPATH=. python benchmarks/attention_compile_report.py ['{"D": 128, "fwd": [[BM, BN, warps, stages, persistent]],
+    PYTHONPATH=. python benchmarks/attention_compile_report.py ['{"D": 128, "fwd": [[BM, BN, warps, stages, persistent(, maxnreg)]],
         "bwd": [[M1, N1, M2, N2, warps, stages, {optional: KIND, MASKED_STAGES, USE_TMA, HEAD_MAJOR}]], "misc": true}']
 
 Uses triton's own ptxas/cuobjdump (shipped in the triton wheel) on the CPU development machine:
@@ -30,13 +30,14 @@ def sig(fn, types, consts):
             s[n] = types.get(n, "i32")
     return s
 
-def report(name, fn, types, consts, nw, ns):
+def report(name, fn, types, consts, nw, ns, maxnreg=0):
     sg = sig(fn, types, consts)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sg[n].startswith("*") or n.startswith("stride") or n in DIV16}
     src = ASTSource(fn=fn, signature=sg, constexprs=consts, attrs=attrs)
     try:
-        k = triton.compile(src, target=TARGET, options={"num_warps": nw, "num_stages": ns})
+        k = triton.compile(src, target=TARGET, options={"num_warps": nw, "num_stages": ns,
+                                                        **({"maxnreg": maxnreg} if maxnreg else {})})
     except Exception as e:
         print(f"{name}: COMPILE ERROR {type(e).__name__}: {str(e)[:2000]}")
         return
@@ -54,14 +55,19 @@ ptr.update({"LSE": "*fp32", "DELTA": "*fp32", "DQACC": "*fp32", "dq_desc": "tens
             "qk_scale": "fp32", "sm_scale": "fp32", "value": "fp32", "X": "*bf16"})
 cfgs = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
 D = int(cfgs.get("D", 128))
-for bm, bn, nw, ns, pers in cfgs.get("fwd", [(128, 64, 8, 3, False)]):
-    report(f"fwd D{D} {bm}x{bn} w{nw} s{ns} pers={pers}", F._fwd_kernel, ptr,
-           dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, F=128 // bm, WL_BM=128, CAUSAL=True, PERSISTENT=pers, HEAD_MAJOR=False, DOC_MAJOR=False), nw, ns)
+for bm, bn, nw, ns, pers, *mr in cfgs.get("fwd", [(128, 64, 8, 3, False)]):  # optional 6th: maxnreg (fwd_maxnreg)
+    report(f"fwd D{D} {bm}x{bn} w{nw} s{ns} pers={pers}{f' maxnreg={mr[0]}' if mr else ''}", F._fwd_kernel, ptr,
+           dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, F=128 // bm, WL_BM=128, CAUSAL=True, PERSISTENT=pers, HEAD_MAJOR=False, DOC_MAJOR=False), nw, ns,
+           mr[0] if mr else 0)
 for m1, n1, m2, n2, nw, ns, *extra in cfgs.get("bwd", [(64, 128, 128, 64, 8, 2)]):
     # optional 7th entry: {"KIND": 0|1|2, "MASKED_STAGES": s, "USE_TMA": bool, "HEAD_MAJOR": bool, "GROUP": H_q // H_kv}
     kc = {**dict(GROUP=1, REG_OPS=0, KIND=0, MASKED_STAGES=ns, USE_TMA=False, HEAD_MAJOR=False, DQ_ATOMIC=False, DQ_TMA=False, DOC_MAJOR=False), **(extra[0] if extra else {})}
     report(f"bwd D{D} m1={m1} n1={n1} m2={m2} n2={n2} w{nw} s{ns} {extra[0] if extra else ''}", B._bwd_kernel, ptr,
            dict(HEAD_DIM=D, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, F1=128 // n1, F2=128 // m2, WL_BM=128, CAUSAL=True, **kc), nw, ns)
 if cfgs.get("misc", True):
-    report("preprocess", B._bwd_preprocess, ptr, dict(HAS_DLSE=False, BLOCK=64, HEAD_DIM=D), 4, 1)
+    for zero in (False, True):
+        report(f"preprocess ZERO_DQ={zero}", B._bwd_preprocess, {**ptr, "DQ_ACC": "*fp32", "CU": "*i32"},
+               dict(HAS_DLSE=False, BLOCK=64, HEAD_DIM=D, ZERO_DQ=zero), 4, 1)
+    report("dq_reduce_cast", B._dq_reduce_cast, {**ptr, "DQ_ACC": "*fp32", "CU": "*i32", "sm_scale": "fp32"},
+           dict(BLOCK=64, HEAD_DIM=D, ZERO_AFTER=True), 4, 1)
     report("fill_tail", F._fill_tail_kernel, ptr, dict(BLOCK_R=64, BLOCK_C=256), 4, 1)

@@ -37,7 +37,8 @@ import traceback
 T0 = time.time()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-FWD_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "schedule", "wl_block_m", "merge_short", "fwd_gluon")
+FWD_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "schedule", "wl_block_m", "merge_short", "fwd_gluon",
+              "fwd_maxnreg")
 
 
 def log(msg: str) -> None:

@@ -165,6 +165,11 @@ class AttentionKernelConfig:
     backward on W1, W4, W5, W8, W9, 1.00-1.05x on W6, 0.98x on W2 (one 8k document and 224
     short ones); the small tile set (short-document rows) keeps the Triton backward."""
 
+    fwd_maxnreg: int = 0
+    """Forward (Triton): register cap per thread handed to ptxas (0: the compiler's choice). With a
+    cap, more programs fit on an SM (65,536 registers / (32 * num_warps * cap)), which hides load
+    latency when each program walks only a few key tiles (rows of short documents)."""
+
     fwd_gluon: bool = False
     """Forward: run the programs as the warp-specialized Gluon kernel of ``gluon_attention.py`` (a TMA
     producer warp streaming K / V, an 8-warp wgmma consumer; 128 queries x 128-key tiles) where it
@@ -260,6 +265,9 @@ class AttentionKernelConfig:
             raise FlamiaError(f"AttentionKernelConfig.hybrid_short_len must be an int >= 0, got {self.hybrid_short_len!r}")
         if self.hybrid_short_len and self.bwd_dq_atomic:
             raise FlamiaError("AttentionKernelConfig.hybrid_short_len needs bwd_dq_atomic=False (one dQ path per call)")
+        if not _is_int(self.fwd_maxnreg) or not (self.fwd_maxnreg == 0 or 24 <= self.fwd_maxnreg <= 255):
+            raise FlamiaError(f"AttentionKernelConfig.fwd_maxnreg must be 0 (no cap) or an int in [24, 255], "
+                              f"got {self.fwd_maxnreg!r}")
         if not _is_int(self.bwd_dq_reduce_max_bytes) or self.bwd_dq_reduce_max_bytes < 1:
             raise FlamiaError(f"AttentionKernelConfig.bwd_dq_reduce_max_bytes must be an int >= 1, "
                               f"got {self.bwd_dq_reduce_max_bytes!r}")
@@ -397,6 +405,12 @@ CANDIDATES: dict[str, dict] = {
     # the small set as it was before 2026-11-29 evening: 16-query dK/dV steps (spill-free; twice the
     # steps and barriers of the 32-query step, which measured 1.015-1.03x faster)
     "small_m16": {**HEAD_MAJOR, **SMALL_TILES, "bwd_block_m1": 16},
+    # short-document forward occupancy (CPU-screened 2026-11-29 evening): 64 x 32 tiles need 176
+    # registers and 66 KB (2 programs per SM by registers); capped at 168, 3 programs per SM
+    "small_n32": {**HEAD_MAJOR, **SMALL_TILES, "block_n": 32},
+    "small_n32r": {**HEAD_MAJOR, **SMALL_TILES, "block_n": 32, "fwd_maxnreg": 168},
+    "fwd_small_n32r": {**HEAD_MAJOR, **{f: v for f, v in SMALL_TILES.items() if not f.startswith("bwd_")},
+                       "bwd_gluon": True, "bwd_gluon_dq_reduce": False, "block_n": 32, "fwd_maxnreg": 168},
     # small tiles with dQ by TMA bulk reduce-add from the dK/dV programs (no dQ programs)
     "small_dq_tma": {**HEAD_MAJOR, **SMALL_TILES, "bwd_dq_atomic": True, "bwd_dq_tma": 2},
     "small_dq_tma1": {**HEAD_MAJOR, **SMALL_TILES, "bwd_dq_atomic": True, "bwd_dq_tma": 1},
@@ -407,7 +421,7 @@ CANDIDATES: dict[str, dict] = {
 the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
 ``benchmarks/gpu_bwd_sweep.py`` (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)").
 Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
-_FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon"}
+_FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon", "fwd_maxnreg"}
 for _name, _ov in CANDIDATES.items():
     # a candidate that varies the Triton backward (its tiles, order or dQ path) runs it: with the
     # Gluon backward on, those fields would only reach the Triton launch of merged / short items

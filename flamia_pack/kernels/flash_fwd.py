@@ -292,7 +292,7 @@ def flash_fwd(
                 HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, F=f, WL_BM=cfg.wl_block_m,
                 CAUSAL=bool(causal), PERSISTENT=persistent, HEAD_MAJOR=cfg.schedule == "grid_head_major",
                 DOC_MAJOR=bool(cfg.doc_major),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.fwd_maxnreg} if cfg.fwd_maxnreg else {}),
             )
     fill_tail(o, cu_seqlens, 0.0, token_dim=0)
     fill_tail(lse, cu_seqlens, math.inf, token_dim=1)
