@@ -35,7 +35,9 @@ SMALL_BWD_MAX_SEQLEN = 512
 """MHA calls with ``SMALL_BWD_MAX_SEQLEN < max_seqlen <= SMALL_MAX_SEQLEN`` run the small forward with the
 default (Gluon) backward (``fwd_small``): on W3 (1,024-token documents) 1.019x and 1.028x the whole
 small set once the Gluon backward was asynchronous (RESULTS "Session of 2026-11-29 (day)" runs 3-4),
-while 512-token documents (U512) and W7 keep the whole small set (1.15x / 1.32x the default)."""
+while 512-token documents (U512) and W7 keep the whole small set (1.15x / 1.32x the default), since
+2026-11-29 evening with its forward on 64 x 32 tiles capped at 168 registers (``small_n32r``: three
+programs per SM instead of two; W7 forward 1.195x, training call 1.045x over ``small``, three passes)."""
 
 CONFIG_ENV = "FLAMIA_ATTN_CONFIG"
 """Environment variable naming a :data:`CANDIDATES` entry that :func:`kernel_config` applies on top
@@ -477,7 +479,9 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
 
     Rows of short documents only (``max_seqlen <=`` :data:`SMALL_MAX_SEQLEN`, head_dim 128) get the
     ``small`` tile set instead (MHA rows of ``SMALL_BWD_MAX_SEQLEN < max_seqlen <=
-    SMALL_MAX_SEQLEN`` only its forward, ``fwd_small``, with the default Gluon backward): 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
+    SMALL_MAX_SEQLEN`` only its forward, ``fwd_small``, with the default Gluon backward; MHA rows of
+    ``max_seqlen <= SMALL_BWD_MAX_SEQLEN`` its ``small_n32r`` variant, a 64 x 32 forward capped at
+    168 registers for three programs per SM): 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
     programs with 4 warps, two programs per SM, so one program's prologue and epilogue (which
     dominate when each program walks only a few tiles) overlap another's tiles. GQA calls
     (``num_kv_groups > 1``) get its 16-query dK/dV step (``small_m16``): with the group loop the
@@ -513,7 +517,7 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
     if max_seqlen is not None and head_dim == 128 and max_seqlen <= SMALL_MAX_SEQLEN:
         if num_kv_groups > 1:
             return candidate_config("small_m16", head_dim, causal, precision)
-        return candidate_config("small" if max_seqlen <= SMALL_BWD_MAX_SEQLEN else "fwd_small", head_dim, causal,
+        return candidate_config("small_n32r" if max_seqlen <= SMALL_BWD_MAX_SEQLEN else "fwd_small", head_dim, causal,
                                 precision)
     return _default_config(head_dim, causal, precision)
 
