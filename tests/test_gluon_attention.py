@@ -241,3 +241,66 @@ def test_gluon_kernels_compile_for_sm90_on_the_cpu(kind, kw, async_ok, max_spill
     if async_ok:
         assert not r["serialized"], r["ptxas"]
     assert "HGMMA" in r["sass"] and "UTMALDG" in r["sass"]
+
+
+_ROWS_SCRIPT = r"""
+import json, sys
+import numpy as np, torch, triton
+from flamia_pack.kernels import flash_bwd as B
+from flamia_pack.kernels.interpret import patch_triton_interpreter
+
+patch_triton_interpreter()
+rng = np.random.default_rng(int(sys.argv[1]))
+bad = []
+for case in range(int(sys.argv[2])):
+    n_docs = int(rng.integers(1, 40))
+    lengths = rng.choice([0, 1, 3, 16, 40, 41, 64, 65, 200], size=n_docs)
+    pad = int(rng.integers(0, 70))
+    skip = int(rng.choice([1, 16, 40, 64]))
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    T = int(cu[-1]) + pad
+    if T == 0:
+        continue
+    H, acc_heads, h0, D = 2, 3, 1, 64
+    n_steps = max(1, n_docs.bit_length() + 1)
+    acc = torch.randn(T, acc_heads, D)
+    dq = torch.full((T, acc_heads + 1, D), float("nan"), dtype=torch.bfloat16)
+    before = acc.clone()
+    B._dq_reduce_cast[(triton.cdiv(T, 64), H)](acc, dq, torch.from_numpy(cu), n_docs, skip, n_steps, T, acc_heads, h0,
+                                               dq.stride(0), dq.stride(1), 0.5, BLOCK=64, HEAD_DIM=D, ZERO_AFTER=True)
+    # the owned rows: documents longer than skip, and padding rows past cu[-1]
+    doc_len = np.repeat(lengths, lengths)
+    own = np.concatenate([doc_len > skip, np.ones(pad, dtype=bool)])
+    own_t = torch.from_numpy(own)
+    want = before[:, :H] * 0.5
+    # within one bf16 step (the interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest)
+    ok = (torch.allclose(dq[own_t][:, h0:h0 + H].float(), want[own_t], rtol=2 ** -7, atol=0)
+          and bool(torch.isnan(dq[~own_t].float()).all())           # rows not owned: untouched
+          and bool(torch.isnan(dq[:, :h0].float()).all()) and bool(torch.isnan(dq[:, h0 + H:].float()).all())
+          and bool((acc[own_t][:, :H] == 0).all())                  # zeroed for the next chunk
+          and torch.equal(acc[~own_t], before[~own_t]) and torch.equal(acc[:, H:], before[:, H:]))
+    if not ok:
+        bad.append({"lengths": lengths.tolist(), "pad": pad, "skip": skip})
+print("RESULTS " + json.dumps(bad))
+"""
+
+
+def test_dq_reduce_cast_writes_exactly_the_gluon_rows():
+    """Interpreter run of ``flash_bwd._dq_reduce_cast`` (and its ``_gluon_rows`` binary search of
+    ``cu_seqlens``) on random rows with empty documents, 1-token documents, lengths at the threshold
+    and row padding: it writes ``softmax_scale * acc`` to exactly the rows of documents longer than
+    ``skip`` and the padding rows, for the chunk's heads only, zeroes what it read, and leaves every
+    other row of dQ and of the accumulator untouched."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT, "7", "25"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and line, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert json.loads(line[-1][len("RESULTS "):]) == []
