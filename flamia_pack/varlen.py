@@ -76,7 +76,8 @@ def validate_cu_seqlens(
         )
     if not allow_empty_segments and d.size and d.min() == 0:
         i = int(np.argmin(d))
-        raise MetadataError(f"{name} has a zero-length segment at index {i} ({name}[{i}] == {name}[{i + 1}])")
+        raise MetadataError(f"{name} has a zero-length segment at index {i} ({name}[{i}] == {name}[{i + 1}]); "
+                            f"it must be strictly increasing (every document >= 1 token): drop empty documents")
     if total_tokens is not None and int(arr[-1]) != int(total_tokens):
         raise MetadataError(f"{name}[-1] must equal the number of tokens T={int(total_tokens)}, got {int(arr[-1])}")
     return arr

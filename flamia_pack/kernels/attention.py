@@ -460,8 +460,9 @@ def varlen_attention(
             "use precision='bf16'")
     if precision != "bf16":
         raise FlamiaError(f"precision must be 'bf16' (or 'fp8' once implemented), got {precision!r}")
-    if not isinstance(causal, bool) or not isinstance(return_lse, bool) or not isinstance(deterministic, bool):
-        raise FlamiaError("causal, return_lse and deterministic must be bool")
+    for flag, val in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)):
+        if not isinstance(val, bool):
+            raise FlamiaError(f"{flag} must be a bool (True or False), got {val!r} ({type(val).__name__})")
     for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
         _expect_tensor(name, x)
     env_candidate()  # a FLAMIA_ATTN_CONFIG typo fails on every path (CPU fallback, explicit config)

@@ -23,8 +23,10 @@ zero, replacing the load masks); ``bwd_masked_stages`` sets the pipelining depth
 loops; ``bwd_fused=False`` runs the two program kinds as two launches, the dQ launch with its own
 ``bwd_dq_num_warps`` / ``bwd_dq_num_stages``.
 
-The default path uses no atomics: the backward is deterministic (bitwise reproducible run to
-run). The price is recomputing QK^T and dO V^T in both program kinds (7 matrix products per tile
+The Triton path uses no atomics: it is deterministic (bitwise reproducible run to run). (On
+Hopper the default backward of documents > 512 tokens is the Gluon one, whose dK/dV programs also
+add dQ by TMA bulk reduces, ``bwd_gluon_dq_reduce``: not bitwise reproducible, so
+``deterministic=True`` runs its separate dQ programs instead.) The price is recomputing QK^T and dO V^T in both program kinds (7 matrix products per tile
 pair instead of 5), as in FlashAttention-2's Triton kernels and FlexAttention. The option
 ``bwd_dq_atomic`` (off under ``deterministic=True``) drops the dQ programs: the dK/dV programs add
 ``dS^T K`` into an fp32 accumulator with vector atomics, or with one TMA bulk reduce-add per tile

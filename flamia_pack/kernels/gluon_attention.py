@@ -3,7 +3,8 @@ and an experimental forward.
 
 FlashAttention-3's backward structure (Shah et al. 2024, §3 and the backward algorithm of its
 appendix) for the two program kinds of ``flash_bwd`` (same work list, same tile decisions, same
-products in the same fp32 accumulation; no atomics, so deterministic):
+products in the same fp32 accumulation; deterministic unless the dK/dV programs also reduce dQ,
+``dq_acc`` below, which is the default for ``deterministic=False``):
 
 - a **producer** partition (one warp, 24 registers) issues TMA loads: the program's own tiles once
   (K, V for dK/dV; Q, dO for dQ), then the walked tiles into a ``STAGES``-deep shared-memory ring,
