@@ -1,0 +1,98 @@
+"""Forward-only timing probe: is a row's forward GPU-bound or host-bound, and does the config path matter?
+
+Run on the GPU machine (one process, ~30 s):
+    ROWS=W7,W3,W1 PYTHONPATH=. python3 benchmarks/fwd_host_probe.py
+
+Why (benchmarks/RESULTS.md, "Session of 2026-11-29 (evening)" run 6): the benchmark timed W7's forward
+at 0.68 ms with ``config=None`` while the sweep timed the same kernels (``small_n32r``, passed as
+``config=``) at 0.44 ms, and the training call agreed in both. For each row and each way of
+choosing the config (``None``: the ``max_seqlen`` rule inside ``varlen_attention``; ``explicit``:
+``kernel_config(..., max_seqlen)`` passed in), this prints
+
+- ``bench``: the median of ``triton.testing.do_bench`` as ``bench_attention.py`` measures it
+  (``torch.no_grad``, L2 flushed before each call, CUDA events around the call),
+- ``graph``: the same call captured in a CUDA graph and replayed (no host work inside the timing),
+- ``host``: host microseconds per call when enqueuing 200 calls back to back without a sync,
+- ``loop``: wall time per call of those 200 calls including the final sync (GPU-bound when close to
+  ``graph``, host-bound when close to ``host``),
+
+first for the forward timed before any training call (as the benchmark does), then again after
+one training call. No output files; the table goes to stdout.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("fwd_host_probe: needs a CUDA GPU (nothing measured)")
+        return 0
+    import triton
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_attention as B
+    from flamia_pack.kernels import varlen_attention
+    from flamia_pack.kernels.attention import build_attention_work_list
+    from flamia_pack.kernels.config import kernel_config
+    from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
+
+    rows = os.environ.get("ROWS", "W7,W3,W1").split(",")
+    print(f"GPU {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    print("| row | config | phase | bench ms | graph ms | host us/call | loop ms/call |")
+    print("|---|---|---|---|---|---|---|")
+    for name in rows:
+        spec = WORKLOADS[name]
+        lengths = workload_lengths(name)
+        inp = B.make_inputs(lengths, spec["num_heads"], spec["num_kv_heads"], seed=5)
+        ms = inp["max_seqlen"]
+        for how in ("None", "explicit"):
+            cfg = None if how == "None" else kernel_config(128, True, max_seqlen=ms,
+                                                          num_kv_groups=spec["num_heads"] // spec["num_kv_heads"])
+            wl = build_attention_work_list(inp["cu"], inp["T"], causal=True, head_dim=128, config=cfg)
+
+            def fwd():
+                with torch.no_grad():
+                    return varlen_attention(inp["q"], inp["k"], inp["v"], inp["cu"], ms, causal=True,
+                                            work_list=wl, config=cfg)
+
+            leaves = [inp[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")]
+
+            def train():
+                o = varlen_attention(*leaves, inp["cu"], ms, causal=True, work_list=wl, config=cfg)
+                o.backward(inp["do"])
+
+            for phase in ("before training", "after training"):
+                if phase == "after training":
+                    train()
+                fwd()
+                torch.cuda.synchronize()
+                bench = B.time_ms(fwd, rep=60)
+                g = torch.cuda.CUDAGraph()
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    fwd()
+                torch.cuda.current_stream().wait_stream(s)
+                with torch.cuda.graph(g):
+                    fwd()
+                graph = float(triton.testing.do_bench(g.replay, warmup=20, rep=60, return_mode="median"))
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    fwd()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                print(f"| {name} | {how} | {phase} | {bench:.3f} | {graph:.3f} | {(t1 - t0) / 200 * 1e6:.0f} | "
+                      f"{(t2 - t0) / 200 * 1e3:.3f} |", flush=True)
+                del g
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
