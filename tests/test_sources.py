@@ -162,6 +162,11 @@ def test_read_flat_matches_documents(tmp_path, wordlevel_tokenizer):
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"input_ids": pa.array([], pa.list_(pa.int32()))}), empty)
     _check_read_flat(open_source(empty), [])
+    # an empty JSON lines file is zero documents too (as the empty parquet file), not an error
+    (tmp_path / "empty.jsonl").write_text("")
+    src = open_source(tmp_path / "empty.jsonl")
+    assert src.format == "jsonl" and src.num_docs == 0 and len(src) == 0
+    _check_read_flat(src, [])
 
 
 def test_jsonl_directory(tmp_path):

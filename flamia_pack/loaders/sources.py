@@ -813,7 +813,11 @@ def open_source(
     elif kind == "jsonl":
         nonempty = [f for f in files if f.stat().st_size > 0]
         if not nonempty:
-            raise SourceError(f"JSON lines input {p} is empty (no documents)")
+            # no documents, as an empty parquet file: zero documents (no schema to check a column against)
+            column = text_column or "text"
+            tok = load_tokenizer(tok_arg)
+            return DocumentSource(path=str(path), format=kind, column=column, pretokenized=False, tokenizer=tok,
+                                  num_docs=0, batch_rows=batch_rows, flat_reader=lambda: iter(()))
         files = nonempty
         first_json = _read_json(files[0])
         schema = first_json.schema
