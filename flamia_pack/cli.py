@@ -21,6 +21,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # docstring paragraphs re-flow to the terminal width
 )
 
 # ---- pack (issue: packing) -------------------------------------------------------------------
