@@ -128,6 +128,7 @@ from flamia_pack.kernels.config import AttentionKernelConfig, CANDIDATES
 import flamia_pack.kernels.config as C
 # the hybrid candidate's second launch uses SMALL_TILES: scaled like the candidates' tiles below
 C.SMALL_TILES.update({f: max(16, v // 4) for f, v in C.SMALL_TILES.items() if f.startswith(("block_", "bwd_block_"))})
+C.SHORT_FWD_TILES.update({f: max(16, v // 4) for f, v in C.SHORT_FWD_TILES.items() if f.startswith("block_")})
 n_desc = [0]
 orig = I.InterpreterBuilder.create_descriptor_load
 def counted(self, *a, **k):
@@ -146,8 +147,9 @@ for name, over in list(CANDIDATES.items()) + list(extra.items()):
     for f in ("block_m", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
         if f in over:  # the candidate's tile shape scaled to this small row (wl_block_m = 32)
             over[f] = max(16, over[f] // 4)
-    if "hybrid_short_len" in over:  # documents 40 and 23 in the long launch, the rest (merged too) in the short one
-        over["hybrid_short_len"] = 20
+    for f in ("hybrid_short_len", "fwd_short_len"):
+        if f in over:  # documents 40 and 23 in the long launch, the rest (merged too) in the short one
+            over[f] = 20
     cfg = AttentionKernelConfig(**{**small, **over})
     for causal in (True, False):
         n_desc[0] = 0
@@ -220,6 +222,26 @@ def test_hybrid_launch_parts_and_validation():
         AttentionKernelConfig(hybrid_short_len=-1)
     with pytest.raises(FlamiaError, match="bwd_dq_atomic"):
         AttentionKernelConfig(hybrid_short_len=64, bwd_dq_atomic=True)
+
+
+def test_forward_short_launch_parts_and_validation():
+    """``fwd_short_len``: the forward pass runs two launches (default tiles for long documents,
+    SHORT_FWD_TILES for the rest); the backward's launches are unchanged; ``hybrid_short_len`` wins."""
+    from flamia_pack.kernels.config import SHORT_FWD_TILES
+
+    cfg = candidate_config("fwd_split512")
+    assert cfg.bwd_gluon and cfg.bwd_gluon_dq_reduce  # the backward stays the default's
+    (long_cfg, s1), (short_cfg, s2) = cfg.launch_parts(forward=True)
+    assert (s1, s2) == (512, -512) and long_cfg.fwd_short_len == 0 == short_cfg.fwd_short_len
+    assert long_cfg.block_m == kernel_config(128).block_m and long_cfg.block_n == kernel_config(128).block_n
+    assert all(getattr(short_cfg, f) == v for f, v in SHORT_FWD_TILES.items())
+    assert cfg.launch_parts() == [(cfg, 0)]
+    both = dataclasses.replace(candidate_config("hybrid"), fwd_short_len=512)
+    assert [sel for _, sel in both.launch_parts(forward=True)] == [1024, -1024]
+    assert candidate_config("small_n32r") == dataclasses.replace(candidate_config("small"), **SHORT_FWD_TILES)
+    for bad in (-1, 1.5, True, "512"):
+        with pytest.raises(FlamiaError, match="fwd_short_len"):
+            AttentionKernelConfig(fwd_short_len=bad)
 
 
 def test_bwd_gluon_fields_validated():

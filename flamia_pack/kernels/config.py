@@ -22,7 +22,8 @@ from dataclasses import astuple, dataclass, replace
 from flamia_pack.errors import FlamiaError
 
 __all__ = ["AttentionKernelConfig", "kernel_config", "work_list_tile_config", "SCHEDULES", "CANDIDATES",
-           "CONFIG_ENV", "candidate_config", "env_candidate", "SMALL_MAX_SEQLEN", "SMALL_BWD_MAX_SEQLEN", "SMALL_TILES"]
+           "CONFIG_ENV", "candidate_config", "env_candidate", "SMALL_MAX_SEQLEN", "SMALL_BWD_MAX_SEQLEN", "SMALL_TILES",
+           "SHORT_FWD_TILES"]
 
 SMALL_MAX_SEQLEN = 1024
 """Calls whose ``max_seqlen`` is at most this (head_dim 128) run the ``small`` tile set
@@ -167,6 +168,16 @@ class AttentionKernelConfig:
     backward on W1, W4, W5, W8, W9, 1.00-1.05x on W6, 0.98x on W2 (one 8k document and 224
     short ones); the small tile set (short-document rows) keeps the Triton backward."""
 
+    fwd_short_len: int = 0
+    """Forward only (the backward is unaffected): 0 = one launch. ``L > 0``: items of documents longer
+    than ``L`` tokens run with these tiles, items of documents of at most ``L`` tokens (and merged
+    items) in a second launch with :data:`SHORT_FWD_TILES` (64 x 32, 4 warps, capped at 168
+    registers: three programs per SM), which ran W7's 256-token documents 1.45x faster than the
+    default tiles (RESULTS "Session of 2026-11-29 (evening)" run 5). For rows that mix long and short
+    documents (W2, W6), whose ``max_seqlen`` picks the default tiles for every item. Ignored with
+    ``hybrid_short_len`` or the Gluon forward. CPU-checked only (interpreter): off (candidate
+    ``fwd_split512``)."""
+
     fwd_maxnreg: int = 0
     """Forward (Triton): register cap per thread handed to ptxas (0: the compiler's choice). With a
     cap, more programs fit on an SM (65,536 registers / (32 * num_warps * cap)), which hides load
@@ -267,6 +278,8 @@ class AttentionKernelConfig:
             raise FlamiaError(f"AttentionKernelConfig.hybrid_short_len must be an int >= 0, got {self.hybrid_short_len!r}")
         if self.hybrid_short_len and self.bwd_dq_atomic:
             raise FlamiaError("AttentionKernelConfig.hybrid_short_len needs bwd_dq_atomic=False (one dQ path per call)")
+        if not _is_int(self.fwd_short_len) or self.fwd_short_len < 0:
+            raise FlamiaError(f"AttentionKernelConfig.fwd_short_len must be an int >= 0, got {self.fwd_short_len!r}")
         if not _is_int(self.fwd_maxnreg) or not (self.fwd_maxnreg == 0 or 24 <= self.fwd_maxnreg <= 255):
             raise FlamiaError(f"AttentionKernelConfig.fwd_maxnreg must be 0 (no cap) or an int in [24, 255], "
                               f"got {self.fwd_maxnreg!r}")
@@ -283,12 +296,17 @@ class AttentionKernelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
-    def launch_parts(self) -> list[tuple["AttentionKernelConfig", int]]:
+    def launch_parts(self, forward: bool = False) -> list[tuple["AttentionKernelConfig", int]]:
         """The launches of one pass as ``(config, sel)`` pairs (``sel`` as ``program_geometry``'s).
 
         ``[(self, 0)]``, or with ``hybrid_short_len = L``: ``[(self, L), (small, -L)]`` where
-        ``small`` is this configuration with :data:`SMALL_TILES` applied.
+        ``small`` is this configuration with :data:`SMALL_TILES` applied; for the ``forward`` pass
+        with ``fwd_short_len = L`` (and no ``hybrid_short_len``): ``[(self, L), (short, -L)]`` with
+        :data:`SHORT_FWD_TILES` applied.
         """
+        if forward and self.fwd_short_len and not self.hybrid_short_len:
+            short = replace(self, fwd_short_len=0, **SHORT_FWD_TILES)
+            return [(replace(self, fwd_short_len=0), self.fwd_short_len), (short, -self.fwd_short_len)]
         if not self.hybrid_short_len:
             return [(self, 0)]
         small = replace(self, hybrid_short_len=0, **SMALL_TILES)
@@ -313,6 +331,13 @@ programs per SM). Used for rows of short documents (``max_seqlen <= SMALL_MAX_SE
 short-document launch of ``hybrid_short_len``. The dK/dV step was 16 queries (spill-free) until the
 evening of 2026-11-29, when 32 measured 1.015-1.03x faster (W7, 512-token rows, W3; RESULTS run 7):
 candidates built from SMALL_TILES and measured before then ran the 16-query step (``small_m16``)."""
+
+SHORT_FWD_TILES: dict = {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3, "fwd_maxnreg": 168}
+"""The forward tiles of short documents (``small_n32r``, and the second launch of ``fwd_short_len``):
+64 x 32 tiles, 4 warps, 3 stages (66 KB), capped at 168 registers (176 uncapped; spill-free in the CPU
+screen), so three programs per SM instead of two: they hide each other's Q / first K-V load
+latency when each program walks only a few key tiles. W7 forward 1.195x, training call 1.045x over
+``small`` (H200, 2026-11-29 evening)."""
 
 HEAD_MAJOR: dict = {"schedule": "grid_head_major", "bwd_head_major": True}
 """Head-major program order in the forward and the backward (the default since 2026-11-29)."""
@@ -410,7 +435,10 @@ CANDIDATES: dict[str, dict] = {
     # short-document forward occupancy (CPU-screened 2026-11-29 evening): 64 x 32 tiles need 176
     # registers and 66 KB (2 programs per SM by registers); capped at 168, 3 programs per SM
     "small_n32": {**HEAD_MAJOR, **SMALL_TILES, "block_n": 32},
-    "small_n32r": {**HEAD_MAJOR, **SMALL_TILES, "block_n": 32, "fwd_maxnreg": 168},
+    "small_n32r": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES},
+    # forward: documents of <= 512 tokens in a second launch with SHORT_FWD_TILES (rows mixing long and
+    # short documents: W2, W6; CPU-checked only)
+    "fwd_split512": {**HEAD_MAJOR, "fwd_short_len": 512},
     "fwd_small_n32r": {**HEAD_MAJOR, **{f: v for f, v in SMALL_TILES.items() if not f.startswith("bwd_")},
                        "bwd_gluon": True, "bwd_gluon_dq_reduce": False, "block_n": 32, "fwd_maxnreg": 168},
     # small tiles with dQ by TMA bulk reduce-add from the dK/dV programs (no dQ programs)
@@ -423,7 +451,8 @@ CANDIDATES: dict[str, dict] = {
 the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
 ``benchmarks/gpu_bwd_sweep.py`` (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)").
 Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
-_FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon", "fwd_maxnreg"}
+_FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon", "fwd_maxnreg",
+             "fwd_short_len"}
 for _name, _ov in CANDIDATES.items():
     # a candidate that varies the Triton backward (its tiles, order or dQ path) runs it: with the
     # Gluon backward on, those fields would only reach the Triton launch of merged / short items

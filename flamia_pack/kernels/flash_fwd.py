@@ -266,7 +266,7 @@ def flash_fwd(
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
     n_docs = cu_seqlens.numel() - 1
     order = doc_major_order(items) if config.doc_major else items
-    parts = config.launch_parts()
+    parts = config.launch_parts(forward=True)
     if gluon_applies(config.fwd_gluon, config, q, k, v):
         from flamia_pack.kernels import gluon_attention
 
