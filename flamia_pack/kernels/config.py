@@ -218,6 +218,17 @@ class AttentionKernelConfig:
     default since then except for 513-1,024-token rows (``fwd_small``); candidate
     ``gluon_dq_programs`` is the previous backward."""
 
+    bwd_gluon_persistent: bool = False
+    """With ``bwd_gluon``: the dK/dV programs persistent, one per SM walking the head-major entries
+    ``pid, pid + n_SM, ...``; the producer warp loads the next entry's K, V (into a second slot when
+    the dQ reduce is off) and its first Q / dO tiles while the current entry computes, so the
+    per-program prologue (K, V load, ring fill) and epilogue (dK, dV stores) stop being exposed.
+    Count (W3, 1,024-token documents): each program walks ~8 query steps (~13 us of products) but
+    takes ~27 us (RESULTS "Session of 2026-11-29 (evening)" run 1: 1.69 ms for 8,192 programs on
+    132 SMs). Compiled for sm_90a on the CPU only (spill-free without the dQ reduce, 197 KB shared
+    memory; 88 B of spills with it, as the non-persistent kernel); not yet run on the GPU: off
+    (candidates ``gluon_pers``, ``gluon_pers_dqp``, ``fwd_small_pers``)."""
+
     bwd_dq_reduce_max_bytes: int = 512 << 20
     """With ``bwd_gluon_dq_reduce``: the most bytes of the float32 dQ accumulator (``4 * T * H_q * D``
     for the whole call). A call that needs more runs the Gluon dK/dV programs over chunks of kv heads
@@ -292,7 +303,7 @@ class AttentionKernelConfig:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
                      "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small",
-                     "bwd_gluon_dq_reduce"):
+                     "bwd_gluon_dq_reduce", "bwd_gluon_persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -350,6 +361,10 @@ CANDIDATES: dict[str, dict] = {
     "gluon_retire": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": True},
     # dQ partials reduced into fp32 by TMA from the dK/dV programs (5 products; the default)
     "gluon_dqr": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_dq_reduce": True},
+    # persistent Gluon dK/dV programs (next entry's loads under the current one's products; unmeasured):
+    # with the dQ reduce (one K/V slot), with the dQ programs (two K/V slots), and W3's rows
+    "gluon_pers": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_persistent": True},
+    "gluon_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_persistent": True, "bwd_gluon_dq_reduce": False},
     # separate Gluon dQ programs (7 products; bitwise reproducible; the default until 2026-11-29 evening)
     "gluon_dq_programs": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_dq_reduce": False},
     # the dK/dV kernel of the night of 2026-11-29 (wgmma serialized by ptxas at D = 128)
@@ -396,6 +411,8 @@ CANDIDATES: dict[str, dict] = {
     # 0.987x on W3's 1,024-token rows)
     "fwd_small": {**HEAD_MAJOR, **{f: v for f, v in SMALL_TILES.items() if not f.startswith("bwd_")},
                   "bwd_gluon": True, "bwd_gluon_dq_reduce": False},
+    "fwd_small_pers": {**HEAD_MAJOR, **{f: v for f, v in SMALL_TILES.items() if not f.startswith("bwd_")},
+                       "bwd_gluon": True, "bwd_gluon_dq_reduce": False, "bwd_gluon_persistent": True},
     # document-major launch order inside each head (L2 locality; the backward's L2 hit rate was
     # 56% vs FlexAttention's 82% on W1 under Nsight Compute)
     "doc_major": {**HEAD_MAJOR, "doc_major": True},

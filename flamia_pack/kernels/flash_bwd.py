@@ -506,7 +506,7 @@ def flash_bwd(
             gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
                                        wl_block_m=config.wl_block_m, skip_len=skip,
                                        retire_first=config.bwd_gluon_retire_first, dk=dk, dv=dv, dq_acc=dq_red,
-                                       kv_head0=kv0, kv_heads=n_kv)
+                                       kv_head0=kv0, kv_heads=n_kv, persistent=config.bwd_gluon_persistent)
             if dq_red is not None and T > 0:  # the chunk's dQ rows; its accumulator zeroed for the next chunk
                 _dq_reduce_cast[(triton.cdiv(T, 64), n_kv * group)](
                     dq_red, dq, cu_seqlens, n_docs, skip, n_steps, T, chunk_kv * group, kv0 * group,

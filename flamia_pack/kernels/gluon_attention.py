@@ -85,13 +85,17 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                   rs, hk, n_steps, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+def _dkdv_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                        rs, hk, n_steps, c, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                        LOOP: gl.constexpr):
+    """One entry's loads: its K, V tiles (``kv_bar``), then its walked Q / dO tiles into the ring from
+    ring position ``c`` (returned advanced)."""
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [rs, hk * HEAD_DIM], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [rs, hk * HEAD_DIM], kv_bar, v_smem)
-    c = 0
+    if not LOOP:  # one entry per program: the ring starts at 0 (a literal, as the shipped kernel)
+        c = 0
     for g in range(GROUP):
         col = (hk * GROUP + g) * HEAD_DIM
         for j in range(n_steps):
@@ -103,6 +107,37 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_s
             tma.async_copy_global_to_shared(q_desc, [row, col], ready.index(s), q_bufs.index(s))
             tma.async_copy_global_to_shared(do_desc, [row, col], ready.index(s), do_bufs.index(s))
             c += 1
+    return c
+
+
+@gluon.jit
+def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                   rs, hk, n_steps, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    _dkdv_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                        rs, hk, n_steps, 0, GROUP, HEAD_DIM, BLOCK_M, False)
+
+
+@gluon.jit
+def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
+                        kv_ready, kv_empty, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, kv_head0, total,
+                        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        WL_BM: gl.constexpr):
+    """Persistent programs' producer: the entries ``pid, pid + nprog, ...`` in order; an entry's K, V go
+    to slot ``n % KV_STAGES`` once the consumer released it, so the next entry's K, V (and its
+    first Q / dO tiles, the ring continuing across entries) load while the current one computes."""
+    KV_STAGES: gl.constexpr = k_bufs.type.shape[0]
+    c = 0
+    n = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        keep, hk, rs, re, o_hi, u0, u1, n_steps = _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, max_entries,
+                                                                 skip_len, kv_head0, WL_BM, BLOCK_N, BLOCK_M)
+        if keep:
+            slot = n % KV_STAGES
+            mbarrier.wait(kv_empty.index(slot), ((n // KV_STAGES) & 1) ^ 1)
+            c = _dkdv_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs.index(slot),
+                                    v_bufs.index(slot), ready, empty, kv_ready.index(slot), rs, hk, n_steps, c,
+                                    GROUP, HEAD_DIM, BLOCK_M, True)
+            n += 1
 
 
 @gluon.jit
@@ -178,11 +213,14 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
 
 
 @gluon.jit
-def _dkdv_consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
-                   stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
-                   ds_smem, p_smem, dq_stage, dq_desc, dq_h0,
-                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, RETIRE_FIRST: gl.constexpr, DQ_REDUCE: gl.constexpr):
+def _dkdv_consume_entry(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, kv_phase, kv_empty, LSE, DELTA, DK, DV,
+                        stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                        ds_smem, p_smem, dq_stage, dq_desc, dq_h0, c,
+                        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, RETIRE_FIRST: gl.constexpr, DQ_REDUCE: gl.constexpr,
+                        RELEASE_KV: gl.constexpr):
+    """One entry's products from ring position ``c`` (returned advanced) and its dK, dV stores; with
+    ``RELEASE_KV`` the K, V slot is handed back (``kv_empty``) once its last products retired."""
     # the consumer's warps own the program's BLOCK_N keys, 16 rows per warp
     s_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, BLOCK_M)
     acc_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, HEAD_DIM)
@@ -193,8 +231,9 @@ def _dkdv_consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, D
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
-    mbarrier.wait(kv_bar, 0)
-    c = 0
+    mbarrier.wait(kv_bar, kv_phase)
+    if not RELEASE_KV:  # one entry per program: the ring starts at 0 (a literal, as the shipped kernel)
+        c = 0
     for g in range(GROUP):
         h = hk * GROUP + g
         for j in range(0, u0):
@@ -213,6 +252,8 @@ def _dkdv_consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, D
                                 BLOCK_M, BLOCK_N, s_layout, op_layout, RETIRE_FIRST, DQ_REDUCE, dq_layout, HEAD_DIM)
             c += 1
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    if RELEASE_KV:
+        mbarrier.arrive(kv_empty, count=1)  # K, V read by every product: the next entry's may load
     if DQ_REDUCE:
         tma.store_wait(0)  # the last reduce has read its staging tile before the program exits
     rows = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
@@ -221,6 +262,44 @@ def _dkdv_consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, D
     r64 = rows.to(gl.int64)[:, None]
     gl.store(DK + r64 * stride_dkt + hk * HEAD_DIM + cols[None, :], (dk * sm_scale).to(gl.bfloat16), mask=ok)
     gl.store(DV + r64 * stride_dvt + hk * HEAD_DIM + cols[None, :], dv.to(gl.bfloat16), mask=ok)
+    return c
+
+
+@gluon.jit
+def _dkdv_consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
+                   stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                   ds_smem, p_smem, dq_stage, dq_desc, dq_h0,
+                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, RETIRE_FIRST: gl.constexpr, DQ_REDUCE: gl.constexpr):
+    _dkdv_consume_entry(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, 0, kv_bar, LSE, DELTA, DK, DV,
+                        stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                        ds_smem, p_smem, dq_stage, dq_desc, dq_h0, 0,
+                        GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST, DQ_REDUCE, False)
+
+
+@gluon.jit
+def _dkdv_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, LSE, DELTA, DK, DV,
+                        stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, ds_smem, p_smem, dq_stage, dq_desc,
+                        items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, kv_head0, total,
+                        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, RETIRE_FIRST: gl.constexpr,
+                        DQ_REDUCE: gl.constexpr):
+    """Persistent programs' consumer: the producer's entry sequence (``_dkdv_producer_loop``)."""
+    KV_STAGES: gl.constexpr = k_bufs.type.shape[0]
+    c = 0
+    n = 0
+    for t in range(gl.program_id(0), total, gl.num_programs(0)):
+        keep, hk, rs, re, o_hi, u0, u1, n_steps = _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, max_entries,
+                                                                 skip_len, kv_head0, WL_BM, BLOCK_N, BLOCK_M)
+        if keep:
+            slot = n % KV_STAGES
+            c = _dkdv_consume_entry(q_bufs, do_bufs, k_bufs.index(slot), v_bufs.index(slot), ready, empty,
+                                    kv_ready.index(slot), (n // KV_STAGES) & 1, kv_empty.index(slot),
+                                    LSE, DELTA, DK, DV, stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk,
+                                    n_steps, u0, u1, qk_scale, sm_scale, ds_smem, p_smem, dq_stage, dq_desc,
+                                    kv_head0 * GROUP, c, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST,
+                                    DQ_REDUCE, True)
+            n += 1
 
 
 @gluon.jit
@@ -273,38 +352,69 @@ def _ring(a_desc, b_desc, STAGES: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl
 
 
 @gluon.jit
-def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
-                 stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, dq_desc, kv_head0,
-                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                 WL_BM: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                 RETIRE_FIRST: gl.constexpr = False, DQ_REDUCE: gl.constexpr = False):
-    # head-major grid: all entries of kv head kv_head0 in the list's decreasing-cost order, then the next, ...
-    pid = gl.program_id(0)
-    e = pid % max_entries
-    hk = kv_head0 + pid // max_entries
+def _dkdv_rows(qs, ds, de, e, WL_BM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Geometry of the dK/dV program of entry ``e`` of a kept item (``_item_span``;
+    ``tiles_triton.program_geometry``, rows are keys, causal, non-merged item): its key rows
+    ``[rs, re)`` (empty: nothing to run), the document end ``o_hi`` and the walked query steps (the
+    first ``u0`` and the steps from ``u1`` masked)."""
     F: gl.constexpr = WL_BM // BLOCK_N
-    # tiles_triton.program_geometry, rows are keys, causal, non-merged item
-    qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
-    if not keep:
-        return
     i = (qs - ds) // WL_BM
     nt = (de - ds + WL_BM - 1) // WL_BM
     mb = ds + (nt - 1 - i) * WL_BM
     end = gl.minimum(mb + WL_BM, de)
     rs = mb + (e % F) * BLOCK_N
     re = gl.minimum(rs + BLOCK_N, end)
-    if rs >= re:
-        return
     o_hi = de
     u0 = (re - 1 - rs + BLOCK_M - 1) // BLOCK_M
     u1 = gl.maximum(u0, (o_hi - rs) // BLOCK_M)
     n_steps = (o_hi - rs + BLOCK_M - 1) // BLOCK_M
+    return rs, re, o_hi, u0, u1, n_steps
 
+
+@gluon.jit
+def _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, max_entries, skip_len, kv_head0,
+                   WL_BM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Entry ``t`` of the head-major list (list entry ``t % max_entries`` of kv head ``kv_head0 +
+    t // max_entries``): whether a Gluon program runs it, its kv head and ``_dkdv_rows``."""
+    e = t % max_entries
+    hk = kv_head0 + t // max_entries
+    qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, WL_BM // BLOCK_N, skip_len)
+    rs, re, o_hi, u0, u1, n_steps = _dkdv_rows(qs, ds, de, e, WL_BM, BLOCK_N, BLOCK_M)
+    return keep & (rs < re), hk, rs, re, o_hi, u0, u1, n_steps
+
+
+@gluon.jit
+def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
+                 stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, dq_desc, kv_head0, total,
+                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 WL_BM: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                 RETIRE_FIRST: gl.constexpr = False, DQ_REDUCE: gl.constexpr = False,
+                 PERSISTENT: gl.constexpr = False):
+    # head-major: all entries of kv head kv_head0 in the list's decreasing-cost order, then the next, ...
+    # (one program per entry; PERSISTENT: one program per SM walking entries pid, pid + nprog, ...)
+    if not PERSISTENT:
+        pid = gl.program_id(0)
+        e = pid % max_entries
+        hk = kv_head0 + pid // max_entries
+        F: gl.constexpr = WL_BM // BLOCK_N
+        qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
+        if not keep:
+            return
+        rs, re, o_hi, u0, u1, n_steps = _dkdv_rows(qs, ds, de, e, WL_BM, BLOCK_N, BLOCK_M)
+        if rs >= re:
+            return
+    # persistent programs double-buffer K, V (the next entry's load while this one computes) when
+    # shared memory allows: not next to the dQ reduce's staging tiles
+    KV_STAGES: gl.constexpr = 2 if PERSISTENT and not DQ_REDUCE else 1
     q_bufs, do_bufs, ready, empty = _ring(q_desc, do_desc, STAGES, BLOCK_M, HEAD_DIM)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
+    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [KV_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.bfloat16, [KV_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(KV_STAGES):
+        mbarrier.init(kv_ready.index(s), count=1)
+        if PERSISTENT:
+            mbarrier.init(kv_empty.index(s), count=1)
     if DQ_REDUCE:
         ds_smem = gl.allocate_shared_memory(
             gl.bfloat16, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16))
@@ -312,18 +422,32 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
             gl.bfloat16, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16))
         dq_stage = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_desc.layout)
     else:
-        ds_smem = k_smem  # unused
-        p_smem = k_smem
-        dq_stage = k_smem
+        ds_smem = k_bufs  # unused
+        p_smem = k_bufs
+        dq_stage = k_bufs
     # one consumer of 8 warps (two warpgroups side by side on the 128 keys) and the producer warp
-    gl.warp_specialize([
-        (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
-                          stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
-                          ds_smem, p_smem, dq_stage, dq_desc, kv_head0 * GROUP,
-                          GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST, DQ_REDUCE)),
-        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                          rs, hk, n_steps, GROUP, HEAD_DIM, BLOCK_M)),
-    ], [1], [24])
+    if PERSISTENT:
+        gl.warp_specialize([
+            (_dkdv_consumer_loop, (q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, LSE, DELTA, DK, DV,
+                                   stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, ds_smem, p_smem, dq_stage,
+                                   dq_desc, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, kv_head0, total,
+                                   GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, RETIRE_FIRST, DQ_REDUCE)),
+            (_dkdv_producer_loop, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
+                                   kv_ready, kv_empty, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
+                                   kv_head0, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM)),
+        ], [1], [24])
+    else:
+        k_smem = k_bufs.index(0)
+        v_smem = v_bufs.index(0)
+        kv_bar = kv_ready.index(0)
+        gl.warp_specialize([
+            (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
+                              stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                              ds_smem, p_smem, dq_stage, dq_desc, kv_head0 * GROUP,
+                              GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST, DQ_REDUCE)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                              rs, hk, n_steps, GROUP, HEAD_DIM, BLOCK_M)),
+        ], [1], [24])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -561,7 +685,7 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
                stages: int = 2, skip_len: int = 0, retire_first: bool = True,
                dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
                dq_acc: torch.Tensor | None = None, kv_head0: int = 0,
-               kv_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               kv_heads: int | None = None, persistent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV of causal packed attention (the dK/dV programs of ``flash_bwd``), warp-specialized Gluon.
 
     Args:
@@ -588,6 +712,11 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
         kv_head0, kv_heads: run only kv heads ``[kv_head0, kv_head0 + kv_heads)`` (default all: a
             caller bounding the accumulator's memory runs the heads in chunks,
             ``bwd_dq_reduce_max_bytes``).
+        persistent: one program per SM walking the entries ``pid, pid + n_SM, ...`` of the same
+            head-major list; its producer loads the next entry's K, V (a second slot, without
+            ``dq_acc``) and first Q / dO tiles while the current entry computes, hiding the
+            per-program prologue / epilogue that dominates short documents (config
+            ``bwd_gluon_persistent``; CPU-screened only).
 
     Returns:
         ``(dk, dv)`` ``(T, H_kv, D)`` bf16; rows past ``cu_seqlens[-1]`` are left uninitialised.
@@ -619,14 +748,16 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
     max_entries = items.shape[0] * (wl_block_m // block_n)
     if T == 0 or max_entries == 0:
         return dk, dv
-    _dkdv_kernel[(max_entries * kv_heads,)](
+    total = max_entries * kv_heads
+    grid = min(total, torch.cuda.get_device_properties(q.device).multi_processor_count) if persistent else total
+    _dkdv_kernel[(grid,)](
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
         lse, delta, dk, dv, items, num_items, cu_seqlens, max_entries, int(skip_len),
         lse.stride(0), dk.stride(0), dv.stride(0), float(softmax_scale) * LOG2E, float(softmax_scale),
-        _descriptor(dq_acc if dq_acc is not None else q, block_m), int(kv_head0),
+        _descriptor(dq_acc if dq_acc is not None else q, block_m), int(kv_head0), total,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, WL_BM=wl_block_m, STAGES=stages,
         BLOCK_N=block_n, RETIRE_FIRST=bool(retire_first), DQ_REDUCE=dq_acc is not None,
-        num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
+        PERSISTENT=bool(persistent), num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
     return dk, dv
 
 
@@ -707,7 +838,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
 
 def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None = None, block_n: int | None = None,
                  stages: int | None = None, group: int = 1, causal: bool = True,
-                 retire_first: bool = True, dq_reduce: bool = False) -> dict:
+                 retire_first: bool = True, dq_reduce: bool = False, persistent: bool = False) -> dict:
     """Compile one of this module's kernels for sm_90a WITHOUT a GPU (triton's bundled ptxas) and report.
 
     For screening before spending device time (benchmarks/gluon_compile_report.py prints it; the CPU
@@ -753,7 +884,8 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",
              "cu_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc}
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=128, STAGES=st,
-                  RETIRE_FIRST=bool(retire_first), CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce))
+                  RETIRE_FIRST=bool(retire_first), CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce),
+                  PERSISTENT=bool(persistent))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
