@@ -219,14 +219,17 @@ class AttentionKernelConfig:
     ``gluon_dq_programs`` is the previous backward."""
 
     bwd_gluon_persistent: bool = False
-    """With ``bwd_gluon``: the dK/dV programs persistent, one per SM walking the head-major entries
-    ``pid, pid + n_SM, ...``; the producer warp loads the next entry's K, V (into a second slot when
-    the dQ reduce is off) and its first Q / dO tiles while the current entry computes, so the
+    """With ``bwd_gluon``: the dK/dV programs persistent, one per SM; the producer warp takes the next
+    entry of the head-major list from a global counter (FlashAttention-3's tile scheduler: greedy,
+    as the hardware dispatches one-entry programs; a static snake over the list was simulated at
+    1.34x max/mean load on W2 and 1.29x on W5's per-head order, the counter at 1.00-1.11x), hands
+    its index to the consumer through shared memory and loads its K, V (into a second slot when
+    the dQ reduce is off) and first Q / dO tiles while the current entry computes, so the
     per-program prologue (K, V load, ring fill) and epilogue (dK, dV stores) stop being exposed.
     Count (W3, 1,024-token documents): each program walks ~8 query steps (~13 us of products) but
     takes ~27 us (RESULTS "Session of 2026-11-29 (evening)" run 1: 1.69 ms for 8,192 programs on
-    132 SMs). Compiled for sm_90a on the CPU only (spill-free without the dQ reduce, 197 KB shared
-    memory; 88 B of spills with it, as the non-persistent kernel); not yet run on the GPU: off
+    132 SMs). Compiled for sm_90a on the CPU only (4 B of spills without the dQ reduce, 197 KB shared
+    memory; 96 B with it, 88 B in the one-entry kernel); not yet run on the GPU: off
     (candidates ``gluon_pers``, ``gluon_pers_dqp``, ``fwd_small_pers``)."""
 
     bwd_dq_reduce_max_bytes: int = 512 << 20

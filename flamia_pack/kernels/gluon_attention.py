@@ -119,25 +119,39 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_s
 
 @gluon.jit
 def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
-                        kv_ready, kv_empty, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, kv_head0, total,
-                        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        WL_BM: gl.constexpr):
-    """Persistent programs' producer: the entries ``pid, pid + nprog, ...`` in order; an entry's K, V go
-    to slot ``n % KV_STAGES`` once the consumer released it, so the next entry's K, V (and its
-    first Q / dO tiles, the ring continuing across entries) load while the current one computes."""
+                        kv_ready, kv_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries,
+                        skip_len, kv_head0, total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WL_BM: gl.constexpr):
+    """Persistent programs' producer (dynamic schedule, FlashAttention-3's tile scheduler): it takes
+    the next entry of the head-major list from a global counter (skipping entries no Gluon program
+    runs), hands its index to the consumer in ``t_smem[slot]`` and loads its K, V into slot ``n %
+    KV_STAGES`` once the consumer released it, then its Q / dO tiles into the ring (which runs on
+    across entries): the next entry's loads overlap the current entry's products. An index ``>=
+    total`` tells the consumer to stop."""
     KV_STAGES: gl.constexpr = k_bufs.type.shape[0]
+    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    # only the list's valid rows are counted: entry t is row entry t % n_valid of kv head t // n_valid
+    n_valid = gl.load(num_items_ptr) * (WL_BM // BLOCK_N)
+    n_total = (total // max_entries) * n_valid
     c = 0
     n = 0
-    for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        keep, hk, rs, re, o_hi, u0, u1, n_steps = _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, max_entries,
+    t = gl.atomic_add(counter_ptr, 1)
+    while t < n_total:
+        keep, hk, rs, re, o_hi, u0, u1, n_steps = _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
                                                                  skip_len, kv_head0, WL_BM, BLOCK_N, BLOCK_M)
         if keep:
             slot = n % KV_STAGES
             mbarrier.wait(kv_empty.index(slot), ((n // KV_STAGES) & 1) ^ 1)
+            t_smem.index(slot).store(gl.full([1], t, gl.int32, idx_layout))
             c = _dkdv_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs.index(slot),
                                     v_bufs.index(slot), ready, empty, kv_ready.index(slot), rs, hk, n_steps, c,
                                     GROUP, HEAD_DIM, BLOCK_M, True)
             n += 1
+        t = gl.atomic_add(counter_ptr, 1)
+    slot = n % KV_STAGES
+    mbarrier.wait(kv_empty.index(slot), ((n // KV_STAGES) & 1) ^ 1)
+    t_smem.index(slot).store(gl.full([1], n_total, gl.int32, idx_layout))
+    mbarrier.arrive(kv_ready.index(slot), count=1)
 
 
 @gluon.jit
@@ -278,28 +292,35 @@ def _dkdv_consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, D
 
 
 @gluon.jit
-def _dkdv_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, LSE, DELTA, DK, DV,
+def _dkdv_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, t_smem, LSE, DELTA, DK, DV,
                         stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, ds_smem, p_smem, dq_stage, dq_desc,
                         items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, kv_head0, total,
                         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, RETIRE_FIRST: gl.constexpr,
                         DQ_REDUCE: gl.constexpr):
-    """Persistent programs' consumer: the producer's entry sequence (``_dkdv_producer_loop``)."""
+    """Persistent programs' consumer: the entries the producer hands over (``_dkdv_producer_loop``)."""
     KV_STAGES: gl.constexpr = k_bufs.type.shape[0]
+    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])
+    n_valid = gl.load(num_items_ptr) * (WL_BM // BLOCK_N)
+    n_total = (total // max_entries) * n_valid
     c = 0
     n = 0
-    for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        keep, hk, rs, re, o_hi, u0, u1, n_steps = _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, max_entries,
+    mbarrier.wait(kv_ready.index(0), 0)
+    t = gl.max(t_smem.index(0).load(idx_layout), axis=0)
+    while t < n_total:
+        slot = n % KV_STAGES
+        keep, hk, rs, re, o_hi, u0, u1, n_steps = _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
                                                                  skip_len, kv_head0, WL_BM, BLOCK_N, BLOCK_M)
-        if keep:
-            slot = n % KV_STAGES
-            c = _dkdv_consume_entry(q_bufs, do_bufs, k_bufs.index(slot), v_bufs.index(slot), ready, empty,
-                                    kv_ready.index(slot), (n // KV_STAGES) & 1, kv_empty.index(slot),
-                                    LSE, DELTA, DK, DV, stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk,
-                                    n_steps, u0, u1, qk_scale, sm_scale, ds_smem, p_smem, dq_stage, dq_desc,
-                                    kv_head0 * GROUP, c, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST,
-                                    DQ_REDUCE, True)
-            n += 1
+        c = _dkdv_consume_entry(q_bufs, do_bufs, k_bufs.index(slot), v_bufs.index(slot), ready, empty,
+                                kv_ready.index(slot), (n // KV_STAGES) & 1, kv_empty.index(slot),
+                                LSE, DELTA, DK, DV, stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk,
+                                n_steps, u0, u1, qk_scale, sm_scale, ds_smem, p_smem, dq_stage, dq_desc,
+                                kv_head0 * GROUP, c, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST,
+                                DQ_REDUCE, True)
+        n += 1
+        slot = n % KV_STAGES
+        mbarrier.wait(kv_ready.index(slot), (n // KV_STAGES) & 1)
+        t = gl.max(t_smem.index(slot).load(idx_layout), axis=0)
 
 
 @gluon.jit
@@ -372,12 +393,12 @@ def _dkdv_rows(qs, ds, de, e, WL_BM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, max_entries, skip_len, kv_head0,
+def _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, kv_head0,
                    WL_BM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Entry ``t`` of the head-major list (list entry ``t % max_entries`` of kv head ``kv_head0 +
-    t // max_entries``): whether a Gluon program runs it, its kv head and ``_dkdv_rows``."""
-    e = t % max_entries
-    hk = kv_head0 + t // max_entries
+    """Entry ``t`` of the head-major list (list entry ``t % per_head`` of kv head ``kv_head0 +
+    t // per_head``): whether a Gluon program runs it, its kv head and ``_dkdv_rows``."""
+    e = t % per_head
+    hk = kv_head0 + t // per_head
     qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, WL_BM // BLOCK_N, skip_len)
     rs, re, o_hi, u0, u1, n_steps = _dkdv_rows(qs, ds, de, e, WL_BM, BLOCK_N, BLOCK_M)
     return keep & (rs < re), hk, rs, re, o_hi, u0, u1, n_steps
@@ -385,13 +406,13 @@ def _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, max_entries, skip_len, k
 
 @gluon.jit
 def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
-                 stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, dq_desc, kv_head0, total,
+                 stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, dq_desc, kv_head0, total, counter_ptr,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                  WL_BM: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                  RETIRE_FIRST: gl.constexpr = False, DQ_REDUCE: gl.constexpr = False,
                  PERSISTENT: gl.constexpr = False):
     # head-major: all entries of kv head kv_head0 in the list's decreasing-cost order, then the next, ...
-    # (one program per entry; PERSISTENT: one program per SM walking entries pid, pid + nprog, ...)
+    # (one program per entry; PERSISTENT: one program per SM taking entries from a global counter)
     if not PERSISTENT:
         pid = gl.program_id(0)
         e = pid % max_entries
@@ -415,6 +436,8 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
         mbarrier.init(kv_ready.index(s), count=1)
         if PERSISTENT:
             mbarrier.init(kv_empty.index(s), count=1)
+    if PERSISTENT:  # the entry index handed from the producer to the consumer, one per K/V slot
+        t_smem = gl.allocate_shared_memory(gl.int32, [KV_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if DQ_REDUCE:
         ds_smem = gl.allocate_shared_memory(
             gl.bfloat16, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16))
@@ -428,13 +451,14 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
     # one consumer of 8 warps (two warpgroups side by side on the 128 keys) and the producer warp
     if PERSISTENT:
         gl.warp_specialize([
-            (_dkdv_consumer_loop, (q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, LSE, DELTA, DK, DV,
+            (_dkdv_consumer_loop, (q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, t_smem,
+                                   LSE, DELTA, DK, DV,
                                    stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, ds_smem, p_smem, dq_stage,
                                    dq_desc, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, kv_head0, total,
                                    GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, RETIRE_FIRST, DQ_REDUCE)),
             (_dkdv_producer_loop, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
-                                   kv_ready, kv_empty, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
-                                   kv_head0, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM)),
+                                   kv_ready, kv_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
+                                   max_entries, skip_len, kv_head0, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM)),
         ], [1], [24])
     else:
         k_smem = k_bufs.index(0)
@@ -712,8 +736,8 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
         kv_head0, kv_heads: run only kv heads ``[kv_head0, kv_head0 + kv_heads)`` (default all: a
             caller bounding the accumulator's memory runs the heads in chunks,
             ``bwd_dq_reduce_max_bytes``).
-        persistent: one program per SM walking the entries ``pid, pid + n_SM, ...`` of the same
-            head-major list; its producer loads the next entry's K, V (a second slot, without
+        persistent: one program per SM taking entries of the same head-major list from a global
+            counter (greedy, like the hardware's dispatch of one-entry programs); its producer loads the next entry's K, V (a second slot, without
             ``dq_acc``) and first Q / dO tiles while the current entry computes, hiding the
             per-program prologue / epilogue that dominates short documents (config
             ``bwd_gluon_persistent``; CPU-screened only).
@@ -755,6 +779,7 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
         lse, delta, dk, dv, items, num_items, cu_seqlens, max_entries, int(skip_len),
         lse.stride(0), dk.stride(0), dv.stride(0), float(softmax_scale) * LOG2E, float(softmax_scale),
         _descriptor(dq_acc if dq_acc is not None else q, block_m), int(kv_head0), total,
+        torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else num_items,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, WL_BM=wl_block_m, STAGES=stages,
         BLOCK_N=block_n, RETIRE_FIRST=bool(retire_first), DQ_REDUCE=dq_acc is not None,
         PERSISTENT=bool(persistent), num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
@@ -882,7 +907,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
     fn = {"dkdv": _dkdv_kernel, "dq": _dq_kernel, "fwd": _fwd_kernel}[kind]
     types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": walked, "LSE": "*fp32", "DELTA": "*fp32",
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",
-             "cu_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc}
+             "cu_ptr": "*i32", "counter_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc}
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=128, STAGES=st,
                   RETIRE_FIRST=bool(retire_first), CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce),
                   PERSISTENT=bool(persistent))
