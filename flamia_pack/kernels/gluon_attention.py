@@ -358,17 +358,21 @@ def _query_rows(qs, qe, ds, de, e, F: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
 
 
 @gluon.jit
-def _ring(a_desc, b_desc, STAGES: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _ring(a_desc, b_desc, STAGES: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+          INIT_EMPTY: gl.constexpr = True):
     """The walked tiles' shared-memory ring: ``STAGES`` slots of one ``a_desc`` and one ``b_desc`` tile
     (``ROWS x HEAD_DIM`` bf16 each: Q / dO for dK/dV programs, K / V for dQ and forward programs) and
-    each slot's ``ready`` (producer's TMA bytes) / ``empty`` (consumer's release) mbarrier."""
+    each slot's ``ready`` (producer's TMA bytes) / ``empty`` (consumer's release) mbarrier (the
+    ``empty`` ones initialised only with ``INIT_EMPTY``: a dK/dV program's own K / V slot is
+    released only by persistent programs)."""
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROWS, HEAD_DIM], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROWS, HEAD_DIM], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        if INIT_EMPTY:
+            mbarrier.init(empty.index(s), count=1)
     return a_bufs, b_bufs, ready, empty
 
 
@@ -428,14 +432,7 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
     # shared memory allows: not next to the dQ reduce's staging tiles
     KV_STAGES: gl.constexpr = 2 if PERSISTENT and not DQ_REDUCE else 1
     q_bufs, do_bufs, ready, empty = _ring(q_desc, do_desc, STAGES, BLOCK_M, HEAD_DIM)
-    k_bufs = gl.allocate_shared_memory(gl.bfloat16, [KV_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(gl.bfloat16, [KV_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(KV_STAGES):
-        mbarrier.init(kv_ready.index(s), count=1)
-        if PERSISTENT:
-            mbarrier.init(kv_empty.index(s), count=1)
+    k_bufs, v_bufs, kv_ready, kv_empty = _ring(k_desc, v_desc, KV_STAGES, BLOCK_N, HEAD_DIM, PERSISTENT)
     if PERSISTENT:  # the entry index handed from the producer to the consumer, one per K/V slot
         t_smem = gl.allocate_shared_memory(gl.int32, [KV_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if DQ_REDUCE:
