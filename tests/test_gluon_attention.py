@@ -222,6 +222,8 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
     ("dkdv", {"persistent": True, "group": 4}, True, 16),
     ("dkdv", {"persistent": True, "dq_reduce": True}, True, 128),
     ("dkdv", {"persistent": True, "head_dim": 64}, True, 0),
+    ("dq", {"persistent": True, "stages": 2}, True, 0),  # persistent dQ: two Q/dO slots + 2-deep K/V ring
+    ("dq", {"persistent": True, "stages": 2, "group": 4}, True, 0),
     ("dq", {}, True, 0),                           # 4 stages (197 KB)
     ("dq", {"stages": 3}, True, 0),
     ("dq", {"group": 4}, True, 0),

@@ -226,6 +226,8 @@ class AttentionKernelConfig:
     its index to the consumer through shared memory and loads its K, V (into a second slot when
     the dQ reduce is off) and first Q / dO tiles while the current entry computes, so the
     per-program prologue (K, V load, ring fill) and epilogue (dK, dV stores) stop being exposed.
+    The Gluon dQ programs (when they run: ``bwd_gluon_dq_reduce`` off or ``deterministic=True``) go
+    persistent the same way, with two Q / dO slots and a 2-deep K / V ring (197 KB).
     Count (W3, 1,024-token documents): each program walks ~8 query steps (~13 us of products) but
     takes ~27 us (RESULTS "Session of 2026-11-29 (evening)" run 1: 1.69 ms for 8,192 programs on
     132 SMs). Compiled for sm_90a on the CPU only (4 B of spills without the dQ reduce, 197 KB shared

@@ -514,7 +514,8 @@ def flash_bwd(
                     ZERO_AFTER=kv0 + n_kv < Hkv, num_warps=4)
         if dq_red is None:
             gluon_attention.gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
-                                     wl_block_m=config.wl_block_m, skip_len=skip, dq=dq)
+                                     wl_block_m=config.wl_block_m, skip_len=skip, dq=dq,
+                                     persistent=config.bwd_gluon_persistent)
         # merged items and documents of <= bwd_gluon_min_len tokens (skipped by the Gluon programs)
         left = replace(config, **SMALL_TILES) if config.bwd_gluon_leftover_small else config
         if config.bwd_leftover_compact:

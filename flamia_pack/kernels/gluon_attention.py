@@ -476,9 +476,11 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
 # the ring), dQ += dS K with dS as the register A operand.
 
 @gluon.jit
-def _rows_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
-                   rs, o_lo, h, hk, n_steps, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, HAS_DO: gl.constexpr):
-    # programs that own query rows (dQ, forward): their Q (and dO) tile once, then the K / V ring
+def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
+                        rs, o_lo, h, hk, n_steps, c, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HAS_DO: gl.constexpr):
+    """One entry's loads for programs that own query rows (dQ, forward): its Q (and dO) tile once
+    (``qo_bar``), then its K / V tiles into the ring from ring position ``c`` (returned advanced)."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     if HAS_DO:
         mbarrier.expect(qo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -488,26 +490,37 @@ def _rows_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_b
     if HAS_DO:
         tma.async_copy_global_to_shared(do_desc, [rs, h * HEAD_DIM], qo_bar, do_smem)
     for j in range(n_steps):
-        s = j % STAGES
-        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        r = c + j  # ring position (c is the literal 0 for one-entry programs)
+        s = r % STAGES
+        mbarrier.wait(empty.index(s), ((r // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         row = o_lo + j * BLOCK_N
         tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], ready.index(s), k_bufs.index(s))
         tma.async_copy_global_to_shared(v_desc, [row, hk * HEAD_DIM], ready.index(s), v_bufs.index(s))
+    return c + n_steps
 
 
 @gluon.jit
-def _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, lse2, delta, j, dq, qk_scale,
+def _rows_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
+                   rs, o_lo, h, hk, n_steps, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, HAS_DO: gl.constexpr):
+    # programs that own query rows (dQ, forward): their Q (and dO) tile once, then the K / V ring
+    _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
+                        rs, o_lo, h, hk, n_steps, 0, HEAD_DIM, BLOCK_N, HAS_DO)
+
+
+@gluon.jit
+def _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, lse2, delta, j, c, dq, qk_scale,
              MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              s_layout: gl.constexpr, op_layout: gl.constexpr):
     STAGES: gl.constexpr = k_bufs.type.shape[0]
-    s = j % STAGES
-    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+    r = c + j  # ring position of walked tile j (c: the entry's first; the literal 0 for one-entry programs)
+    s = r % STAGES
+    mbarrier.wait(ready.index(s), (r // STAGES) & 1)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     st = warpgroup_mma_wait(1, deps=(st,))  # the previous tile's dQ product is done: free its slot
-    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)
+    mbarrier.arrive(empty.index((r + STAGES - 1) % STAGES), count=1, pred=r > 0)
     p = gl.exp2(st * qk_scale - lse2[:, None])
     if MASKED:
         k_pos = o_lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -521,9 +534,12 @@ def _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, l
 
 
 @gluon.jit
-def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
-                 stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _dq_consume_entry(q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, qo_phase, qo_empty, LSE, DELTA, DQ,
+                      stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale, c,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      RELEASE_QO: gl.constexpr):
+    """One entry's dQ from ring position ``c`` (returned advanced) and its store; with ``RELEASE_QO``
+    its Q / dO slot is handed back (``qo_empty``) once its last product retired."""
     # the consumer's warps own the program's BLOCK_M queries, 16 rows per warp
     s_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, BLOCK_N)
     acc_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, HEAD_DIM)
@@ -534,50 +550,148 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DEL
     lse2 = gl.load(LSE + h * stride_lh + q_pos, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = gl.load(DELTA + h * stride_lh + q_pos, mask=row_ok, other=0.0)
     dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
-    mbarrier.wait(qo_bar, 0)
+    mbarrier.wait(qo_bar, qo_phase)
     for j in range(0, u1):
-        dq = _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, lse2, delta, j, dq, qk_scale,
+        dq = _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, lse2, delta, j, c, dq, qk_scale,
                       False, BLOCK_M, BLOCK_N, s_layout, op_layout)
     for j in range(u1, n_steps):
-        dq = _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, lse2, delta, j, dq, qk_scale,
+        dq = _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, lse2, delta, j, c, dq, qk_scale,
                       True, BLOCK_M, BLOCK_N, s_layout, op_layout)
     dq = warpgroup_mma_wait(0, deps=(dq,))
+    if RELEASE_QO:
+        mbarrier.arrive(qo_empty, count=1)  # Q, dO read by every product: the next entry's may load
     rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     gl.store(DQ + rows.to(gl.int64)[:, None] * stride_dqt + h * HEAD_DIM + cols[None, :],
              (dq * sm_scale).to(gl.bfloat16), mask=(rows < re)[:, None])
+    return c + n_steps
+
+
+@gluon.jit
+def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
+                 stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    _dq_consume_entry(q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, 0, qo_bar, LSE, DELTA, DQ,
+                      stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale, 0,
+                      HEAD_DIM, BLOCK_M, BLOCK_N, False)
+
+
+@gluon.jit
+def _dq_geometry(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, GROUP: gl.constexpr,
+                 WL_BM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Entry ``t`` of the head-major list of dQ programs (list entry ``t % per_head`` of query head
+    ``t // per_head``): whether a Gluon program runs it, its heads and ``_query_rows``."""
+    e = t % per_head
+    h = t // per_head
+    F: gl.constexpr = WL_BM // BLOCK_M
+    qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
+    rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, F, BLOCK_M, BLOCK_N, True)
+    return keep & (rs < re), h, h // GROUP, rs, re, o_lo, o_hi, u1, n_steps
+
+
+@gluon.jit
+def _dq_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
+                      qo_ready, qo_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries,
+                      skip_len, total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, WL_BM: gl.constexpr):
+    """Persistent dQ programs' producer: as ``_dkdv_producer_loop`` (global counter, index handed over
+    in ``t_smem``), with the Q / dO tiles in slot ``n % QO_STAGES`` and the K / V ring running on."""
+    QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
+    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    n_valid = gl.load(num_items_ptr) * (WL_BM // BLOCK_M)
+    n_total = (total // max_entries) * n_valid
+    c = 0
+    n = 0
+    t = gl.atomic_add(counter_ptr, 1)
+    while t < n_total:
+        keep, h, hk, rs, re, o_lo, o_hi, u1, n_steps = _dq_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
+                                                                    skip_len, GROUP, WL_BM, BLOCK_M, BLOCK_N)
+        if keep:
+            slot = n % QO_STAGES
+            mbarrier.wait(qo_empty.index(slot), ((n // QO_STAGES) & 1) ^ 1)
+            t_smem.index(slot).store(gl.full([1], t, gl.int32, idx_layout))
+            c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
+                                    k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
+                                    c, HEAD_DIM, BLOCK_N, True)
+            n += 1
+        t = gl.atomic_add(counter_ptr, 1)
+    slot = n % QO_STAGES
+    mbarrier.wait(qo_empty.index(slot), ((n // QO_STAGES) & 1) ^ 1)
+    t_smem.index(slot).store(gl.full([1], n_total, gl.int32, idx_layout))
+    mbarrier.arrive(qo_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _dq_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem, LSE, DELTA, DQ,
+                      stride_lh, stride_dqt, qk_scale, sm_scale, items_ptr, num_items_ptr, cu_ptr, max_entries,
+                      skip_len, total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, WL_BM: gl.constexpr):
+    """Persistent dQ programs' consumer: the entries the producer hands over (``_dq_producer_loop``)."""
+    QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
+    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])
+    n_valid = gl.load(num_items_ptr) * (WL_BM // BLOCK_M)
+    n_total = (total // max_entries) * n_valid
+    c = 0
+    n = 0
+    mbarrier.wait(qo_ready.index(0), 0)
+    t = gl.max(t_smem.index(0).load(idx_layout), axis=0)
+    while t < n_total:
+        slot = n % QO_STAGES
+        keep, h, hk, rs, re, o_lo, o_hi, u1, n_steps = _dq_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
+                                                                    skip_len, GROUP, WL_BM, BLOCK_M, BLOCK_N)
+        c = _dq_consume_entry(q_bufs.index(slot), do_bufs.index(slot), k_bufs, v_bufs, ready, empty,
+                              qo_ready.index(slot), (n // QO_STAGES) & 1, qo_empty.index(slot), LSE, DELTA, DQ,
+                              stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale, c,
+                              HEAD_DIM, BLOCK_M, BLOCK_N, True)
+        n += 1
+        slot = n % QO_STAGES
+        mbarrier.wait(qo_ready.index(slot), (n // QO_STAGES) & 1)
+        t = gl.max(t_smem.index(slot).load(idx_layout), axis=0)
 
 
 @gluon.jit
 def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
-               stride_lh, stride_dqt, qk_scale, sm_scale,
+               stride_lh, stride_dqt, qk_scale, sm_scale, total, counter_ptr,
                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               WL_BM: gl.constexpr, STAGES: gl.constexpr):
+               WL_BM: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr = False):
     # head-major grid: all entries of query head 0 in the list's decreasing-cost order, then head 1, ...
-    pid = gl.program_id(0)
-    e = pid % max_entries
-    h = pid // max_entries
-    hk = h // GROUP
-    F: gl.constexpr = WL_BM // BLOCK_M
-    qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
-    if not keep:
-        return
-    rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, F, BLOCK_M, BLOCK_N, True)
-    if rs >= re:
-        return
-
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
-    qo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(qo_bar, count=1)
-    gl.warp_specialize([
-        (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
-                        stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
-                        HEAD_DIM, BLOCK_M, BLOCK_N)),
-        (_rows_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
-                          rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, True)),
-    ], [1], [24])
+    # (PERSISTENT: one program per SM taking entries from a global counter, Q / dO double-buffered)
+    if not PERSISTENT:
+        pid = gl.program_id(0)
+        e = pid % max_entries
+        h = pid // max_entries
+        hk = h // GROUP
+        F: gl.constexpr = WL_BM // BLOCK_M
+        qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
+        if not keep:
+            return
+        rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, F, BLOCK_M, BLOCK_N, True)
+        if rs >= re:
+            return
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
+        qo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(qo_bar, count=1)
+        gl.warp_specialize([
+            (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DELTA, DQ,
+                            stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale,
+                            HEAD_DIM, BLOCK_M, BLOCK_N)),
+            (_rows_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
+                              rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, True)),
+        ], [1], [24])
+    else:
+        q_bufs, do_bufs, qo_ready, qo_empty = _ring(q_desc, do_desc, 2, BLOCK_M, HEAD_DIM)
+        k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
+        t_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        gl.warp_specialize([
+            (_dq_consumer_loop, (q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem, LSE, DELTA,
+                                 DQ, stride_lh, stride_dqt, qk_scale, sm_scale, items_ptr, num_items_ptr, cu_ptr,
+                                 max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM)),
+            (_dq_producer_loop, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
+                                 qo_ready, qo_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
+                                 max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM)),
+        ], [1], [24])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -786,11 +900,14 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
 def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
              softmax_scale: float, *, block_m: int = 128, block_n: int = 64, wl_block_m: int = 128,
-             stages: int = 4, skip_len: int = 0, dq: torch.Tensor | None = None) -> torch.Tensor:
+             stages: int = 4, skip_len: int = 0, dq: torch.Tensor | None = None,
+             persistent: bool = False) -> torch.Tensor:
     """dQ of causal packed attention (the dQ programs of ``flash_bwd``), warp-specialized Gluon.
 
     Args: as :func:`gluon_dkdv`; ``block_m`` queries per program, ``block_n`` keys per walked tile;
-    ``dq`` an optional preallocated output.
+    ``dq`` an optional preallocated output; ``persistent``: one program per SM taking entries from a
+    global counter, the next entry's Q / dO (second slot) and K / V tiles loading while the current
+    one computes (K / V ring at most 2 deep then; config ``bwd_gluon_persistent``; CPU-screened only).
 
     Returns:
         ``dq`` ``(T, H_q, D)`` bf16; rows of skipped items (``skip_len``) and padding rows untouched.
@@ -806,12 +923,17 @@ def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     max_entries = items.shape[0] * (wl_block_m // block_m)
     if T == 0 or max_entries == 0:
         return dq
-    _dq_kernel[(max_entries * H,)](
+    total = max_entries * H
+    if persistent:  # two Q / dO slots (128 KB) leave room for a 2-deep K / V ring only
+        stages = min(stages, 2)
+    grid = min(total, torch.cuda.get_device_properties(q.device).multi_processor_count) if persistent else total
+    _dq_kernel[(grid,)](
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
         lse, delta, dq, items, num_items, cu_seqlens, max_entries, int(skip_len),
-        lse.stride(0), dq.stride(0), float(softmax_scale) * LOG2E, float(softmax_scale),
+        lse.stride(0), dq.stride(0), float(softmax_scale) * LOG2E, float(softmax_scale), total,
+        torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else num_items,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
-        num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
+        PERSISTENT=bool(persistent), num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
     return dq
 
 
