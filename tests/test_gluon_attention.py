@@ -224,6 +224,8 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
     ("dkdv", {"persistent": True, "head_dim": 64}, True, 0),
     ("dq", {"persistent": True, "stages": 2}, True, 0),  # persistent dQ: two Q/dO slots + 2-deep K/V ring
     ("dq", {"persistent": True, "stages": 2, "group": 4}, True, 0),
+    ("fwd", {"persistent": True}, True, 0),        # fwd_gluon_persistent: two Q slots + 2-deep K/V ring
+    ("fwd", {"persistent": True, "causal": False}, True, 0),
     ("dq", {}, True, 0),                           # 4 stages (197 KB)
     ("dq", {"stages": 3}, True, 0),
     ("dq", {"group": 4}, True, 0),

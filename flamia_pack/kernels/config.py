@@ -190,6 +190,14 @@ class AttentionKernelConfig:
     ``hybrid_short_len``; merged items and 1-token documents stay in a Triton launch. Compiled and
     screened on the CPU only (spill-free), not yet run on the GPU: off."""
 
+    fwd_gluon_persistent: bool = False
+    """With ``fwd_gluon``: the Gluon forward programs persistent, one per SM, entries from a global
+    counter (as ``bwd_gluon_persistent``), two Q slots and a 2-deep K / V ring (197 KB; spill-free
+    in the CPU screen), so the next entry's Q and first K / V tiles load while the current entry
+    computes. Aimed at rows of 1,024-token documents (W3: ~4.5 key tiles of 128 per program, where
+    padded SDPA's forward is 1.46x ours). Not yet run on the GPU: off (candidates ``gluon_fwd_pers``,
+    ``all_pers``, ``all_pers_dqp``)."""
+
     bwd_gluon_retire_first: bool = True
     """With ``bwd_gluon``: the dK/dV consumer retires the previous step's dV / dK products before
     issuing the next step's (``gluon_attention.gluon_dkdv(retire_first=...)``). Without it ptxas
@@ -308,7 +316,7 @@ class AttentionKernelConfig:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
                      "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small",
-                     "bwd_gluon_dq_reduce", "bwd_gluon_persistent"):
+                     "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -370,6 +378,12 @@ CANDIDATES: dict[str, dict] = {
     # with the dQ reduce (one K/V slot), with the dQ programs (two K/V slots), and W3's rows
     "gluon_pers": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_persistent": True},
     "gluon_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_persistent": True, "bwd_gluon_dq_reduce": False},
+    # the persistent Gluon forward (unmeasured), alone and with the persistent backward
+    "gluon_fwd_pers": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True},
+    "all_pers": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
+                 "bwd_gluon_persistent": True},
+    "all_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
+                     "bwd_gluon_persistent": True, "bwd_gluon_dq_reduce": False},
     # separate Gluon dQ programs (7 products; bitwise reproducible; the default until 2026-11-29 evening)
     "gluon_dq_programs": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_dq_reduce": False},
     # the dK/dV kernel of the night of 2026-11-29 (wgmma serialized by ptxas at D = 128)

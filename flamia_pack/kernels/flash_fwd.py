@@ -271,7 +271,8 @@ def flash_fwd(
         from flamia_pack.kernels import gluon_attention
 
         gluon_attention.gluon_fwd(q, k, v, cu_seqlens, items, num_items, softmax_scale, causal=causal,
-                                  wl_block_m=config.wl_block_m, skip_len=1, o=o, lse=lse)
+                                  wl_block_m=config.wl_block_m, skip_len=1, o=o, lse=lse,
+                                  persistent=config.fwd_gluon_persistent)
         parts = [(config, -1)]  # merged items and 1-token documents: the Triton kernel
     for cfg, sel in parts:
         f = cfg.wl_block_m // cfg.block_m

@@ -577,79 +577,6 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, LSE, DEL
 
 
 @gluon.jit
-def _dq_geometry(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, GROUP: gl.constexpr,
-                 WL_BM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Entry ``t`` of the head-major list of dQ programs (list entry ``t % per_head`` of query head
-    ``t // per_head``): whether a Gluon program runs it, its heads and ``_query_rows``."""
-    e = t % per_head
-    h = t // per_head
-    F: gl.constexpr = WL_BM // BLOCK_M
-    qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
-    rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, F, BLOCK_M, BLOCK_N, True)
-    return keep & (rs < re), h, h // GROUP, rs, re, o_lo, o_hi, u1, n_steps
-
-
-@gluon.jit
-def _dq_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
-                      qo_ready, qo_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries,
-                      skip_len, total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, WL_BM: gl.constexpr):
-    """Persistent dQ programs' producer: as ``_dkdv_producer_loop`` (global counter, index handed over
-    in ``t_smem``), with the Q / dO tiles in slot ``n % QO_STAGES`` and the K / V ring running on."""
-    QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
-    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    n_valid = gl.load(num_items_ptr) * (WL_BM // BLOCK_M)
-    n_total = (total // max_entries) * n_valid
-    c = 0
-    n = 0
-    t = gl.atomic_add(counter_ptr, 1)
-    while t < n_total:
-        keep, h, hk, rs, re, o_lo, o_hi, u1, n_steps = _dq_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
-                                                                    skip_len, GROUP, WL_BM, BLOCK_M, BLOCK_N)
-        if keep:
-            slot = n % QO_STAGES
-            mbarrier.wait(qo_empty.index(slot), ((n // QO_STAGES) & 1) ^ 1)
-            t_smem.index(slot).store(gl.full([1], t, gl.int32, idx_layout))
-            c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
-                                    k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
-                                    c, HEAD_DIM, BLOCK_N, True)
-            n += 1
-        t = gl.atomic_add(counter_ptr, 1)
-    slot = n % QO_STAGES
-    mbarrier.wait(qo_empty.index(slot), ((n // QO_STAGES) & 1) ^ 1)
-    t_smem.index(slot).store(gl.full([1], n_total, gl.int32, idx_layout))
-    mbarrier.arrive(qo_ready.index(slot), count=1)
-
-
-@gluon.jit
-def _dq_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem, LSE, DELTA, DQ,
-                      stride_lh, stride_dqt, qk_scale, sm_scale, items_ptr, num_items_ptr, cu_ptr, max_entries,
-                      skip_len, total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, WL_BM: gl.constexpr):
-    """Persistent dQ programs' consumer: the entries the producer hands over (``_dq_producer_loop``)."""
-    QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
-    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])
-    n_valid = gl.load(num_items_ptr) * (WL_BM // BLOCK_M)
-    n_total = (total // max_entries) * n_valid
-    c = 0
-    n = 0
-    mbarrier.wait(qo_ready.index(0), 0)
-    t = gl.max(t_smem.index(0).load(idx_layout), axis=0)
-    while t < n_total:
-        slot = n % QO_STAGES
-        keep, h, hk, rs, re, o_lo, o_hi, u1, n_steps = _dq_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
-                                                                    skip_len, GROUP, WL_BM, BLOCK_M, BLOCK_N)
-        c = _dq_consume_entry(q_bufs.index(slot), do_bufs.index(slot), k_bufs, v_bufs, ready, empty,
-                              qo_ready.index(slot), (n // QO_STAGES) & 1, qo_empty.index(slot), LSE, DELTA, DQ,
-                              stride_lh, stride_dqt, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale, c,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, True)
-        n += 1
-        slot = n % QO_STAGES
-        mbarrier.wait(qo_ready.index(slot), (n // QO_STAGES) & 1)
-        t = gl.max(t_smem.index(slot).load(idx_layout), axis=0)
-
-
-@gluon.jit
 def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
                stride_lh, stride_dqt, qk_scale, sm_scale, total, counter_ptr,
                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -685,12 +612,14 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
         k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
         t_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         gl.warp_specialize([
-            (_dq_consumer_loop, (q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem, LSE, DELTA,
-                                 DQ, stride_lh, stride_dqt, qk_scale, sm_scale, items_ptr, num_items_ptr, cu_ptr,
-                                 max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM)),
-            (_dq_producer_loop, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
-                                 qo_ready, qo_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
-                                 max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM)),
+            (_rows_consumer_loop, (q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem, DQ, LSE,
+                                   DELTA, stride_dqt, stride_lh, qk_scale, sm_scale, items_ptr, num_items_ptr, cu_ptr,
+                                   max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, True,
+                                   False)),
+            (_rows_producer_loop, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
+                                   qo_ready, qo_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
+                                   max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, True,
+                                   False)),
         ], [1], [24])
 
 
@@ -698,18 +627,19 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
 # Forward programs: own BLOCK_M queries of one query head, walk the visible key tiles, online softmax.
 
 @gluon.jit
-def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, acc, m_i, l_i, qk_scale,
+def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc, m_i, l_i, qk_scale,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               s_layout: gl.constexpr, op_layout: gl.constexpr, acc_layout: gl.constexpr):
     STAGES: gl.constexpr = k_bufs.type.shape[0]
-    s = j % STAGES
-    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+    r = c + j  # ring position of walked tile j (c: the entry's first; the literal 0 for one-entry programs)
+    s = r % STAGES
+    mbarrier.wait(ready.index(s), (r // STAGES) & 1)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     # groups retire in order: with S done, the previous tile's P V product is done too: free its slot
     st = warpgroup_mma_wait(0, deps=(st,))
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)
+    mbarrier.arrive(empty.index((r + STAGES - 1) % STAGES), count=1, pred=r > 0)
     st = st * qk_scale
     if MASKED:
         k_pos = o_lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -728,9 +658,12 @@ def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, acc, m
 
 
 @gluon.jit
-def _fwd_consumer(q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
-                  rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale,
-                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_empty, O, LSE, stride_ot, stride_lh,
+                       rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, c,
+                       CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       RELEASE_Q: gl.constexpr):
+    """One entry's forward from ring position ``c`` (returned advanced) and its O / LSE stores; with
+    ``RELEASE_Q`` its Q slot is handed back (``q_empty``) once its last product retired."""
     s_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, BLOCK_N)
     acc_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -738,14 +671,16 @@ def _fwd_consumer(q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot
     m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.full([BLOCK_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
     acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, q_phase)
     for j in range(0, u1):
-        acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, acc, m_i, l_i, qk_scale,
-                                  False, CAUSAL, BLOCK_M, BLOCK_N, s_layout, op_layout, acc_layout)
+        acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc, m_i, l_i,
+                                  qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N, s_layout, op_layout, acc_layout)
     for j in range(u1, n_steps):
-        acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, acc, m_i, l_i, qk_scale,
-                                  True, CAUSAL, BLOCK_M, BLOCK_N, s_layout, op_layout, acc_layout)
+        acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc, m_i, l_i,
+                                  qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N, s_layout, op_layout, acc_layout)
     acc = warpgroup_mma_wait(0, deps=(acc,))
+    if RELEASE_Q:
+        mbarrier.arrive(q_empty, count=1)  # Q read by every product: the next entry's may load
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc_layout))[:, None]
     rows = rs + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
@@ -754,38 +689,157 @@ def _fwd_consumer(q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot
              mask=(rows < re)[:, None])
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
     gl.store(LSE + h * stride_lh + q_pos, lse, mask=q_pos < re)
+    return c + n_steps
+
+
+@gluon.jit
+def _fwd_consumer(q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
+                  rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale,
+                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, 0, q_bar, O, LSE, stride_ot, stride_lh,
+                       rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, 0, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, False)
+
+
+@gluon.jit
+def _rows_geometry(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, GROUP: gl.constexpr,
+                   WL_BM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                   IS_FWD: gl.constexpr):
+    """Entry ``t`` of a persistent launch of programs owning query rows (``per_head`` list entries
+    per query head): dQ programs walk query head after query head; forward programs kv head after
+    kv head with a GQA group's query heads side by side (flash_fwd's grid_head_major). Returns
+    whether a Gluon program runs it, its heads and ``_query_rows``."""
+    if IS_FWD:
+        x = t % (per_head * GROUP)
+        e = x // GROUP
+        h = (t // (per_head * GROUP)) * GROUP + x % GROUP
+    else:
+        e = t % per_head
+        h = t // per_head
+    F: gl.constexpr = WL_BM // BLOCK_M
+    qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
+    rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, F, BLOCK_M, BLOCK_N, CAUSAL)
+    return keep & (rs < re), h, h // GROUP, rs, re, o_lo, o_hi, u1, n_steps
+
+
+@gluon.jit
+def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
+                        qo_ready, qo_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries,
+                        skip_len, total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr, IS_FWD: gl.constexpr):
+    """Persistent dQ / forward programs' producer: as ``_dkdv_producer_loop`` (global counter, the
+    index handed over in ``t_smem``), the Q (and dO) tiles in slot ``n % 2``, the K / V ring running on."""
+    QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
+    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    n_valid = gl.load(num_items_ptr) * (WL_BM // BLOCK_M)
+    n_total = (total // max_entries) * n_valid
+    c = 0
+    n = 0
+    t = gl.atomic_add(counter_ptr, 1)
+    while t < n_total:
+        keep, h, hk, rs, re, o_lo, o_hi, u1, n_steps = _rows_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
+                                                                      skip_len, GROUP, WL_BM, BLOCK_M, BLOCK_N,
+                                                                      CAUSAL, IS_FWD)
+        if keep:
+            slot = n % QO_STAGES
+            mbarrier.wait(qo_empty.index(slot), ((n // QO_STAGES) & 1) ^ 1)
+            t_smem.index(slot).store(gl.full([1], t, gl.int32, idx_layout))
+            c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
+                                    k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
+                                    c, HEAD_DIM, BLOCK_N, not IS_FWD)
+            n += 1
+        t = gl.atomic_add(counter_ptr, 1)
+    slot = n % QO_STAGES
+    mbarrier.wait(qo_empty.index(slot), ((n // QO_STAGES) & 1) ^ 1)
+    t_smem.index(slot).store(gl.full([1], n_total, gl.int32, idx_layout))
+    mbarrier.arrive(qo_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem, OUT, LSE, DELTA,
+                        stride_out, stride_lh, qk_scale, sm_scale, items_ptr, num_items_ptr, cu_ptr, max_entries,
+                        skip_len, total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr, IS_FWD: gl.constexpr):
+    """Persistent dQ / forward programs' consumer: the entries the producer hands over; ``OUT`` is dQ
+    (``IS_FWD`` False) or O (LSE written too)."""
+    QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
+    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])
+    n_valid = gl.load(num_items_ptr) * (WL_BM // BLOCK_M)
+    n_total = (total // max_entries) * n_valid
+    c = 0
+    n = 0
+    mbarrier.wait(qo_ready.index(0), 0)
+    t = gl.max(t_smem.index(0).load(idx_layout), axis=0)
+    while t < n_total:
+        slot = n % QO_STAGES
+        keep, h, hk, rs, re, o_lo, o_hi, u1, n_steps = _rows_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
+                                                                      skip_len, GROUP, WL_BM, BLOCK_M, BLOCK_N,
+                                                                      CAUSAL, IS_FWD)
+        if IS_FWD:
+            c = _fwd_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, ready, empty, qo_ready.index(slot),
+                                   (n // QO_STAGES) & 1, qo_empty.index(slot), OUT, LSE, stride_out, stride_lh, rs,
+                                   re, o_lo, o_hi, h, n_steps, u1, qk_scale, c, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                   True)
+        else:
+            c = _dq_consume_entry(q_bufs.index(slot), do_bufs.index(slot), k_bufs, v_bufs, ready, empty,
+                                  qo_ready.index(slot), (n // QO_STAGES) & 1, qo_empty.index(slot), LSE, DELTA, OUT,
+                                  stride_lh, stride_out, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale, c,
+                                  HEAD_DIM, BLOCK_M, BLOCK_N, True)
+        n += 1
+        slot = n % QO_STAGES
+        mbarrier.wait(qo_ready.index(slot), (n // QO_STAGES) & 1)
+        t = gl.max(t_smem.index(slot).load(idx_layout), axis=0)
 
 
 @gluon.jit
 def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
-                stride_ot, stride_lh, qk_scale,
+                stride_ot, stride_lh, qk_scale, total, counter_ptr,
                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    # head-major grid (flash_fwd's grid_head_major): kv head after kv head, entries in decreasing
-    # cost inside it, the query heads of one GQA group side by side (they share K / V in L2)
-    pid = gl.program_id(0)
-    x = pid % (max_entries * GROUP)
-    e = x // GROUP
-    h = (pid // (max_entries * GROUP)) * GROUP + x % GROUP
-    hk = h // GROUP
-    F: gl.constexpr = WL_BM // BLOCK_M
-    qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
-    if not keep:
-        return
-    rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, F, BLOCK_M, BLOCK_N, CAUSAL)
-    if rs >= re:
-        return
+                WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr = False):
+    if not PERSISTENT:
+        # head-major grid (flash_fwd's grid_head_major): kv head after kv head, entries in decreasing
+        # cost inside it, the query heads of one GQA group side by side (they share K / V in L2)
+        pid = gl.program_id(0)
+        x = pid % (max_entries * GROUP)
+        e = x // GROUP
+        h = (pid // (max_entries * GROUP)) * GROUP + x % GROUP
+        hk = h // GROUP
+        F: gl.constexpr = WL_BM // BLOCK_M
+        qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
+        if not keep:
+            return
+        rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, F, BLOCK_M, BLOCK_N, CAUSAL)
+        if rs >= re:
+            return
 
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    gl.warp_specialize([
-        (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
-                         rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N)),
-        (_rows_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_bufs, v_bufs, ready, empty, q_bar,
-                          rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, False)),
-    ], [1], [24])
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        gl.warp_specialize([
+            (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
+                             rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N)),
+            (_rows_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_bufs, v_bufs, ready, empty, q_bar,
+                              rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, False)),
+        ], [1], [24])
+    else:  # one program per SM taking entries from a global counter; two Q slots
+        q_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(q_ready.index(s), count=1)
+            mbarrier.init(q_empty.index(s), count=1)
+        k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
+        t_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        gl.warp_specialize([
+            (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE, LSE,
+                                   stride_ot, stride_lh, qk_scale, qk_scale, items_ptr, num_items_ptr, cu_ptr,
+                                   max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                   True)),
+            (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
+                                   q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
+                                   max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                   True)),
+        ], [1], [24])
 
 
 def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
@@ -940,7 +994,8 @@ def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
 def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor,
               num_items: torch.Tensor, softmax_scale: float, *, causal: bool = True, block_m: int = 128,
               block_n: int = 128, wl_block_m: int = 128, stages: int = 2, skip_len: int = 1,
-              o: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              o: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+              persistent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward (the programs of ``flash_fwd``), warp-specialized Gluon, sm_90.
 
     Args:
@@ -951,6 +1006,9 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         skip_len: items of documents of at most this many tokens, and merged items, are skipped
             (>= 1: this kernel has no per-token document mask); ``flash_fwd`` runs them.
         o, lse: optional preallocated outputs.
+        persistent: one program per SM taking entries from a global counter, the next entry's Q
+            (second slot) and K / V tiles loading while the current one computes (config
+            ``fwd_gluon_persistent``; CPU-screened only).
 
     Returns:
         ``(o, lse)``: ``(T, H_q, D)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
@@ -971,12 +1029,15 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     max_entries = items.shape[0] * (wl_block_m // block_m)
     if T == 0 or max_entries == 0:
         return o, lse
-    _fwd_kernel[(max_entries * H,)](
+    total = max_entries * H
+    grid = min(total, torch.cuda.get_device_properties(q.device).multi_processor_count) if persistent else total
+    _fwd_kernel[(grid,)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), o, lse,
         items, num_items, cu_seqlens, max_entries, int(skip_len), o.stride(0), lse.stride(0),
-        float(softmax_scale) * LOG2E,
+        float(softmax_scale) * LOG2E, total,
+        torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else num_items,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
-        CAUSAL=bool(causal), num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
+        CAUSAL=bool(causal), PERSISTENT=bool(persistent), num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
     return o, lse
 
 
