@@ -312,3 +312,21 @@ def test_dq_reduce_cast_writes_exactly_the_gluon_rows():
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and line, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert json.loads(line[-1][len("RESULTS "):]) == []
+
+
+@pytest.mark.parametrize("fn", ["gluon_dkdv", "gluon_dq", "gluon_fwd"])
+@pytest.mark.parametrize("stages", [1, 0, 2.0, True])
+def test_launchers_reject_a_ring_of_fewer_than_two_stages(fn, stages):
+    """A one-slot ring hangs every program that walks two tiles (a slot is released only once the
+    next one is ready): the launchers refuse it before touching the inputs."""
+    x = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    items = torch.zeros(1, 4, dtype=torch.int32)
+    lse = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="stages"):
+        if fn == "gluon_dkdv":
+            gluon_attention.gluon_dkdv(x, x, x, x, lse, lse, cu, items, items[0, :1], 0.125, stages=stages)
+        elif fn == "gluon_dq":
+            gluon_attention.gluon_dq(x, x, x, x, lse, lse, cu, items, items[0, :1], 0.125, stages=stages)
+        else:
+            gluon_attention.gluon_fwd(x, x, x, cu, items, items[0, :1], 0.125, stages=stages)

@@ -131,7 +131,7 @@ def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
     KV_STAGES: gl.constexpr = k_bufs.type.shape[0]
     idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     # only the list's valid rows are counted: entry t is row entry t % n_valid of kv head t // n_valid
-    n_valid = gl.load(num_items_ptr) * (WL_BM // BLOCK_N)
+    n_valid = gl.minimum(gl.load(num_items_ptr) * (WL_BM // BLOCK_N), max_entries)  # never past items
     n_total = (total // max_entries) * n_valid
     c = 0
     n = 0
@@ -301,7 +301,7 @@ def _dkdv_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready,
     """Persistent programs' consumer: the entries the producer hands over (``_dkdv_producer_loop``)."""
     KV_STAGES: gl.constexpr = k_bufs.type.shape[0]
     idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])
-    n_valid = gl.load(num_items_ptr) * (WL_BM // BLOCK_N)
+    n_valid = gl.minimum(gl.load(num_items_ptr) * (WL_BM // BLOCK_N), max_entries)  # never past items
     n_total = (total // max_entries) * n_valid
     c = 0
     n = 0
@@ -730,7 +730,7 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
     index handed over in ``t_smem``), the Q (and dO) tiles in slot ``n % 2``, the K / V ring running on."""
     QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
     idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    n_valid = gl.load(num_items_ptr) * (WL_BM // BLOCK_M)
+    n_valid = gl.minimum(gl.load(num_items_ptr) * (WL_BM // BLOCK_M), max_entries)  # never past items
     n_total = (total // max_entries) * n_valid
     c = 0
     n = 0
@@ -763,7 +763,7 @@ def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready,
     (``IS_FWD`` False) or O (LSE written too)."""
     QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
     idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])
-    n_valid = gl.load(num_items_ptr) * (WL_BM // BLOCK_M)
+    n_valid = gl.minimum(gl.load(num_items_ptr) * (WL_BM // BLOCK_M), max_entries)  # never past items
     n_total = (total // max_entries) * n_valid
     c = 0
     n = 0
@@ -849,6 +849,13 @@ def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     return TensorDescriptor(x.view(T, H * D), [T, H * D], [H * D, 1], [block_rows, D], layout)
 
 
+def _check_stages(fn: str, stages: int) -> None:
+    """The ring needs >= 2 slots: a consumer releases a slot only once the next one is ready, so one
+    slot would hang every program that walks two or more tiles."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
+        raise ValueError(f"{fn}: stages (the ring depth) must be an int >= 2, got {stages!r}")
+
+
 def _check_inputs(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> None:
     """The launchers' input rules (ValueError naming what was wrong and what is allowed)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
@@ -912,11 +919,13 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
 
     Raises:
         ValueError: an input not a contiguous bf16 CUDA tensor, shapes that disagree (T, head_dim,
-            ``H_q % H_kv``), a head_dim other than 64 / 128, block sizes that do not tile, a kv head
+            ``H_q % H_kv``), a head_dim other than 64 / 128, block sizes that do not tile, a ring of
+            fewer than 2 ``stages`` (it would hang), a kv head
             range outside ``[0, H_kv)``, or a ``dq_acc`` too small for the range's query heads.
     """
     T, H, D = q.shape
     Hkv = k.shape[1]
+    _check_stages("gluon_dkdv", stages)
     _check_inputs("gluon_dkdv", q, k, v, do)
     if wl_block_m % block_n or block_n % block_m:
         raise ValueError(f"gluon_dkdv: need block_n | wl_block_m and block_m | block_n, got {block_m}, {block_n}, {wl_block_m}")
@@ -971,6 +980,7 @@ def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     """
     T, H, D = q.shape
     Hkv = k.shape[1]
+    _check_stages("gluon_dq", stages)
     _check_inputs("gluon_dq", q, k, v, do)
     if dq is None:
         dq = torch.empty_like(q)
@@ -1017,6 +1027,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     Raises:
         ValueError: as :func:`gluon_dkdv` (inputs), ``skip_len < 1``, or tiles that do not divide.
     """
+    _check_stages("gluon_fwd", stages)
     _check_inputs("gluon_fwd", q, k, v, q)
     if skip_len < 1:
         raise ValueError(f"gluon_fwd: skip_len must be >= 1 (merged items need the Triton kernel), got {skip_len}")
