@@ -218,8 +218,8 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
     ("dkdv", {"dq_reduce": True}, True, 128),      # bwd_gluon_dq_reduce (unmeasured): 88 B of spills
     ("dkdv", {"dq_reduce": True, "group": 4}, True, 128),
     ("dkdv", {"dq_reduce": True, "head_dim": 64}, True, 0),
-    ("dkdv", {"persistent": True}, True, 16),      # bwd_gluon_persistent (unmeasured): two K/V slots, 197 KB
-    ("dkdv", {"persistent": True, "group": 4}, True, 16),
+    ("dkdv", {"persistent": True}, True, 0),       # bwd_gluon_persistent (unmeasured): two K/V slots, 197 KB
+    ("dkdv", {"persistent": True, "group": 4}, True, 0),
     ("dkdv", {"persistent": True, "dq_reduce": True}, True, 128),
     ("dkdv", {"persistent": True, "head_dim": 64}, True, 0),
     ("dq", {"persistent": True, "stages": 2}, True, 0),  # persistent dQ: two Q/dO slots + 2-deep K/V ring

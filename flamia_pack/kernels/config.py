@@ -238,8 +238,10 @@ class AttentionKernelConfig:
     persistent the same way, with two Q / dO slots and a 2-deep K / V ring (197 KB).
     Count (W3, 1,024-token documents): each program walks ~8 query steps (~13 us of products) but
     takes ~27 us (RESULTS "Session of 2026-11-29 (evening)" run 1: 1.69 ms for 8,192 programs on
-    132 SMs). Compiled for sm_90a on the CPU only (4 B of spills without the dQ reduce, 197 KB shared
-    memory; 96 B with it, 88 B in the one-entry kernel); not yet run on the GPU: off
+    132 SMs). The producer hands the consumer each entry's geometry (no dependent global loads on the
+    consumer's path) and takes its next index while the current entry's loads are issued. Compiled
+    for sm_90a on the CPU only (spill-free without the dQ reduce, 197 KB shared memory; 68 B of
+    spills with it, 88 B in the one-entry kernel); not yet run on the GPU: off
     (candidates ``gluon_pers``, ``gluon_pers_dqp``, ``fwd_small_pers``)."""
 
     bwd_dq_reduce_max_bytes: int = 512 << 20

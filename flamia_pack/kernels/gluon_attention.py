@@ -85,6 +85,34 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _handoff_store(slot_smem, layout: gl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7, a8):
+    """A persistent producer's hand-over of one entry to its consumer: nine int32 scalars (the entry
+    index and its geometry, so the consumer does no dependent global loads) into a 16-int slot."""
+    i = gl.arange(0, 16, layout=layout)
+    v = (gl.where(i == 0, a0, 0) + gl.where(i == 1, a1, 0) + gl.where(i == 2, a2, 0) + gl.where(i == 3, a3, 0)
+         + gl.where(i == 4, a4, 0) + gl.where(i == 5, a5, 0) + gl.where(i == 6, a6, 0) + gl.where(i == 7, a7, 0)
+         + gl.where(i == 8, a8, 0))
+    slot_smem.store(v)
+
+
+@gluon.jit
+def _handoff_first(slot_smem, layout: gl.constexpr):
+    """The entry index of a hand-over slot (``>=`` the entry count: the producer's stop signal)."""
+    v = slot_smem.load(layout)
+    return gl.sum(gl.where(gl.arange(0, 16, layout=layout) == 0, v, 0), 0)
+
+
+@gluon.jit
+def _handoff_load(slot_smem, layout: gl.constexpr):
+    """The nine scalars of ``_handoff_store`` (after the slot's barrier)."""
+    v = slot_smem.load(layout)
+    i = gl.arange(0, 16, layout=layout)
+    return (gl.sum(gl.where(i == 0, v, 0), 0), gl.sum(gl.where(i == 1, v, 0), 0), gl.sum(gl.where(i == 2, v, 0), 0),
+            gl.sum(gl.where(i == 3, v, 0), 0), gl.sum(gl.where(i == 4, v, 0), 0), gl.sum(gl.where(i == 5, v, 0), 0),
+            gl.sum(gl.where(i == 6, v, 0), 0), gl.sum(gl.where(i == 7, v, 0), 0), gl.sum(gl.where(i == 8, v, 0), 0))
+
+
+@gluon.jit
 def _dkdv_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
                         rs, hk, n_steps, c, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         LOOP: gl.constexpr):
@@ -129,7 +157,7 @@ def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
     across entries): the next entry's loads overlap the current entry's products. An index ``>=
     total`` tells the consumer to stop."""
     KV_STAGES: gl.constexpr = k_bufs.type.shape[0]
-    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
     # only the list's valid rows are counted: entry t is row entry t % n_valid of kv head t // n_valid
     n_valid = gl.minimum(gl.load(num_items_ptr) * (WL_BM // BLOCK_N), max_entries)  # never past items
     n_total = (total // max_entries) * n_valid
@@ -137,20 +165,21 @@ def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
     n = 0
     t = gl.atomic_add(counter_ptr, 1)
     while t < n_total:
+        t_next = gl.atomic_add(counter_ptr, 1)  # taken early: its latency hides under this entry's loads
         keep, hk, rs, re, o_hi, u0, u1, n_steps = _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
                                                                  skip_len, kv_head0, WL_BM, BLOCK_N, BLOCK_M)
         if keep:
             slot = n % KV_STAGES
             mbarrier.wait(kv_empty.index(slot), ((n // KV_STAGES) & 1) ^ 1)
-            t_smem.index(slot).store(gl.full([1], t, gl.int32, idx_layout))
+            _handoff_store(t_smem.index(slot), idx_layout, t, hk, rs, re, o_hi, u0, u1, n_steps, 0)
             c = _dkdv_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs.index(slot),
                                     v_bufs.index(slot), ready, empty, kv_ready.index(slot), rs, hk, n_steps, c,
                                     GROUP, HEAD_DIM, BLOCK_M, True)
             n += 1
-        t = gl.atomic_add(counter_ptr, 1)
+        t = t_next
     slot = n % KV_STAGES
     mbarrier.wait(kv_empty.index(slot), ((n // KV_STAGES) & 1) ^ 1)
-    t_smem.index(slot).store(gl.full([1], n_total, gl.int32, idx_layout))
+    _handoff_store(t_smem.index(slot), idx_layout, n_total, 0, 0, 0, 0, 0, 0, 0, 0)
     mbarrier.arrive(kv_ready.index(slot), count=1)
 
 
@@ -300,17 +329,18 @@ def _dkdv_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready,
                         DQ_REDUCE: gl.constexpr):
     """Persistent programs' consumer: the entries the producer hands over (``_dkdv_producer_loop``)."""
     KV_STAGES: gl.constexpr = k_bufs.type.shape[0]
-    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])
+    idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [CONSUMER_WARPS], [0])  # each thread: the whole slot
     n_valid = gl.minimum(gl.load(num_items_ptr) * (WL_BM // BLOCK_N), max_entries)  # never past items
     n_total = (total // max_entries) * n_valid
     c = 0
     n = 0
     mbarrier.wait(kv_ready.index(0), 0)
-    t = gl.max(t_smem.index(0).load(idx_layout), axis=0)
+    t = _handoff_first(t_smem.index(0), idx_layout)
     while t < n_total:
         slot = n % KV_STAGES
-        keep, hk, rs, re, o_hi, u0, u1, n_steps = _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
-                                                                 skip_len, kv_head0, WL_BM, BLOCK_N, BLOCK_M)
+        # the slot stays this entry's until its K / V are released: read the geometry here, so only t
+        # is carried around the loop (carrying all nine spilled 464 B)
+        t, hk, rs, re, o_hi, u0, u1, n_steps, _unused = _handoff_load(t_smem.index(slot), idx_layout)
         c = _dkdv_consume_entry(q_bufs, do_bufs, k_bufs.index(slot), v_bufs.index(slot), ready, empty,
                                 kv_ready.index(slot), (n // KV_STAGES) & 1, kv_empty.index(slot),
                                 LSE, DELTA, DK, DV, stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk,
@@ -320,7 +350,7 @@ def _dkdv_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready,
         n += 1
         slot = n % KV_STAGES
         mbarrier.wait(kv_ready.index(slot), (n // KV_STAGES) & 1)
-        t = gl.max(t_smem.index(slot).load(idx_layout), axis=0)
+        t = _handoff_first(t_smem.index(slot), idx_layout)
 
 
 @gluon.jit
@@ -434,7 +464,7 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
     q_bufs, do_bufs, ready, empty = _ring(q_desc, do_desc, STAGES, BLOCK_M, HEAD_DIM)
     k_bufs, v_bufs, kv_ready, kv_empty = _ring(k_desc, v_desc, KV_STAGES, BLOCK_N, HEAD_DIM, PERSISTENT)
     if PERSISTENT:  # the entry index handed from the producer to the consumer, one per K/V slot
-        t_smem = gl.allocate_shared_memory(gl.int32, [KV_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        t_smem = gl.allocate_shared_memory(gl.int32, [KV_STAGES, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if DQ_REDUCE:
         ds_smem = gl.allocate_shared_memory(
             gl.bfloat16, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16))
@@ -610,7 +640,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
     else:
         q_bufs, do_bufs, qo_ready, qo_empty = _ring(q_desc, do_desc, 2, BLOCK_M, HEAD_DIM)
         k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
-        t_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        t_smem = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         gl.warp_specialize([
             (_rows_consumer_loop, (q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem, DQ, LSE,
                                    DELTA, stride_dqt, stride_lh, qk_scale, sm_scale, items_ptr, num_items_ptr, cu_ptr,
@@ -729,28 +759,29 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
     """Persistent dQ / forward programs' producer: as ``_dkdv_producer_loop`` (global counter, the
     index handed over in ``t_smem``), the Q (and dO) tiles in slot ``n % 2``, the K / V ring running on."""
     QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
-    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
     n_valid = gl.minimum(gl.load(num_items_ptr) * (WL_BM // BLOCK_M), max_entries)  # never past items
     n_total = (total // max_entries) * n_valid
     c = 0
     n = 0
     t = gl.atomic_add(counter_ptr, 1)
     while t < n_total:
+        t_next = gl.atomic_add(counter_ptr, 1)  # taken early: its latency hides under this entry's loads
         keep, h, hk, rs, re, o_lo, o_hi, u1, n_steps = _rows_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
                                                                       skip_len, GROUP, WL_BM, BLOCK_M, BLOCK_N,
                                                                       CAUSAL, IS_FWD)
         if keep:
             slot = n % QO_STAGES
             mbarrier.wait(qo_empty.index(slot), ((n // QO_STAGES) & 1) ^ 1)
-            t_smem.index(slot).store(gl.full([1], t, gl.int32, idx_layout))
+            _handoff_store(t_smem.index(slot), idx_layout, t, h, hk, rs, re, o_lo, o_hi, u1, n_steps)
             c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
                                     k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
                                     c, HEAD_DIM, BLOCK_N, not IS_FWD)
             n += 1
-        t = gl.atomic_add(counter_ptr, 1)
+        t = t_next
     slot = n % QO_STAGES
     mbarrier.wait(qo_empty.index(slot), ((n // QO_STAGES) & 1) ^ 1)
-    t_smem.index(slot).store(gl.full([1], n_total, gl.int32, idx_layout))
+    _handoff_store(t_smem.index(slot), idx_layout, n_total, 0, 0, 0, 0, 0, 0, 0, 0)
     mbarrier.arrive(qo_ready.index(slot), count=1)
 
 
@@ -762,18 +793,16 @@ def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready,
     """Persistent dQ / forward programs' consumer: the entries the producer hands over; ``OUT`` is dQ
     (``IS_FWD`` False) or O (LSE written too)."""
     QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
-    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])
+    idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [CONSUMER_WARPS], [0])  # each thread: the whole slot
     n_valid = gl.minimum(gl.load(num_items_ptr) * (WL_BM // BLOCK_M), max_entries)  # never past items
     n_total = (total // max_entries) * n_valid
     c = 0
     n = 0
     mbarrier.wait(qo_ready.index(0), 0)
-    t = gl.max(t_smem.index(0).load(idx_layout), axis=0)
+    t = _handoff_first(t_smem.index(0), idx_layout)
     while t < n_total:
         slot = n % QO_STAGES
-        keep, h, hk, rs, re, o_lo, o_hi, u1, n_steps = _rows_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
-                                                                      skip_len, GROUP, WL_BM, BLOCK_M, BLOCK_N,
-                                                                      CAUSAL, IS_FWD)
+        t, h, hk, rs, re, o_lo, o_hi, u1, n_steps = _handoff_load(t_smem.index(slot), idx_layout)
         if IS_FWD:
             c = _fwd_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, ready, empty, qo_ready.index(slot),
                                    (n // QO_STAGES) & 1, qo_empty.index(slot), OUT, LSE, stride_out, stride_lh, rs,
@@ -787,7 +816,7 @@ def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready,
         n += 1
         slot = n % QO_STAGES
         mbarrier.wait(qo_ready.index(slot), (n // QO_STAGES) & 1)
-        t = gl.max(t_smem.index(slot).load(idx_layout), axis=0)
+        t = _handoff_first(t_smem.index(slot), idx_layout)
 
 
 @gluon.jit
@@ -829,7 +858,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
             mbarrier.init(q_ready.index(s), count=1)
             mbarrier.init(q_empty.index(s), count=1)
         k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
-        t_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        t_smem = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         gl.warp_specialize([
             (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE, LSE,
                                    stride_ot, stride_lh, qk_scale, qk_scale, items_ptr, num_items_ptr, cu_ptr,
