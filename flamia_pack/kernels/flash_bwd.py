@@ -470,8 +470,9 @@ def flash_bwd(
     n_docs = cu_seqlens.shape[0] - 1
     n_steps = max(1, int(n_docs).bit_length() + 1)
     group = H // Hkv
-    chunk_kv = max(1, min(Hkv, config.bwd_dq_reduce_max_bytes // max(1, 4 * T * group * D)))
+    chunk_kv = Hkv  # one Gluon launch over every kv head unless the accumulator is bounded
     if gluon and config.bwd_gluon_dq_reduce and config.bwd_gluon_retire_first:
+        chunk_kv = max(1, min(Hkv, config.bwd_dq_reduce_max_bytes // max(1, 4 * T * group * D)))
         dq_red = torch.empty((T, chunk_kv * group, D), dtype=torch.float32, device=q.device)
     if T > 0:
         blk = 64
@@ -501,8 +502,8 @@ def flash_bwd(
 
         do_c = do if do.is_contiguous() else do.contiguous()
         skip = config.bwd_gluon_min_len
-        for kv0 in range(0, Hkv, chunk_kv if dq_red is not None else Hkv):
-            n_kv = min(Hkv - kv0, chunk_kv) if dq_red is not None else Hkv
+        for kv0 in range(0, Hkv, chunk_kv):
+            n_kv = min(Hkv - kv0, chunk_kv)
             gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
                                        wl_block_m=config.wl_block_m, skip_len=skip,
                                        retire_first=config.bwd_gluon_retire_first, dk=dk, dv=dv, dq_acc=dq_red,

@@ -96,6 +96,34 @@ def _handoff_store(slot_smem, layout: gl.constexpr, a0, a1, a2, a3, a4, a5, a6, 
 
 
 @gluon.jit
+def _entry_counts(num_items_ptr, max_entries, total, PER_ITEM: gl.constexpr):
+    """A persistent launch's entry counts: valid list entries per head (``num_items * PER_ITEM``,
+    never past the list's capacity ``max_entries``) and over all ``total // max_entries`` heads."""
+    n_valid = gl.minimum(gl.load(num_items_ptr) * PER_ITEM, max_entries)
+    return n_valid, (total // max_entries) * n_valid
+
+
+@gluon.jit
+def _claim_slot(empty_bars, n):
+    """Producer side: the hand-over slot of its ``n``-th kept entry, once the consumer released it (a
+    fresh mbarrier counts as having completed phase 1: the first lap does not wait)."""
+    STAGES: gl.constexpr = empty_bars.type.shape[0]
+    slot = n % STAGES
+    mbarrier.wait(empty_bars.index(slot), ((n // STAGES) & 1) ^ 1)
+    return slot
+
+
+@gluon.jit
+def _next_entry(ready_bars, t_smem, n, layout: gl.constexpr):
+    """Consumer side: wait for the ``n``-th hand-over and return its entry index (``>=`` the entry
+    count: the producer's stop signal)."""
+    STAGES: gl.constexpr = ready_bars.type.shape[0]
+    slot = n % STAGES
+    mbarrier.wait(ready_bars.index(slot), (n // STAGES) & 1)
+    return _handoff_first(t_smem.index(slot), layout)
+
+
+@gluon.jit
 def _handoff_first(slot_smem, layout: gl.constexpr):
     """The entry index of a hand-over slot (``>=`` the entry count: the producer's stop signal)."""
     v = slot_smem.load(layout)
@@ -152,15 +180,13 @@ def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WL_BM: gl.constexpr):
     """Persistent programs' producer (dynamic schedule, FlashAttention-3's tile scheduler): it takes
     the next entry of the head-major list from a global counter (skipping entries no Gluon program
-    runs), hands its index to the consumer in ``t_smem[slot]`` and loads its K, V into slot ``n %
-    KV_STAGES`` once the consumer released it, then its Q / dO tiles into the ring (which runs on
-    across entries): the next entry's loads overlap the current entry's products. An index ``>=
-    total`` tells the consumer to stop."""
-    KV_STAGES: gl.constexpr = k_bufs.type.shape[0]
+    runs), hands its index and geometry to the consumer in ``t_smem[slot]`` (``_handoff_store``) and
+    loads its K, V into slot ``n % KV_STAGES`` once the consumer released it, then its Q / dO tiles
+    into the ring (which runs on across entries): the next entry's loads overlap the current entry's
+    products. An index ``>=`` the entry count tells the consumer to stop."""
     idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
     # only the list's valid rows are counted: entry t is row entry t % n_valid of kv head t // n_valid
-    n_valid = gl.minimum(gl.load(num_items_ptr) * (WL_BM // BLOCK_N), max_entries)  # never past items
-    n_total = (total // max_entries) * n_valid
+    n_valid, n_total = _entry_counts(num_items_ptr, max_entries, total, WL_BM // BLOCK_N)
     c = 0
     n = 0
     t = gl.atomic_add(counter_ptr, 1)
@@ -169,16 +195,14 @@ def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
         keep, hk, rs, re, o_hi, u0, u1, n_steps = _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
                                                                  skip_len, kv_head0, WL_BM, BLOCK_N, BLOCK_M)
         if keep:
-            slot = n % KV_STAGES
-            mbarrier.wait(kv_empty.index(slot), ((n // KV_STAGES) & 1) ^ 1)
+            slot = _claim_slot(kv_empty, n)
             _handoff_store(t_smem.index(slot), idx_layout, t, hk, rs, re, o_hi, u0, u1, n_steps, 0)
             c = _dkdv_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs.index(slot),
                                     v_bufs.index(slot), ready, empty, kv_ready.index(slot), rs, hk, n_steps, c,
                                     GROUP, HEAD_DIM, BLOCK_M, True)
             n += 1
         t = t_next
-    slot = n % KV_STAGES
-    mbarrier.wait(kv_empty.index(slot), ((n // KV_STAGES) & 1) ^ 1)
+    slot = _claim_slot(kv_empty, n)
     _handoff_store(t_smem.index(slot), idx_layout, n_total, 0, 0, 0, 0, 0, 0, 0, 0)
     mbarrier.arrive(kv_ready.index(slot), count=1)
 
@@ -323,19 +347,17 @@ def _dkdv_consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, D
 @gluon.jit
 def _dkdv_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, t_smem, LSE, DELTA, DK, DV,
                         stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, ds_smem, p_smem, dq_stage, dq_desc,
-                        items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, kv_head0, total,
+                        num_items_ptr, max_entries, kv_head0, total,
                         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, RETIRE_FIRST: gl.constexpr,
                         DQ_REDUCE: gl.constexpr):
     """Persistent programs' consumer: the entries the producer hands over (``_dkdv_producer_loop``)."""
     KV_STAGES: gl.constexpr = k_bufs.type.shape[0]
     idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [CONSUMER_WARPS], [0])  # each thread: the whole slot
-    n_valid = gl.minimum(gl.load(num_items_ptr) * (WL_BM // BLOCK_N), max_entries)  # never past items
-    n_total = (total // max_entries) * n_valid
+    _n_valid, n_total = _entry_counts(num_items_ptr, max_entries, total, WL_BM // BLOCK_N)
     c = 0
     n = 0
-    mbarrier.wait(kv_ready.index(0), 0)
-    t = _handoff_first(t_smem.index(0), idx_layout)
+    t = _next_entry(kv_ready, t_smem, n, idx_layout)
     while t < n_total:
         slot = n % KV_STAGES
         # the slot stays this entry's until its K / V are released: read the geometry here, so only t
@@ -348,9 +370,7 @@ def _dkdv_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready,
                                 kv_head0 * GROUP, c, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST,
                                 DQ_REDUCE, True)
         n += 1
-        slot = n % KV_STAGES
-        mbarrier.wait(kv_ready.index(slot), (n // KV_STAGES) & 1)
-        t = _handoff_first(t_smem.index(slot), idx_layout)
+        t = _next_entry(kv_ready, t_smem, n, idx_layout)
 
 
 @gluon.jit
@@ -397,13 +417,21 @@ def _ring(a_desc, b_desc, STAGES: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl
     released only by persistent programs)."""
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROWS, HEAD_DIM], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROWS, HEAD_DIM], b_desc.layout)
+    ready, empty = _slot_barriers(STAGES, INIT_EMPTY)
+    return a_bufs, b_bufs, ready, empty
+
+
+@gluon.jit
+def _slot_barriers(STAGES: gl.constexpr, INIT_EMPTY: gl.constexpr = True):
+    """One ``ready`` / ``empty`` mbarrier pair per slot (count 1 each; ``empty`` initialised only
+    with ``INIT_EMPTY``)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         if INIT_EMPTY:
             mbarrier.init(empty.index(s), count=1)
-    return a_bufs, b_bufs, ready, empty
+    return ready, empty
 
 
 @gluon.jit
@@ -427,13 +455,23 @@ def _dkdv_rows(qs, ds, de, e, WL_BM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, kv_head0,
-                   WL_BM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Entry ``t`` of the head-major list (list entry ``t % per_head`` of kv head ``kv_head0 +
-    t // per_head``): whether a Gluon program runs it, its kv head and ``_dkdv_rows``."""
+def _dkdv_span(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, kv_head0,
+               WL_BM: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Entry ``t`` of the dK/dV programs' head-major list (list entry ``e = t % per_head`` of kv head
+    ``hk = kv_head0 + t // per_head``): ``(e, hk)`` and its ``_item_span``."""
     e = t % per_head
     hk = kv_head0 + t // per_head
     qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, WL_BM // BLOCK_N, skip_len)
+    return e, hk, qs, ds, de, keep
+
+
+@gluon.jit
+def _dkdv_geometry(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, kv_head0,
+                   WL_BM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Entry ``t`` of the head-major list (``_dkdv_span``): whether a Gluon program runs it, its kv
+    head and ``_dkdv_rows``."""
+    e, hk, qs, ds, de, keep = _dkdv_span(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, kv_head0,
+                                         WL_BM, BLOCK_N)
     rs, re, o_hi, u0, u1, n_steps = _dkdv_rows(qs, ds, de, e, WL_BM, BLOCK_N, BLOCK_M)
     return keep & (rs < re), hk, rs, re, o_hi, u0, u1, n_steps
 
@@ -448,11 +486,8 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
     # head-major: all entries of kv head kv_head0 in the list's decreasing-cost order, then the next, ...
     # (one program per entry; PERSISTENT: one program per SM taking entries from a global counter)
     if not PERSISTENT:
-        pid = gl.program_id(0)
-        e = pid % max_entries
-        hk = kv_head0 + pid // max_entries
-        F: gl.constexpr = WL_BM // BLOCK_N
-        qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
+        e, hk, qs, ds, de, keep = _dkdv_span(items_ptr, num_items_ptr, cu_ptr, gl.program_id(0), max_entries,
+                                             skip_len, kv_head0, WL_BM, BLOCK_N)
         if not keep:
             return
         rs, re, o_hi, u0, u1, n_steps = _dkdv_rows(qs, ds, de, e, WL_BM, BLOCK_N, BLOCK_M)
@@ -481,7 +516,7 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
             (_dkdv_consumer_loop, (q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, t_smem,
                                    LSE, DELTA, DK, DV,
                                    stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, ds_smem, p_smem, dq_stage,
-                                   dq_desc, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, kv_head0, total,
+                                   dq_desc, num_items_ptr, max_entries, kv_head0, total,
                                    GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, RETIRE_FIRST, DQ_REDUCE)),
             (_dkdv_producer_loop, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
                                    kv_ready, kv_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
@@ -614,15 +649,12 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
     # head-major grid: all entries of query head 0 in the list's decreasing-cost order, then head 1, ...
     # (PERSISTENT: one program per SM taking entries from a global counter, Q / dO double-buffered)
     if not PERSISTENT:
-        pid = gl.program_id(0)
-        e = pid % max_entries
-        h = pid // max_entries
+        e, h, qs, qe, ds, de, keep = _rows_span(items_ptr, num_items_ptr, cu_ptr, gl.program_id(0), max_entries,
+                                                skip_len, GROUP, WL_BM, BLOCK_M, False)
         hk = h // GROUP
-        F: gl.constexpr = WL_BM // BLOCK_M
-        qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
         if not keep:
             return
-        rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, F, BLOCK_M, BLOCK_N, True)
+        rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, WL_BM // BLOCK_M, BLOCK_M, BLOCK_N, True)
         if rs >= re:
             return
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -643,8 +675,8 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
         t_smem = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         gl.warp_specialize([
             (_rows_consumer_loop, (q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem, DQ, LSE,
-                                   DELTA, stride_dqt, stride_lh, qk_scale, sm_scale, items_ptr, num_items_ptr, cu_ptr,
-                                   max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, True,
+                                   DELTA, stride_dqt, stride_lh, qk_scale, sm_scale, num_items_ptr,
+                                   max_entries, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, True,
                                    False)),
             (_rows_producer_loop, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
                                    qo_ready, qo_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
@@ -731,13 +763,12 @@ def _fwd_consumer(q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot
 
 
 @gluon.jit
-def _rows_geometry(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, GROUP: gl.constexpr,
-                   WL_BM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                   IS_FWD: gl.constexpr):
-    """Entry ``t`` of a persistent launch of programs owning query rows (``per_head`` list entries
+def _rows_span(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, GROUP: gl.constexpr, WL_BM: gl.constexpr,
+               BLOCK_M: gl.constexpr, IS_FWD: gl.constexpr):
+    """Entry ``t`` of the head-major order of programs owning query rows (``per_head`` list entries
     per query head): dQ programs walk query head after query head; forward programs kv head after
-    kv head with a GQA group's query heads side by side (flash_fwd's grid_head_major). Returns
-    whether a Gluon program runs it, its heads and ``_query_rows``."""
+    kv head with a GQA group's query heads side by side (flash_fwd's grid_head_major). Returns the
+    list entry ``e``, the query head ``h`` and its ``_item_span``."""
     if IS_FWD:
         x = t % (per_head * GROUP)
         e = x // GROUP
@@ -745,9 +776,19 @@ def _rows_geometry(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, GROU
     else:
         e = t % per_head
         h = t // per_head
-    F: gl.constexpr = WL_BM // BLOCK_M
-    qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
-    rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, F, BLOCK_M, BLOCK_N, CAUSAL)
+    qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, WL_BM // BLOCK_M, skip_len)
+    return e, h, qs, qe, ds, de, keep
+
+
+@gluon.jit
+def _rows_geometry(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, GROUP: gl.constexpr,
+                   WL_BM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                   IS_FWD: gl.constexpr):
+    """Entry ``t`` of a persistent launch of programs owning query rows (``_rows_span``): whether a
+    Gluon program runs it, its heads and ``_query_rows``."""
+    e, h, qs, qe, ds, de, keep = _rows_span(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, GROUP,
+                                            WL_BM, BLOCK_M, IS_FWD)
+    rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, WL_BM // BLOCK_M, BLOCK_M, BLOCK_N, CAUSAL)
     return keep & (rs < re), h, h // GROUP, rs, re, o_lo, o_hi, u1, n_steps
 
 
@@ -757,11 +798,10 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
                         skip_len, total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr, IS_FWD: gl.constexpr):
     """Persistent dQ / forward programs' producer: as ``_dkdv_producer_loop`` (global counter, the
-    index handed over in ``t_smem``), the Q (and dO) tiles in slot ``n % 2``, the K / V ring running on."""
-    QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
+    index and geometry handed over in ``t_smem``), the Q (and dO) tiles in slot ``n % 2``, the K / V ring
+    running on."""
     idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
-    n_valid = gl.minimum(gl.load(num_items_ptr) * (WL_BM // BLOCK_M), max_entries)  # never past items
-    n_total = (total // max_entries) * n_valid
+    n_valid, n_total = _entry_counts(num_items_ptr, max_entries, total, WL_BM // BLOCK_M)
     c = 0
     n = 0
     t = gl.atomic_add(counter_ptr, 1)
@@ -771,35 +811,31 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
                                                                       skip_len, GROUP, WL_BM, BLOCK_M, BLOCK_N,
                                                                       CAUSAL, IS_FWD)
         if keep:
-            slot = n % QO_STAGES
-            mbarrier.wait(qo_empty.index(slot), ((n // QO_STAGES) & 1) ^ 1)
+            slot = _claim_slot(qo_empty, n)
             _handoff_store(t_smem.index(slot), idx_layout, t, h, hk, rs, re, o_lo, o_hi, u1, n_steps)
             c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
                                     k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
                                     c, HEAD_DIM, BLOCK_N, not IS_FWD)
             n += 1
         t = t_next
-    slot = n % QO_STAGES
-    mbarrier.wait(qo_empty.index(slot), ((n // QO_STAGES) & 1) ^ 1)
+    slot = _claim_slot(qo_empty, n)
     _handoff_store(t_smem.index(slot), idx_layout, n_total, 0, 0, 0, 0, 0, 0, 0, 0)
     mbarrier.arrive(qo_ready.index(slot), count=1)
 
 
 @gluon.jit
 def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem, OUT, LSE, DELTA,
-                        stride_out, stride_lh, qk_scale, sm_scale, items_ptr, num_items_ptr, cu_ptr, max_entries,
-                        skip_len, total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                        stride_out, stride_lh, qk_scale, sm_scale, num_items_ptr, max_entries,
+                        total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr, IS_FWD: gl.constexpr):
     """Persistent dQ / forward programs' consumer: the entries the producer hands over; ``OUT`` is dQ
     (``IS_FWD`` False) or O (LSE written too)."""
     QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
     idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [CONSUMER_WARPS], [0])  # each thread: the whole slot
-    n_valid = gl.minimum(gl.load(num_items_ptr) * (WL_BM // BLOCK_M), max_entries)  # never past items
-    n_total = (total // max_entries) * n_valid
+    _n_valid, n_total = _entry_counts(num_items_ptr, max_entries, total, WL_BM // BLOCK_M)
     c = 0
     n = 0
-    mbarrier.wait(qo_ready.index(0), 0)
-    t = _handoff_first(t_smem.index(0), idx_layout)
+    t = _next_entry(qo_ready, t_smem, n, idx_layout)
     while t < n_total:
         slot = n % QO_STAGES
         t, h, hk, rs, re, o_lo, o_hi, u1, n_steps = _handoff_load(t_smem.index(slot), idx_layout)
@@ -814,9 +850,7 @@ def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready,
                                   stride_lh, stride_out, rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, sm_scale, c,
                                   HEAD_DIM, BLOCK_M, BLOCK_N, True)
         n += 1
-        slot = n % QO_STAGES
-        mbarrier.wait(qo_ready.index(slot), (n // QO_STAGES) & 1)
-        t = _handoff_first(t_smem.index(slot), idx_layout)
+        t = _next_entry(qo_ready, t_smem, n, idx_layout)
 
 
 @gluon.jit
@@ -827,16 +861,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
     if not PERSISTENT:
         # head-major grid (flash_fwd's grid_head_major): kv head after kv head, entries in decreasing
         # cost inside it, the query heads of one GQA group side by side (they share K / V in L2)
-        pid = gl.program_id(0)
-        x = pid % (max_entries * GROUP)
-        e = x // GROUP
-        h = (pid // (max_entries * GROUP)) * GROUP + x % GROUP
+        e, h, qs, qe, ds, de, keep = _rows_span(items_ptr, num_items_ptr, cu_ptr, gl.program_id(0), max_entries,
+                                                skip_len, GROUP, WL_BM, BLOCK_M, True)
         hk = h // GROUP
-        F: gl.constexpr = WL_BM // BLOCK_M
-        qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, F, skip_len)
         if not keep:
             return
-        rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, F, BLOCK_M, BLOCK_N, CAUSAL)
+        rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, e, WL_BM // BLOCK_M, BLOCK_M, BLOCK_N,
+                                                      CAUSAL)
         if rs >= re:
             return
 
@@ -852,17 +883,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
         ], [1], [24])
     else:  # one program per SM taking entries from a global counter; two Q slots
         q_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(2):
-            mbarrier.init(q_ready.index(s), count=1)
-            mbarrier.init(q_empty.index(s), count=1)
+        q_ready, q_empty = _slot_barriers(2)
         k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
         t_smem = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         gl.warp_specialize([
             (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE, LSE,
-                                   stride_ot, stride_lh, qk_scale, qk_scale, items_ptr, num_items_ptr, cu_ptr,
-                                   max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                   stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
+                                   max_entries, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
                                    True)),
             (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
                                    q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
