@@ -51,11 +51,15 @@ def test_small_tiles_for_rows_of_short_documents(monkeypatch):
     assert kernel_config(128, max_seqlen=SMALL_BWD_MAX_SEQLEN) == candidate_config("small_n32r")
     assert kernel_config(128, max_seqlen=1) == candidate_config("small_n32r")
     assert candidate_config("small_n32r") == dataclasses.replace(small, block_n=32, fwd_maxnreg=168)
-    # 513..1024: the small forward with the default (Gluon) backward
-    fwd_small = candidate_config("fwd_small")
-    assert kernel_config(128, max_seqlen=SMALL_MAX_SEQLEN) == fwd_small
-    assert kernel_config(128, max_seqlen=SMALL_BWD_MAX_SEQLEN + 1) == fwd_small
-    assert fwd_small.block_m == 64 and fwd_small.bwd_gluon and fwd_small.bwd_block_n1 == kernel_config(128).bwd_block_n1
+    # 513..1024: the persistent Gluon forward, dK/dV and dQ programs
+    band = candidate_config("all_pers_dqp")
+    assert kernel_config(128, max_seqlen=SMALL_MAX_SEQLEN) == band
+    assert kernel_config(128, max_seqlen=SMALL_BWD_MAX_SEQLEN + 1) == band
+    assert band.fwd_gluon and band.fwd_gluon_persistent and band.bwd_gluon and band.bwd_gluon_persistent
+    assert not band.bwd_gluon_dq_reduce
+    # the short-document tile sets run the Triton forward with their own tiles
+    for name in ("small", "small_n32r", "small_m16", "fwd_small"):
+        assert not candidate_config(name).fwd_gluon, name
     assert kernel_config(128, max_seqlen=SMALL_MAX_SEQLEN + 1) == kernel_config(128)
     # GQA: the small set's spill-free 16-query dK/dV step
     assert kernel_config(128, max_seqlen=256, num_kv_groups=4) == candidate_config("small_m16")
@@ -273,3 +277,23 @@ def test_candidate_config_name_must_be_a_str(bad):
         candidate_config(bad)
     with pytest.raises(FlamiaError, match="unknown attention config candidate 'nope'; known: default"):
         candidate_config("nope")
+
+
+def test_default_forward_is_the_persistent_gluon_kernel_at_head_dim_128(monkeypatch):
+    from flamia_pack.kernels.config import PERSISTENT_FWD
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    d128 = kernel_config(128)
+    assert d128.fwd_gluon and d128.fwd_gluon_persistent
+    assert all(getattr(d128, f) == v for f, v in PERSISTENT_FWD.items())
+    assert kernel_config(128, max_seqlen=4096, num_kv_groups=4) == d128
+    # head_dim 64: not measured, the Triton forward
+    assert not kernel_config(64).fwd_gluon
+    # the previous default and the one-entry Gluon forward stay selectable
+    old = candidate_config("triton_fwd")
+    assert not old.fwd_gluon and dataclasses.replace(old, **PERSISTENT_FWD) == d128
+    one = candidate_config("gluon_fwd")
+    assert one.fwd_gluon and not one.fwd_gluon_persistent
+    # a candidate that varies the Triton forward's tiles or order runs the Triton forward
+    for name in ("grid_order", "tma_head_major_fwd64", "doc_major", "fwd_split512", "hybrid"):
+        assert not candidate_config(name).fwd_gluon, name

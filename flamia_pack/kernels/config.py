@@ -33,7 +33,10 @@ SMALL_MAX_SEQLEN = 1024
 a host int: the choice costs no device sync."""
 
 SMALL_BWD_MAX_SEQLEN = 512
-"""MHA calls with ``SMALL_BWD_MAX_SEQLEN < max_seqlen <= SMALL_MAX_SEQLEN`` run the small forward with the
+"""MHA calls with ``SMALL_BWD_MAX_SEQLEN < max_seqlen <= SMALL_MAX_SEQLEN`` run the persistent Gluon forward
+and persistent Gluon dK/dV + dQ programs (``all_pers_dqp``) since 2026-11-29 (late): W3's training
+call 1.054x / 1.056x the default and 1.057x ``fwd_small`` (3.77 vs 3.98 ms, every one of six passes
+>= 4% faster; RESULTS "Session of 2026-11-29 (late)" runs 1 and 3). Before that the small forward with the
 default (Gluon) backward (``fwd_small``): on W3 (1,024-token documents) 1.019x and 1.028x the whole
 small set once the Gluon backward was asynchronous (RESULTS "Session of 2026-11-29 (day)" runs 3-4),
 while 512-token documents (U512) and W7 keep the whole small set (1.15x / 1.32x the default), since
@@ -187,16 +190,17 @@ class AttentionKernelConfig:
     """Forward: run the programs as the warp-specialized Gluon kernel of ``gluon_attention.py`` (a TMA
     producer warp streaming K / V, an 8-warp wgmma consumer; 128 queries x 128-key tiles) where it
     applies: sm_90, bf16, contiguous q / k / v, ``wl_block_m`` a multiple of 128, no
-    ``hybrid_short_len``; merged items and 1-token documents stay in a Triton launch. Compiled and
-    screened on the CPU only (spill-free), not yet run on the GPU: off."""
+    ``hybrid_short_len``; merged items and 1-token documents stay in a Triton launch. The head_dim
+    128 default in its persistent form (:data:`PERSISTENT_FWD`) except on rows of short documents
+    (the ``small`` tile sets set it off)."""
 
     fwd_gluon_persistent: bool = False
     """With ``fwd_gluon``: the Gluon forward programs persistent, one per SM, entries from a global
     counter (as ``bwd_gluon_persistent``), two Q slots and a 2-deep K / V ring (197 KB; spill-free
     in the CPU screen), so the next entry's Q and first K / V tiles load while the current entry
     computes. Aimed at rows of 1,024-token documents (W3: ~4.5 key tiles of 128 per program, where
-    padded SDPA's forward is 1.46x ours). Not yet run on the GPU: off (candidates ``gluon_fwd_pers``,
-    ``all_pers``, ``all_pers_dqp``)."""
+    padded SDPA's forward is 1.46x ours). Measured on the H200 (2026-11-29 late): see
+    :data:`PERSISTENT_FWD`, the head_dim 128 default."""
 
     bwd_gluon_retire_first: bool = True
     """With ``bwd_gluon``: the dK/dV consumer retires the previous step's dV / dK products before
@@ -223,7 +227,7 @@ class AttentionKernelConfig:
     reduces' order varies), so ``varlen_attention(..., deterministic=True)`` turns it off. Measured
     on the H200 (2026-11-29, RESULTS "Session of 2026-11-29 (evening)" run 2, three passes): training
     call 1.019x W1, 1.034x W2, 1.040x W5, 1.059x W8, 1.053x W9, 0.987x W3 vs the dQ programs; on by
-    default since then except for 513-1,024-token rows (``fwd_small``); candidate
+    default since then except for 513-1,024-token rows (``all_pers_dqp``); candidate
     ``gluon_dq_programs`` is the previous backward."""
 
     bwd_gluon_persistent: bool = False
@@ -240,9 +244,11 @@ class AttentionKernelConfig:
     takes ~27 us (RESULTS "Session of 2026-11-29 (evening)" run 1: 1.69 ms for 8,192 programs on
     132 SMs). The producer hands the consumer each entry's geometry (no dependent global loads on the
     consumer's path) and takes its next index while the current entry's loads are issued. Compiled
-    for sm_90a on the CPU only (spill-free without the dQ reduce, 197 KB shared memory; 68 B of
-    spills with it, 88 B in the one-entry kernel); not yet run on the GPU: off
-    (candidates ``gluon_pers``, ``gluon_pers_dqp``, ``fwd_small_pers``)."""
+    for sm_90a (spill-free without the dQ reduce, 197 KB shared memory; 68 B of spills with it, 88 B in
+    the one-entry kernel). Measured on the H200 (2026-11-29 late, RESULTS runs 1-3): with the dQ
+    programs 1.02-1.04x on W3 (``fwd_pers_dqp`` -> ``all_pers_dqp``), so on for 513-1,024-token MHA
+    rows; on long rows it loses (training call: ``gluon_pers`` 0.95-1.00x, ``gluon_pers_dqp``
+    0.93-0.98x on W1, W2, W5, W8): off there."""
 
     bwd_dq_reduce_max_bytes: int = 512 << 20
     """With ``bwd_gluon_dq_reduce``: the most bytes of the float32 dQ accumulator (``4 * T * H_q * D``
@@ -368,6 +374,14 @@ latency when each program walks only a few key tiles. W7 forward 1.195x, trainin
 HEAD_MAJOR: dict = {"schedule": "grid_head_major", "bwd_head_major": True}
 """Head-major program order in the forward and the backward (the default since 2026-11-29)."""
 
+PERSISTENT_FWD: dict = {"fwd_gluon": True, "fwd_gluon_persistent": True}
+"""The persistent warp-specialized Gluon forward (``gluon_attention.gluon_fwd(persistent=True)``), the
+head_dim 128 default since 2026-11-29 (late): forward 1.02-1.06x the Triton 128 x 64 forward on W1,
+W2, W4, W6, W8, W9 and 1.10-1.12x on W3, 1.00x on W5 (GQA), in two or three passes each; the
+training call 1.00-1.02x (RESULTS "Session of 2026-11-29 (late)" runs 2-3). Not on rows of
+documents of at most :data:`SMALL_BWD_MAX_SEQLEN` tokens (W7: 0.63x of ``small_n32r``'s forward) nor
+at head_dim 64 (not measured)."""
+
 CANDIDATES: dict[str, dict] = {
     "default": {},
     # the warp-specialized Gluon backward (gluon_attention.py) where it applies, Triton elsewhere
@@ -386,6 +400,10 @@ CANDIDATES: dict[str, dict] = {
                  "bwd_gluon_persistent": True},
     "all_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
                      "bwd_gluon_persistent": True, "bwd_gluon_dq_reduce": False},
+    # the persistent Gluon forward with the one-entry Gluon dK/dV + dQ programs (W3's band), and with
+    # the short-document tiles of small_n32r for its Triton backward (W7's band)
+    "fwd_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
+                     "bwd_gluon_dq_reduce": False},
     # separate Gluon dQ programs (7 products; bitwise reproducible; the default until 2026-11-29 evening)
     "gluon_dq_programs": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_dq_reduce": False},
     # the dK/dV kernel of the night of 2026-11-29 (wgmma serialized by ptxas at D = 128)
@@ -394,6 +412,8 @@ CANDIDATES: dict[str, dict] = {
                    "fwd_gluon": True},
     # the Gluon forward too (unmeasured: gluon_attention.py)
     "gluon_fwd": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True},
+    # the Triton forward (128 x 64 tiles, 8 warps, 3 stages): the head_dim 128 default until 2026-11-29 (late)
+    "triton_fwd": {**HEAD_MAJOR, "fwd_gluon": False},
     # documents of <= N tokens in the default-tile Triton launch (gluon_l1: the default until 2026-11-29 day)
     "gluon_l1": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 1, "bwd_gluon_leftover_small": False},
     "gluon_l256": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_min_len": 256, "bwd_gluon_leftover_small": False},
@@ -474,6 +494,7 @@ CANDIDATES: dict[str, dict] = {
     # registers and 66 KB (2 programs per SM by registers); capped at 168, 3 programs per SM
     "small_n32": {**HEAD_MAJOR, **SMALL_TILES, "block_n": 32},
     "small_n32r": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES},
+    "small_fwd_pers": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True},
     # forward: documents of <= 512 tokens in a second launch with SHORT_FWD_TILES (rows mixing long and
     # short documents: W2, W6; CPU-checked only)
     "fwd_split512": {**HEAD_MAJOR, "fwd_short_len": 512},
@@ -490,12 +511,21 @@ the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
 ``benchmarks/gpu_bwd_sweep.py`` (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)").
 Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
 _FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon", "fwd_maxnreg",
-             "fwd_short_len"}
+             "fwd_short_len", "fwd_gluon_persistent"}
+_TRITON_FWD = {"block_m", "block_n", "num_warps", "num_stages", "fwd_maxnreg", "fwd_short_len", "schedule", "doc_major",
+               "hybrid_short_len"}
 for _name, _ov in CANDIDATES.items():
+    _changed = {k for k, v in set(_ov.items()) - set(HEAD_MAJOR.items())}
     # a candidate that varies the Triton backward (its tiles, order or dQ path) runs it: with the
     # Gluon backward on, those fields would only reach the Triton launch of merged / short items
-    if "bwd_gluon" not in _ov and any(k not in _FWD_ONLY for k, v in set(_ov.items()) - set(HEAD_MAJOR.items())):
+    if "bwd_gluon" not in _ov and any(k not in _FWD_ONLY for k in _changed):
         _ov["bwd_gluon"] = False
+    # likewise the Triton forward for a candidate that varies its tiles or order (the Gluon forward,
+    # the default at head_dim 128, has its own)
+    if "fwd_gluon" not in _ov and _changed & _TRITON_FWD:
+        _ov["fwd_gluon"] = False
+    if _ov.get("fwd_gluon") and "fwd_gluon_persistent" not in _ov:
+        _ov["fwd_gluon_persistent"] = False  # gluon_fwd, gluon_next: the one-entry Gluon forward
 
 
 
@@ -544,10 +574,14 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
     for MHA its dK/dV programs then have no head loop and do not spill (255 registers, 0 B; 172 B
     with a runtime trip count), which made the training call 1.00-1.04x faster (W1-W9, 2026-11-29).
 
-    Rows of short documents only (``max_seqlen <=`` :data:`SMALL_MAX_SEQLEN`, head_dim 128) get the
-    ``small`` tile set instead (MHA rows of ``SMALL_BWD_MAX_SEQLEN < max_seqlen <=
-    SMALL_MAX_SEQLEN`` only its forward, ``fwd_small``, with the default Gluon backward; MHA rows of
-    ``max_seqlen <= SMALL_BWD_MAX_SEQLEN`` its ``small_n32r`` variant, a 64 x 32 forward capped at
+    At head_dim 128 the forward is the persistent Gluon kernel (:data:`PERSISTENT_FWD`, since
+    2026-11-29 late: 1.02-1.12x the Triton forward on W1-W4, W6, W8, W9).
+
+    Rows of short documents only (``max_seqlen <=`` :data:`SMALL_MAX_SEQLEN`, head_dim 128) get other
+    programs: MHA rows of ``SMALL_BWD_MAX_SEQLEN < max_seqlen <= SMALL_MAX_SEQLEN`` the persistent
+    Gluon forward, dK/dV and dQ programs (``all_pers_dqp``, :data:`SMALL_BWD_MAX_SEQLEN`); GQA rows
+    and MHA rows of ``max_seqlen <= SMALL_BWD_MAX_SEQLEN`` the ``small`` tile set (MHA: its
+    ``small_n32r`` variant, a 64 x 32 forward capped at
     168 registers for three programs per SM): 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
     programs with 4 warps, two programs per SM, so one program's prologue and epilogue (which
     dominate when each program walks only a few tiles) overlap another's tiles. GQA calls
@@ -584,7 +618,7 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
     if max_seqlen is not None and head_dim == 128 and max_seqlen <= SMALL_MAX_SEQLEN:
         if num_kv_groups > 1:
             return candidate_config("small_m16", head_dim, causal, precision)
-        return candidate_config("small_n32r" if max_seqlen <= SMALL_BWD_MAX_SEQLEN else "fwd_small", head_dim, causal,
+        return candidate_config("small_n32r" if max_seqlen <= SMALL_BWD_MAX_SEQLEN else "all_pers_dqp", head_dim, causal,
                                 precision)
     return _default_config(head_dim, causal, precision)
 
@@ -600,7 +634,7 @@ def _default_config(head_dim: int, causal: bool, precision: str) -> AttentionKer
     # over W1/W4/W6/W7 and 1.03-1.14x on the forward (gpu_bwd_sweep.py, H200, 2026-11-29)
     if head_dim == 64:
         return AttentionKernelConfig(block_n=128, num_warps=8, num_stages=3, **HEAD_MAJOR)
-    return AttentionKernelConfig(**HEAD_MAJOR)
+    return AttentionKernelConfig(**HEAD_MAJOR, **PERSISTENT_FWD)
 
 
 def work_list_tile_config(config: AttentionKernelConfig, causal: bool):
