@@ -34,7 +34,7 @@ def _gluon(d: int, name: str = "gluon"):
 
 @pytest.mark.parametrize("name", ["gluon", "gluon_l1", "gluon_l256", "gluon_serial", "gluon_compact", "gluon_next",
                                   "gluon_dqr", "gluon_dq_programs", "gluon_pers", "gluon_pers_dqp",
-                                  "gluon_fwd_pers", "all_pers_dqp"])
+                                  "gluon_fwd_pers", "all_pers_dqp", "gluon_split512"])
 @pytest.mark.parametrize("lengths,h,hkv,d,pad", [
     ([2048, 2048], 8, 8, 128, 0),
     ([300, 129, 1000, 77, 700, 1890], 4, 4, 128, 37),

@@ -178,8 +178,10 @@ class AttentionKernelConfig:
     registers: three programs per SM), which ran W7's 256-token documents 1.45x faster than the
     default tiles (RESULTS "Session of 2026-11-29 (evening)" run 5). For rows that mix long and short
     documents (W2, W6), whose ``max_seqlen`` picks the default tiles for every item. Ignored with
-    ``hybrid_short_len`` or the Gluon forward. CPU-checked only (interpreter): off (candidate
-    ``fwd_split512``)."""
+    ``hybrid_short_len``. With the Gluon forward (``fwd_gluon``) the Gluon programs skip documents of
+    at most ``L`` tokens and the Triton launch with :data:`SHORT_FWD_TILES` runs them (and the merged
+    items): candidate ``gluon_split512``. The Triton-only split (``fwd_split512``): training call
+    1.008x on W2, 0.99-1.01x on W1, W5, W8 (H200, 2026-11-29 late run 2): off."""
 
     fwd_maxnreg: int = 0
     """Forward (Triton): register cap per thread handed to ptxas (0: the compiler's choice). With a
@@ -498,6 +500,9 @@ CANDIDATES: dict[str, dict] = {
     # forward: documents of <= 512 tokens in a second launch with SHORT_FWD_TILES (rows mixing long and
     # short documents: W2, W6; CPU-checked only)
     "fwd_split512": {**HEAD_MAJOR, "fwd_short_len": 512},
+    # the persistent Gluon forward for documents > 512 tokens, the SHORT_FWD_TILES Triton launch for the rest
+    "gluon_split512": {**HEAD_MAJOR, **PERSISTENT_FWD, "fwd_short_len": 512},
+    "gluon_split256": {**HEAD_MAJOR, **PERSISTENT_FWD, "fwd_short_len": 256},
     "fwd_small_n32r": {**HEAD_MAJOR, **{f: v for f, v in SMALL_TILES.items() if not f.startswith("bwd_")},
                        "bwd_gluon": True, "bwd_gluon_dq_reduce": False, "block_n": 32, "fwd_maxnreg": 168},
     # small tiles with dQ by TMA bulk reduce-add from the dK/dV programs (no dQ programs)

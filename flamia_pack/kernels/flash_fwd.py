@@ -270,10 +270,14 @@ def flash_fwd(
     if gluon_applies(config.fwd_gluon, config, q, k, v):
         from flamia_pack.kernels import gluon_attention
 
+        # merged items and documents of at most skip_len tokens: the Triton kernel (with fwd_short_len,
+        # SHORT_FWD_TILES for the short documents: three programs per SM where the Gluon programs'
+        # 128 x 128 tiles run one)
+        skip_len = max(1, config.fwd_short_len)
         gluon_attention.gluon_fwd(q, k, v, cu_seqlens, items, num_items, softmax_scale, causal=causal,
-                                  wl_block_m=config.wl_block_m, skip_len=1, o=o, lse=lse,
+                                  wl_block_m=config.wl_block_m, skip_len=skip_len, o=o, lse=lse,
                                   persistent=config.fwd_gluon_persistent)
-        parts = [(config, -1)]  # merged items and 1-token documents: the Triton kernel
+        parts = [(parts[-1][0] if config.fwd_short_len else config, -skip_len)]
     for cfg, sel in parts:
         f = cfg.wl_block_m // cfg.block_m
         n_entries = items.shape[0] * f * H
