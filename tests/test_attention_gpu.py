@@ -110,7 +110,12 @@ def test_deterministic_bitwise():
         assert torch.equal(a, b)
 
 
-def test_cuda_graph_capture_and_compile():
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_cuda_graph_capture_and_compile(deterministic):
+    """A captured training step replays on new inputs and matches eager: bitwise with
+    ``deterministic=True``; with the default (dQ by fp32 TMA bulk reduces, whose order varies run to
+    run) O, dK, dV bitwise and dQ within one bf16 rounding of the largest |dQ| (stale inputs would
+    miss by O(1))."""
     lengths = [1500, 2, 700, 1890]
     T = 4200  # 108 padding tokens
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
@@ -125,7 +130,7 @@ def test_cuda_graph_capture_and_compile():
     def step():
         for x in static[:3]:
             x.grad = None
-        o = varlen_attention(static[0], static[1], static[2], cu, 1890, work_list=wl)
+        o = varlen_attention(static[0], static[1], static[2], cu, 1890, work_list=wl, deterministic=deterministic)
         o.backward(static[3])
         return o
 
@@ -147,11 +152,16 @@ def test_cuda_graph_capture_and_compile():
     graph.replay()
     torch.cuda.synchronize()
     xs = [x.clone().requires_grad_() for x in new[:3]]
-    o_eager = varlen_attention(*xs, cu, 1890, work_list=wl)
+    o_eager = varlen_attention(*xs, cu, 1890, work_list=wl, deterministic=deterministic)
     o_eager.backward(new[3])
     assert torch.equal(o_static, o_eager)
-    for a, b in zip(static[:3], xs):
-        assert torch.equal(a.grad, b.grad)
+    for name, a, b in zip(("dq", "dk", "dv"), static[:3], xs):
+        if deterministic or name != "dq":
+            assert torch.equal(a.grad, b.grad), name
+        else:
+            err = (a.grad.float() - b.grad.float()).abs().max().item()
+            scale = b.grad.float().abs().max().item()
+            assert scale > 0 and err <= scale * 2.0 ** -7, (err, scale)
     # torch.compile: the custom op traces into one graph with a prebuilt work list
     compiled = torch.compile(lambda a, b, c: varlen_attention(a, b, c, cu, 1890, work_list=wl), fullgraph=True)
     assert torch.equal(compiled(*[x.detach() for x in new[:3]]), o_eager.detach())
