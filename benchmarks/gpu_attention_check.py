@@ -167,11 +167,15 @@ def leak():
         fns["flex_attention"] = flex_fn
     except Exception as e:  # noqa: BLE001
         log(f"flex: {e}")
+    # head_dim 128 with documents > 1,024 tokens: the path the defaults run there (persistent Gluon
+    # forward; Gluon dK/dV programs), which the head_dim 64 probe (Triton kernels) does not reach
+    long_cu = [0, 700, 1900, 2100, 3000]
+    fns["ours (D=128, Gluon)"] = fns["ours"]
+    kwargs = {"ours (D=128, Gluon)": {"head_dim": 128, "cu_seqlens": long_cu}}
     reports, lines = [], []
     for name, fn in fns.items():
         try:
-            fn.__name__ = name
-            r = L.probe_leak(fn, device="cuda", name=name)
+            r = L.probe_leak(fn, device="cuda", name=name, **kwargs.get(name, {}))
             reports.append(r)
             lines.append(f"{name}: verdict {r.verdict}; " + ", ".join(f"{k}={v}" for k, v in r.rows()))
         except Exception as e:  # noqa: BLE001
