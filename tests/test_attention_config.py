@@ -297,3 +297,28 @@ def test_default_forward_is_the_persistent_gluon_kernel_at_head_dim_128(monkeypa
     # a candidate that varies the Triton forward's tiles or order runs the Triton forward
     for name in ("grid_order", "tma_head_major_fwd64", "doc_major", "fwd_split512", "hybrid"):
         assert not candidate_config(name).fwd_gluon, name
+
+
+def test_kernel_breakdown_table_and_cpu_smoke(capsys):
+    """benchmarks/kernel_breakdown.py: the aggregation is per call and sorted; the CPU smoke run prints a table."""
+    from types import SimpleNamespace
+
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import kernel_breakdown as K
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = [SimpleNamespace(name="a", device_type=cuda, device_time=10.0, self_cpu_time_total=0.0),
+          SimpleNamespace(name="a", device_type=cuda, device_time=30.0, self_cpu_time_total=0.0),
+          SimpleNamespace(name="b", device_type=cuda, device_time=60.0, self_cpu_time_total=0.0),
+          SimpleNamespace(name="host", device_type=cpu, device_time=0.0, self_cpu_time_total=99.0)]
+    rows = K.kernel_table(ev, calls=2)
+    assert [r[0] for r in rows] == ["b", "a"]
+    assert rows[0][1:] == (30.0, 0.5, 0.6) and rows[1][1:] == (20.0, 1.0, 0.4)
+    assert K.kernel_table(ev, calls=1, device=False) == [("host", 99.0, 1.0, 1.0)]
+    with pytest.raises(ValueError, match="calls must be >= 1"):
+        K.kernel_table(ev, calls=0)
+    assert K.main(["--cpu-smoke", "--calls", "1", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "### smoke train" in out and "| kernel | us / call |" in out
