@@ -32,7 +32,7 @@ does no host synchronisation and can be captured in a CUDA graph for a fixed T.
 from __future__ import annotations
 
 import dataclasses
-
+import functools
 import math
 import numbers
 import os
@@ -264,13 +264,22 @@ def _check_work_list(work_list, causal: bool, cfg: AttentionKernelConfig, device
 
 
 def _config_to_ints(cfg: AttentionKernelConfig) -> list[int]:
-    out = []
-    for x in cfg.key():
-        out.append(SCHEDULES.index(x) if isinstance(x, str) else int(x))
-    return out
+    """The config as the custom ops' int list (a fresh list: callers may hand it to torch)."""
+    return list(_config_ints(cfg))
+
+
+@functools.lru_cache(maxsize=256)
+def _config_ints(cfg: AttentionKernelConfig) -> tuple[int, ...]:
+    # cached: the conversion and its inverse cost ~30 us per call on the host (frozen, hashable config)
+    return tuple(SCHEDULES.index(x) if isinstance(x, str) else int(x) for x in cfg.key())
 
 
 def _config_from_ints(vals) -> AttentionKernelConfig:
+    return _config_from_tuple(tuple(int(x) for x in vals))
+
+
+@functools.lru_cache(maxsize=256)
+def _config_from_tuple(vals: tuple[int, ...]) -> AttentionKernelConfig:
     names = list(AttentionKernelConfig.__dataclass_fields__)
     kw = {}
     for n, x in zip(names, vals):

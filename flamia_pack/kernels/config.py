@@ -15,6 +15,7 @@ Vocabulary (FlashAttention's):
 """
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 from dataclasses import astuple, dataclass, replace
@@ -618,14 +619,25 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
     if not _is_int(num_kv_groups) or num_kv_groups < 1:
         raise FlamiaError(f"num_kv_groups must be an int >= 1 (num_heads // num_kv_heads), got {num_kv_groups!r}")
     name = env_candidate()
+    band = None if max_seqlen is None else (
+        0 if max_seqlen <= SMALL_BWD_MAX_SEQLEN else 1 if max_seqlen <= SMALL_MAX_SEQLEN else 2)
+    if type(head_dim) is int and type(causal) is bool and type(precision) is str:
+        # per-call host cost ~10 us -> ~1 us (configs are frozen: one shared object per key is safe)
+        return _kernel_config_cached(name, head_dim, causal, precision, band, num_kv_groups > 1)
+    return _kernel_config_uncached(name, head_dim, causal, precision, band, num_kv_groups > 1)
+
+
+def _kernel_config_uncached(name: str, head_dim, causal, precision, band: int | None, gqa: bool) -> AttentionKernelConfig:
     if name:  # an explicit choice (``default`` included) wins over the max_seqlen rule
         return candidate_config(name, head_dim, causal, precision)
-    if max_seqlen is not None and head_dim == 128 and max_seqlen <= SMALL_MAX_SEQLEN:
-        if num_kv_groups > 1:
+    if band is not None and band < 2 and head_dim == 128:
+        if gqa:
             return candidate_config("small_m16", head_dim, causal, precision)
-        return candidate_config("small_n32r" if max_seqlen <= SMALL_BWD_MAX_SEQLEN else "all_pers_dqp", head_dim, causal,
-                                precision)
+        return candidate_config("small_n32r" if band == 0 else "all_pers_dqp", head_dim, causal, precision)
     return _default_config(head_dim, causal, precision)
+
+
+_kernel_config_cached = functools.lru_cache(maxsize=512)(_kernel_config_uncached)
 
 
 def _default_config(head_dim: int, causal: bool, precision: str) -> AttentionKernelConfig:
