@@ -393,11 +393,11 @@ CANDIDATES: dict[str, dict] = {
     "gluon_retire": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": True},
     # dQ partials reduced into fp32 by TMA from the dK/dV programs (5 products; the default)
     "gluon_dqr": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_dq_reduce": True},
-    # persistent Gluon dK/dV programs (next entry's loads under the current one's products; unmeasured):
+    # persistent Gluon dK/dV programs (next entry's loads under the current one's products; 0.93-1.00x on long rows):
     # with the dQ reduce (one K/V slot), with the dQ programs (two K/V slots), and W3's rows
     "gluon_pers": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_persistent": True},
     "gluon_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_persistent": True, "bwd_gluon_dq_reduce": False},
-    # the persistent Gluon forward (unmeasured), alone and with the persistent backward
+    # the persistent Gluon forward (now the head_dim 128 default), alone and with the persistent backward
     "gluon_fwd_pers": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True},
     "all_pers": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
                  "bwd_gluon_persistent": True},
@@ -413,7 +413,7 @@ CANDIDATES: dict[str, dict] = {
     "gluon_serial": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": False, "bwd_gluon_dq_reduce": False},
     "gluon_next": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_retire_first": True, "bwd_leftover_compact": True,
                    "fwd_gluon": True},
-    # the Gluon forward too (unmeasured: gluon_attention.py)
+    # the one-entry Gluon forward (unmeasured: gluon_attention.py)
     "gluon_fwd": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True},
     # the Triton forward (128 x 64 tiles, 8 warps, 3 stages): the head_dim 128 default until 2026-11-29 (late)
     "triton_fwd": {**HEAD_MAJOR, "fwd_gluon": False},

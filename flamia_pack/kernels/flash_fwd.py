@@ -20,9 +20,9 @@ global atomic counter (the dynamic policy); ``grid_head_major`` = the grid with 
 slowest (all entries of kv head 0 in decreasing-cost order, its GQA query heads side by side, then
 kv head 1, ...: the programs in flight share one head's K/V in L2, FlexAttention's grid order).
 
-``fwd_gluon`` (off by default, not yet measured) runs the programs as the warp-specialized Gluon
+``fwd_gluon`` (with ``fwd_gluon_persistent``: the head_dim 128 default) runs the programs as the warp-specialized Gluon
 kernel of ``gluon_attention.py`` where it applies, this file's kernel only for merged items and 1-token
-documents (``sel = -1``).
+documents (``sel = -1``; with ``fwd_short_len = L``, documents of at most L tokens, ``sel = -L``).
 """
 from __future__ import annotations
 

@@ -26,11 +26,13 @@ Scope: causal; non-merged items of documents longer than ``skip_len`` tokens (``
 merged items and shorter documents in a Triton launch with ``sel = -skip_len``); contiguous bf16
 q/k/v/dO with ``head_dim`` 64 or 128; the padding rows are filled by ``flash_bwd``.
 
-Forward (``gluon_fwd``, config ``fwd_gluon``, off by default): the dQ programs' structure applied to
+Forward (``gluon_fwd``, config ``fwd_gluon``; persistent, the head_dim 128 default): the dQ programs' structure applied to
 FlashAttention's forward -- the same producer (Q once, K / V through the ring) and an 8-warp
 consumer running ``S = Q K^T``, the base-2 online softmax and ``O += P V`` (P as the register A
 operand) over 128 x 128 tiles, causal or not; merged items and 1-token documents stay in
-``flash_fwd``'s Triton kernel. Spill-free on sm_90a (CPU-screened); not yet run on the GPU.
+``flash_fwd``'s Triton kernel. Spill-free on sm_90a. Persistent (one program per SM, entries from a
+global counter, two Q slots): 1.02-1.06x the Triton forward on W1, W2, W4, W6, W8, W9 and 1.10x on W3
+(H200, 2026-11-29 late; benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -968,7 +970,7 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
             counter (greedy, like the hardware's dispatch of one-entry programs); its producer loads the next entry's K, V (a second slot, without
             ``dq_acc``) and first Q / dO tiles while the current entry computes, hiding the
             per-program prologue / epilogue that dominates short documents (config
-            ``bwd_gluon_persistent``; CPU-screened only).
+            ``bwd_gluon_persistent``; H200: 0.93-1.00x on long rows, so off there).
 
     Returns:
         ``(dk, dv)`` ``(T, H_kv, D)`` bf16; rows past ``cu_seqlens[-1]`` are left uninitialised.
@@ -1026,7 +1028,8 @@ def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     Args: as :func:`gluon_dkdv`; ``block_m`` queries per program, ``block_n`` keys per walked tile;
     ``dq`` an optional preallocated output; ``persistent``: one program per SM taking entries from a
     global counter, the next entry's Q / dO (second slot) and K / V tiles loading while the current
-    one computes (K / V ring at most 2 deep then; config ``bwd_gluon_persistent``; CPU-screened only).
+    one computes (K / V ring at most 2 deep then; config ``bwd_gluon_persistent``; on for MHA rows
+    of 513-1,024 tokens, W3: 1.02-1.04x).
 
     Returns:
         ``dq`` ``(T, H_q, D)`` bf16; rows of skipped items (``skip_len``) and padding rows untouched.
@@ -1074,7 +1077,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         o, lse: optional preallocated outputs.
         persistent: one program per SM taking entries from a global counter, the next entry's Q
             (second slot) and K / V tiles loading while the current one computes (config
-            ``fwd_gluon_persistent``; CPU-screened only).
+            ``fwd_gluon_persistent``; the head_dim 128 default).
 
     Returns:
         ``(o, lse)``: ``(T, H_q, D)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
