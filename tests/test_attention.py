@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -106,6 +107,23 @@ def test_work_list_mismatch_is_rejected():
     wl64 = build_work_list(cu, q.shape[0], TileConfig(block_m=64, causal=True))
     with pytest.raises(FlamiaError, match="block_m"):
         varlen_attention(q, k, v, cu, 40, causal=True, work_list=wl64)
+    # a list built for a longer row (its items would address tokens past q) and for a shorter one
+    cu_long = torch.tensor([0, 40, 128], dtype=torch.int32)
+    for other_t, other_cu in ((128, cu_long), (60, torch.tensor([0, 40, 60], dtype=torch.int32))):
+        wl_t = build_attention_work_list(other_cu, other_t, causal=True, head_dim=64)
+        assert wl_t.total_tokens == other_t
+        with pytest.raises(FlamiaError, match=rf"built for a row of T={other_t} tokens but q has T={q.shape[0]}"):
+            varlen_attention(q, k, v, cu, 40, causal=True, work_list=wl_t)
+    # the matching list passes
+    ok = build_attention_work_list(cu, q.shape[0], causal=True, head_dim=64)
+    assert ok.total_tokens == q.shape[0]
+    varlen_attention(q, k, v, cu, 40, causal=True, work_list=ok)
+
+
+def test_config_by_name_gets_a_hint():
+    q, k, v, cu = _inputs([40, 30], d=64)
+    with pytest.raises(FlamiaError, match=r"candidate_config\('default'\)"):
+        varlen_attention(q, k, v, cu, 40, config="default")
 
 
 def test_config_validation():
@@ -162,7 +180,11 @@ def test_fallback_under_torch_compile(prebuilt):
     ys = [x.clone().requires_grad_() for x in (q, k, v)]
     # with a prebuilt work list the whole call traces into one graph (no host sync, no break)
     compiled = torch.compile(f, backend="aot_eager", fullgraph=prebuilt)
-    out_c = compiled(*xs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out_c = compiled(*xs)
+    # the host-side caches are bypassed while tracing (Dynamo warns on lru_cache wrappers)
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message) for w in caught]
     out_e = f(*ys)
     out_c.backward()
     out_e.backward()

@@ -237,7 +237,7 @@ def _default_work_list(cu32: torch.Tensor, T: int, max_seqlen: int, causal: bool
     return wl.items, wl.num_items
 
 
-def _check_work_list(work_list, causal: bool, cfg: AttentionKernelConfig, device: torch.device):
+def _check_work_list(work_list, causal: bool, cfg: AttentionKernelConfig, device: torch.device, T: int):
     items = getattr(work_list, "items", None)
     num_items = getattr(work_list, "num_items", None)
     wcfg = getattr(work_list, "config", None)
@@ -251,6 +251,11 @@ def _check_work_list(work_list, causal: bool, cfg: AttentionKernelConfig, device
         raise FlamiaError(f"work_list must be on {device}, got {items.device}")
     if bool(wcfg.causal) != bool(causal):
         raise FlamiaError(f"work_list was built with causal={wcfg.causal} but the call has causal={causal}")
+    built_t = getattr(work_list, "total_tokens", None)
+    if built_t is not None and int(built_t) != int(T):
+        raise FlamiaError(
+            f"work_list was built for a row of T={built_t} tokens but q has T={T}; build one for this row "
+            "(build_attention_work_list(cu_seqlens, T)): a list for another row would address tokens outside it")
     if wcfg.block_m != cfg.wl_block_m:
         raise FlamiaError(
             f"work_list was built with block_m={wcfg.block_m}; the kernels expect block_m={cfg.wl_block_m} "
@@ -265,13 +270,17 @@ def _check_work_list(work_list, causal: bool, cfg: AttentionKernelConfig, device
 
 def _config_to_ints(cfg: AttentionKernelConfig) -> list[int]:
     """The config as the custom ops' int list (a fresh list: callers may hand it to torch)."""
+    if torch.compiler.is_compiling():  # traced once: no cache (Dynamo warns on lru_cache wrappers)
+        return list(_config_ints_uncached(cfg))
     return list(_config_ints(cfg))
 
 
-@functools.lru_cache(maxsize=256)
-def _config_ints(cfg: AttentionKernelConfig) -> tuple[int, ...]:
-    # cached: the conversion and its inverse cost ~30 us per call on the host (frozen, hashable config)
+def _config_ints_uncached(cfg: AttentionKernelConfig) -> tuple[int, ...]:
     return tuple(SCHEDULES.index(x) if isinstance(x, str) else int(x) for x in cfg.key())
+
+
+# cached: the conversion and its inverse cost ~30 us per call on the host (frozen, hashable config)
+_config_ints = functools.lru_cache(maxsize=256)(_config_ints_uncached)
 
 
 def _config_from_ints(vals) -> AttentionKernelConfig:
@@ -443,7 +452,8 @@ def varlen_attention(
         precision: ``"bf16"``; ``"fp8"`` (token-block scaled, DESIGN.md §4) is not implemented yet.
         work_list: a prebuilt ``WorkList`` (:func:`build_attention_work_list`). Given one, the call
             trusts ``cu_seqlens`` (validated when the list was built) and does no host sync: use it
-            for CUDA graphs and in training loops. Without one, ``cu_seqlens`` is validated on the
+            for CUDA graphs and in training loops. A list built for a row of another T is rejected;
+            one built for other ``cu_seqlens`` of the same T is not detected (no sync). Without one, ``cu_seqlens`` is validated on the
             host (one sync) and a list is built on the device.
         return_lse: also return the LSE ``(H_q, T)`` float32 (natural log; differentiable).
         deterministic: bitwise reproducible gradients. With ``False`` (default) a configuration
@@ -452,16 +462,21 @@ def varlen_attention(
             order of the additions varies run to run); ``True`` turns that off and runs the
             atomic-free backward (separate dQ programs, 7 products; FlashAttention's
             ``deterministic`` flag). The forward, dK and dV are deterministic either way.
-        config: tile/launch configuration (default :func:`flamia_pack.kernels.config.kernel_config`
-            for ``head_dim``, ``causal``, ``max_seqlen`` and the GQA group: the small tile set when
-            ``max_seqlen <= 1024`` and ``D == 128``, with its 16-query dK/dV step for GQA).
+        config: tile/launch configuration, an ``AttentionKernelConfig`` (by name:
+            ``candidate_config(name)``; default :func:`flamia_pack.kernels.config.kernel_config`
+            for ``head_dim``, ``causal``, ``max_seqlen`` and the GQA group, at ``D == 128``: MHA rows
+            with ``max_seqlen <= 512`` the small tile set's ``small_n32r``, 513-1,024 the persistent
+            Gluon kernels ``all_pers_dqp``; GQA rows with ``max_seqlen <= 1024`` ``small_m16``;
+            longer rows the persistent Gluon forward and the Gluon backward). On the CPU fallback
+            the config is validated but does not change the (reference) computation.
 
     Returns:
         ``o`` ``(T, H_q, D)`` in q's dtype, or ``(o, lse)`` if ``return_lse``.
 
     Raises:
         NotImplementedError: ``precision="fp8"``.
-        FlamiaError / MetadataError: invalid inputs (message says what was expected).
+        FlamiaError / MetadataError: invalid inputs (message says what was expected), a
+            ``work_list`` built for another T or ``causal``.
     """
     if precision == "fp8":
         raise NotImplementedError(
@@ -484,7 +499,9 @@ def varlen_attention(
         raise FlamiaError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
     max_seqlen = int(max_seqlen)
     if config is not None and not isinstance(config, AttentionKernelConfig):
-        raise FlamiaError(f"config must be an AttentionKernelConfig, got {type(config).__name__}")
+        hint = (f" (for a named candidate pass config=candidate_config({config!r}) from flamia_pack.kernels.config)"
+                if isinstance(config, str) else "")
+        raise FlamiaError(f"config must be an AttentionKernelConfig or None, got {type(config).__name__}{hint}")
     if cu_seqlens.dtype == torch.int64 and work_list is None:
         # check the int64 values themselves: the int32 cast below would wrap 2**32 + n to n
         _check_cu_values(cu_seqlens, T, max_seqlen)
@@ -499,14 +516,14 @@ def varlen_attention(
         if work_list is None:
             items, num_items = _default_work_list(cu32, T, max_seqlen, causal, cfg)
         else:
-            items, num_items = _check_work_list(work_list, causal, cfg, q.device)
+            items, num_items = _check_work_list(work_list, causal, cfg, q.device, T)
         cfg_ints = _config_to_ints(cfg)
     else:
         cfg = config if config is not None else AttentionKernelConfig()
         if work_list is None:
             _check_cu_values(cu32, T, max_seqlen)
         else:  # checked for the same mistakes as on the GPU, then unused by the reference
-            _check_work_list(work_list, causal, cfg, q.device)
+            _check_work_list(work_list, causal, cfg, q.device, T)
         items = torch.empty((0, 4), dtype=torch.int32, device=q.device)
         num_items = torch.zeros((1,), dtype=torch.int32, device=q.device)
         cfg_ints = _config_to_ints(cfg)

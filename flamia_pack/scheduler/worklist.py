@@ -307,12 +307,16 @@ class WorkList:
         num_items: ``(1,)`` int32 on the device: number of valid rows.
         max_items: static row count of ``items``.
         config: the :class:`TileConfig` the list was built for.
+        total_tokens: T of the row the list was built for (``varlen_attention`` rejects a list
+            built for another T: its items would address rows past the call's tensors); None for a
+            list made by hand (not checked).
     """
 
     items: torch.Tensor
     num_items: torch.Tensor
     max_items: int
     config: TileConfig = field(default_factory=TileConfig)
+    total_tokens: int | None = None
 
     def to_numpy(self) -> np.ndarray:
         """Valid rows as a ``(num_items, 4)`` int32 numpy array (syncs; for tests and tools)."""
@@ -493,6 +497,7 @@ def build_work_list(
             )
         out.config = config
         out.max_items = m
+        out.total_tokens = int(total_tokens)
         wl = out
     else:
         wl = WorkList(
@@ -500,6 +505,7 @@ def build_work_list(
             num_items=torch.empty((1,), dtype=torch.int32, device=device),
             max_items=m,
             config=config,
+            total_tokens=int(total_tokens),
         )
     if n == 0 or m == 0:
         wl.items.fill_(-1)
@@ -605,6 +611,7 @@ class WorkListBuilder:
             num_items=torch.zeros(1, dtype=torch.int32, device=self.device),
             max_items=m,
             config=config,
+            total_tokens=self.total_tokens,
         )
         self.use_graph = (self.device.type == "cuda") if use_graph is None else bool(use_graph)
         self._graph = None
