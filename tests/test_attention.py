@@ -361,3 +361,20 @@ def test_cli_bench_without_gpu_is_one_red_line():
     r = CliRunner().invoke(app, ["bench", "--workloads", "W7"])
     assert r.exit_code == 2
     assert "needs a CUDA GPU" in r.output and "Traceback" not in r.output
+
+
+def test_non_finite_inputs_are_rejected_on_the_cpu_path():
+    q, k, v, cu = _inputs([40, 30], h=4, hkv=2, d=64, dtype=torch.float32)
+    for name, bad in (("q", float("nan")), ("k", float("inf")), ("v", float("-inf"))):
+        xs = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+        xs[name][33, 1, 5] = bad
+        with pytest.raises(FlamiaError, match=rf"{name} holds NaN / Inf \(first at token 33, head 1\)"):
+            varlen_attention(xs["q"], xs["k"], xs["v"], cu, 40)
+        # opted out: the call runs, the non-finite value stays visible in the output
+        o = varlen_attention(xs["q"], xs["k"], xs["v"], cu, 40, check_finite=False)
+        assert not bool(torch.isfinite(o).all())
+    for bad in ("yes", 1, 0.0):
+        with pytest.raises(FlamiaError, match="check_finite must be None, True or False"):
+            varlen_attention(q, k, v, cu, 40, check_finite=bad)
+    # finite inputs pass with the check forced on
+    varlen_attention(q, k, v, cu, 40, check_finite=True)
