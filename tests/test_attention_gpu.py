@@ -165,3 +165,25 @@ def test_cuda_graph_capture_and_compile(deterministic):
     # torch.compile: the custom op traces into one graph with a prebuilt work list
     compiled = torch.compile(lambda a, b, c: varlen_attention(a, b, c, cu, 1890, work_list=wl), fullgraph=True)
     assert torch.equal(compiled(*[x.detach() for x in new[:3]]), o_eager.detach())
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("lengths,d", [([1500, 700], 128), ([1500, 700], 64), ([300, 200], 128)])
+def test_nan_in_one_document_stays_in_it(which, lengths, d):
+    """A NaN in the second document's K or V, a few tokens past the first one's unaligned end (inside
+    the first document's last key tile), must leave the first document's output and all three
+    gradients finite: D = 128 runs the Gluon kernels (TMA boxes are not cut at document ends),
+    D = 64 and the 300 / 200 row the Triton ones (the CPU interpreter test's GPU counterpart)."""
+    T = sum(lengths)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    xs = [torch.randn((T, 4, d), device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3)]
+    xs["qkv".index(which)][lengths[0] + 10, 1, 3] = float("nan")
+    xs = [x.requires_grad_() for x in xs]
+    o = varlen_attention(*xs, cu, max(lengths), check_finite=False)
+    o.backward(torch.ones_like(o))
+    end = lengths[0]
+    assert bool(torch.isfinite(o[:end]).all()), "output of the first document"
+    for name, x in zip("qkv", xs):
+        assert bool(torch.isfinite(x.grad[:end]).all()), f"d{name} of the first document"
+    assert not bool(torch.isfinite(o[end:]).all())  # the NaN's own document does see it
