@@ -36,8 +36,8 @@ a host int: the choice costs no device sync."""
 SMALL_BWD_MAX_SEQLEN = 512
 """MHA calls with ``SMALL_BWD_MAX_SEQLEN < max_seqlen <= SMALL_MAX_SEQLEN`` run the persistent Gluon forward
 and persistent Gluon dK/dV + dQ programs (``all_pers_dqp``) since 2026-11-29 (late): W3's training
-call 1.054x / 1.056x the default and 1.057x ``fwd_small`` (3.77 vs 3.98 ms, every one of six passes
->= 4% faster; RESULTS "Session of 2026-11-29 (late)" runs 1 and 3). Before that the small forward with the
+call 1.054x / 1.056x / 1.050x the default and 1.057x ``fwd_small`` (3.77 vs 3.98 ms; each of nine
+passes 2.7-8.1% faster; RESULTS "Session of 2026-11-29 (late)" runs 1, 3 and 9). Before that the small forward with the
 default (Gluon) backward (``fwd_small``): on W3 (1,024-token documents) 1.019x and 1.028x the whole
 small set once the Gluon backward was asynchronous (RESULTS "Session of 2026-11-29 (day)" runs 3-4),
 while 512-token documents (U512) and W7 keep the whole small set (1.15x / 1.32x the default), since
