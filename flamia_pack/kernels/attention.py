@@ -32,7 +32,6 @@ does no host synchronisation and can be captured in a CUDA graph for a fixed T.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 import os
@@ -41,7 +40,7 @@ from typing import Optional
 import torch
 
 from flamia_pack.errors import FlamiaError, MetadataError
-from flamia_pack.kernels.config import (SCHEDULES, AttentionKernelConfig, env_candidate, kernel_config,
+from flamia_pack.kernels.config import (SCHEDULES, AttentionKernelConfig, env_candidate, host_cache, kernel_config,
                                         work_list_tile_config)
 
 __all__ = ["varlen_attention", "build_attention_work_list", "check_attention_inputs", "kernels_available"]
@@ -283,24 +282,20 @@ def _check_work_list(work_list, causal: bool, cfg: AttentionKernelConfig, device
 
 def _config_to_ints(cfg: AttentionKernelConfig) -> list[int]:
     """The config as the custom ops' int list (a fresh list: callers may hand it to torch)."""
-    if torch.compiler.is_compiling():  # traced once: no cache (Dynamo warns on lru_cache wrappers)
-        return list(_config_ints_uncached(cfg))
     return list(_config_ints(cfg))
 
 
-def _config_ints_uncached(cfg: AttentionKernelConfig) -> tuple[int, ...]:
+# cached (host_cache): the conversion and its inverse cost ~30 us per call on the host
+@host_cache
+def _config_ints(cfg: AttentionKernelConfig) -> tuple[int, ...]:
     return tuple(SCHEDULES.index(x) if isinstance(x, str) else int(x) for x in cfg.key())
-
-
-# cached: the conversion and its inverse cost ~30 us per call on the host (frozen, hashable config)
-_config_ints = functools.lru_cache(maxsize=256)(_config_ints_uncached)
 
 
 def _config_from_ints(vals) -> AttentionKernelConfig:
     return _config_from_tuple(tuple(int(x) for x in vals))
 
 
-@functools.lru_cache(maxsize=256)
+@host_cache
 def _config_from_tuple(vals: tuple[int, ...]) -> AttentionKernelConfig:
     names = list(AttentionKernelConfig.__dataclass_fields__)
     kw = {}

@@ -621,7 +621,7 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
     name = env_candidate()
     band = None if max_seqlen is None else (
         0 if max_seqlen <= SMALL_BWD_MAX_SEQLEN else 1 if max_seqlen <= SMALL_MAX_SEQLEN else 2)
-    if type(head_dim) is int and type(causal) is bool and type(precision) is str and not _compiling():
+    if type(head_dim) is int and type(causal) is bool and type(precision) is str:
         # per-call host cost ~10 us -> ~1 us (configs are frozen: one shared object per key is safe)
         return _kernel_config_cached(name, head_dim, causal, precision, band, num_kv_groups > 1)
     return _kernel_config_uncached(name, head_dim, causal, precision, band, num_kv_groups > 1)
@@ -637,16 +637,22 @@ def _kernel_config_uncached(name: str, head_dim, causal, precision, band: int | 
     return _default_config(head_dim, causal, precision)
 
 
-_kernel_config_cached = functools.lru_cache(maxsize=512)(_kernel_config_uncached)
+def host_cache(fn):
+    """``fn`` memoized (``functools.lru_cache``, hashable arguments, immutable results) for the host
+    path of every call, and called directly while ``torch.compile`` traces: Dynamo warns on
+    ``lru_cache`` wrappers, and a trace runs once anyway."""
+    cached = functools.lru_cache(maxsize=512)(fn)
 
-
-def _compiling() -> bool:
-    """True while torch.compile traces (Dynamo warns on lru_cache wrappers; a trace runs once anyway)."""
-    try:
+    @functools.wraps(fn)
+    def call(*args):
         import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return False
-    return torch.compiler.is_compiling()
+
+        return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+
+    return call
+
+
+_kernel_config_cached = host_cache(_kernel_config_uncached)
 
 
 def _default_config(head_dim: int, causal: bool, precision: str) -> AttentionKernelConfig:
