@@ -167,23 +167,35 @@ def test_cuda_graph_capture_and_compile(deterministic):
     assert torch.equal(compiled(*[x.detach() for x in new[:3]]), o_eager.detach())
 
 
-@pytest.mark.parametrize("which", ["k", "v"])
-@pytest.mark.parametrize("lengths,d", [([1500, 700], 128), ([1500, 700], 64), ([300, 200], 128)])
-def test_nan_in_one_document_stays_in_it(which, lengths, d):
-    """A NaN in the second document's K or V, a few tokens past the first one's unaligned end (inside
-    the first document's last key tile), must leave the first document's output and all three
-    gradients finite: D = 128 runs the Gluon kernels (TMA boxes are not cut at document ends),
-    D = 64 and the 300 / 200 row the Triton ones (the CPU interpreter test's GPU counterpart)."""
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("into_first", [False, True])
+@pytest.mark.parametrize("lengths,d,hkv,deterministic", [
+    ([1500, 700], 128, 4, False),   # Gluon forward, dK/dV with the dQ reduce
+    ([1500, 700], 128, 4, True),    # Gluon dK/dV without it + Gluon dQ programs
+    ([1500, 700], 128, 2, False),   # GQA
+    ([1500, 700], 64, 4, False),    # head_dim 64: Triton forward, Gluon backward
+    ([1000, 700], 128, 4, False),   # 512 < max_seqlen <= 1024: persistent Gluon dK/dV + dQ programs
+    ([300, 200], 128, 4, False),    # max_seqlen <= 512: Triton kernels only
+])
+def test_nan_in_one_document_stays_in_it(which, into_first, lengths, d, hkv, deterministic):
+    """A NaN in one document's q, k or v must leave the other document's output and all three
+    gradients finite, and reach its own document's output. ``into_first`` False: the NaN sits a few
+    tokens past the first document's unaligned end (inside the first document's last key / query
+    tile: TMA boxes are not cut at document ends, so the Gluon kernels must keep those rows out of
+    their products); True: a few tokens before that end (the second document must not see it).
+    The CPU interpreter test's GPU counterpart, over every kernel family of the defaults."""
     T = sum(lengths)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(4)
-    xs = [torch.randn((T, 4, d), device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3)]
-    xs["qkv".index(which)][lengths[0] + 10, 1, 3] = float("nan")
-    xs = [x.requires_grad_() for x in xs]
-    o = varlen_attention(*xs, cu, max(lengths), check_finite=False)
-    o.backward(torch.ones_like(o))
+    shapes = {"q": (T, 4, d), "k": (T, hkv, d), "v": (T, hkv, d)}
+    xs = [torch.randn(shapes[n], device="cuda", generator=g, dtype=torch.bfloat16) for n in "qkv"]
     end = lengths[0]
-    assert bool(torch.isfinite(o[:end]).all()), "output of the first document"
+    xs["qkv".index(which)][end - 3 if into_first else end + 10, 1, 3] = float("nan")
+    xs = [x.requires_grad_() for x in xs]
+    o = varlen_attention(*xs, cu, max(lengths), check_finite=False, deterministic=deterministic)
+    o.backward(torch.ones_like(o))
+    clean, dirty = (slice(end, T), slice(0, end)) if into_first else (slice(0, end), slice(end, T))
+    assert bool(torch.isfinite(o[clean]).all()), "output of the other document"
     for name, x in zip("qkv", xs):
-        assert bool(torch.isfinite(x.grad[:end]).all()), f"d{name} of the first document"
-    assert not bool(torch.isfinite(o[end:]).all())  # the NaN's own document does see it
+        assert bool(torch.isfinite(x.grad[clean]).all()), f"d{name} of the other document"
+    assert not bool(torch.isfinite(o[dirty]).all())  # the NaN's own document does see it

@@ -144,10 +144,12 @@ def _handoff_load(slot_smem, layout: gl.constexpr):
 
 @gluon.jit
 def _dkdv_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                        rs, hk, n_steps, c, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                        rs, o_hi, hk, n_steps, c, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         LOOP: gl.constexpr):
     """One entry's loads: its K, V tiles (``kv_bar``), then its walked Q / dO tiles into the ring from
-    ring position ``c`` (returned advanced)."""
+    ring position ``c`` (returned advanced). The query tile cut by the document end ``o_hi`` is loaded
+    ending at ``o_hi`` (``_dkdv_step``: its rows of the previous tile are masked), so no row of the
+    next document reaches the products (documents of >= BLOCK_M tokens: ``gluon_dkdv``'s skip_len)."""
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [rs, hk * HEAD_DIM], kv_bar, k_smem)
@@ -161,7 +163,7 @@ def _dkdv_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem
             # a fresh mbarrier counts as having completed phase 1: the first lap does not wait
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            row = rs + j * BLOCK_M
+            row = gl.minimum(rs + j * BLOCK_M, o_hi - BLOCK_M)
             tma.async_copy_global_to_shared(q_desc, [row, col], ready.index(s), q_bufs.index(s))
             tma.async_copy_global_to_shared(do_desc, [row, col], ready.index(s), do_bufs.index(s))
             c += 1
@@ -170,9 +172,9 @@ def _dkdv_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem
 
 @gluon.jit
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                   rs, hk, n_steps, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+                   rs, o_hi, hk, n_steps, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     _dkdv_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                        rs, hk, n_steps, 0, GROUP, HEAD_DIM, BLOCK_M, False)
+                        rs, o_hi, hk, n_steps, 0, GROUP, HEAD_DIM, BLOCK_M, False)
 
 
 @gluon.jit
@@ -200,13 +202,34 @@ def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
             slot = _claim_slot(kv_empty, n)
             _handoff_store(t_smem.index(slot), idx_layout, t, hk, rs, re, o_hi, u0, u1, n_steps, 0)
             c = _dkdv_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs.index(slot),
-                                    v_bufs.index(slot), ready, empty, kv_ready.index(slot), rs, hk, n_steps, c,
+                                    v_bufs.index(slot), ready, empty, kv_ready.index(slot), rs, o_hi, hk, n_steps, c,
                                     GROUP, HEAD_DIM, BLOCK_M, True)
             n += 1
         t = t_next
     slot = _claim_slot(kv_empty, n)
     _handoff_store(t_smem.index(slot), idx_layout, n_total, 0, 0, 0, 0, 0, 0, 0, 0)
     mbarrier.arrive(kv_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _zero_rows_from(buf, keep):
+    """Rows ``>= keep`` of the consumer's shared tile ``buf`` (``ROWS x HEAD_DIM``, landed by TMA) set to 0.
+
+    TMA boxes are cut at the tensor's end, not at a document's: the tile cut by a document end holds
+    the next document's rows. Masking their scores (P = 0) is not enough, ``0 x NaN = NaN`` in the
+    products that read them (P V, dS K, dS^T Q, P^T dO), so a NaN / Inf there would leak across the
+    document boundary (Triton's masked loads read zeros). Only the one tile per program that crosses
+    the document end pays this (one shared-memory round trip); callers test the runtime condition."""
+    ROWS: gl.constexpr = buf.type.shape[0]
+    CHUNK: gl.constexpr = 8  # 8-row slices: 2 registers a thread, not 16-32 (the dK/dV consumer spills)
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [CONSUMER_WARPS, 1], [1, 0])
+    for i in gl.static_range(ROWS // CHUNK):
+        part = buf.slice(i * CHUNK, CHUNK, dim=0)
+        x = part.load(layout)
+        r = i * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+        part.store(gl.where((r < keep)[:, None], x, gl.zeros_like(x)))
+    fence_async_shared()  # generic-proxy writes before the async proxy (wgmma) reads them
+    gl.thread_barrier()  # both warpgroups' rows written before either issues its product
 
 
 @gluon.jit
@@ -217,7 +240,10 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
                DQ_REDUCE: gl.constexpr, dq_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     s = c % STAGES
-    q_pos = rs + j * BLOCK_M + offs_m
+    q0 = rs + j * BLOCK_M
+    if MASKED:  # the tile cut by the document end was loaded ending there (_dkdv_produce_entry)
+        q0 = gl.minimum(q0, o_hi - BLOCK_M)
+    q_pos = q0 + offs_m
     if not RETIRE_FIRST:
         if MASKED:
             lse = gl.load(LSE + h * stride_lh + q_pos, mask=q_pos < o_hi, other=0.0)
@@ -248,10 +274,11 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
         mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=c > 0)
     p = gl.exp2(st * qk_scale - (lse * 1.4426950408889634)[None, :])
     if MASKED:
-        vis = (k_pos[:, None] <= q_pos[None, :]) & (q_pos[None, :] < o_hi)
+        # (rows below rs + j * BLOCK_M: the previous step's, in a tile shifted to end at o_hi)
+        vis = (k_pos[:, None] <= q_pos[None, :]) & (q_pos[None, :] < o_hi) & (q_pos[None, :] >= rs + j * BLOCK_M)
         p = gl.where(vis, p, 0.0)
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
-    ds = p * (dpt - delta[None, :])
+    ds = p * (dpt - delta[None, :])  # dP^T finite: the entry's V rows past its keys are zeroed
     ds_bf = ds.to(gl.bfloat16)
     if DQ_REDUCE:
         # dQ partial = dS K: dS^T goes through shared memory (both warpgroups read all 128 keys of
@@ -274,7 +301,7 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, LSE, DELTA, h, str
         dq_stage.store(dqp)
         fence_async_shared()
         gl.thread_barrier()
-        _tma_reduce_add(dq_desc, [rs + j * BLOCK_M, (h - dq_h0) * HEAD_DIM], dq_stage)
+        _tma_reduce_add(dq_desc, [q0, (h - dq_h0) * HEAD_DIM], dq_stage)  # shifted rows' partial: 0
     else:
         dv = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), op_layout), do_bufs.index(s), dv, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(ds_bf, op_layout), q_bufs.index(s), dk, is_async=True)
@@ -301,6 +328,10 @@ def _dkdv_consume_entry(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, k
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
     mbarrier.wait(kv_bar, kv_phase)
+    if re < k0 + BLOCK_N:  # the key tile cut by the document end: the next document's rows to 0
+        _zero_rows_from(v_smem, re - k0)  # dP^T = V dO^T (P = 0 there, but 0 x NaN = NaN in dS)
+        if DQ_REDUCE:
+            _zero_rows_from(k_smem, re - k0)  # the dQ partial dS K reads every key row
     if not RELEASE_KV:  # one entry per program: the ring starts at 0 (a literal, as the shipped kernel)
         c = 0
     for g in range(GROUP):
@@ -534,7 +565,7 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
                               ds_smem, p_smem, dq_stage, dq_desc, kv_head0 * GROUP,
                               GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST, DQ_REDUCE)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                              rs, hk, n_steps, GROUP, HEAD_DIM, BLOCK_M)),
+                              rs, o_hi, hk, n_steps, GROUP, HEAD_DIM, BLOCK_M)),
         ], [1], [24])
 
 
@@ -583,6 +614,9 @@ def _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, l
     r = c + j  # ring position of walked tile j (c: the entry's first; the literal 0 for one-entry programs)
     s = r % STAGES
     mbarrier.wait(ready.index(s), (r // STAGES) & 1)
+    if MASKED:
+        if o_lo + (j + 1) * BLOCK_N > o_hi:  # the key tile cut by the document end: dS K reads K
+            _zero_rows_from(k_bufs.index(s), o_hi - o_lo - j * BLOCK_N)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma(do_smem, v_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -595,6 +629,8 @@ def _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, l
         p = gl.where(vis, p, 0.0)
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
     ds = p * (dpt - delta[:, None])
+    if MASKED:
+        ds = gl.where(vis, ds, 0.0)  # P = 0 times a non-finite dP (another document's V) stays 0
     ds_op = gl.convert_layout(ds.to(gl.bfloat16), op_layout)
     dq = warpgroup_mma(ds_op, k_bufs.index(s), dq, is_async=True)
     return dq
@@ -698,6 +734,9 @@ def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc
     r = c + j  # ring position of walked tile j (c: the entry's first; the literal 0 for one-entry programs)
     s = r % STAGES
     mbarrier.wait(ready.index(s), (r // STAGES) & 1)
+    if MASKED:
+        if o_lo + (j + 1) * BLOCK_N > o_hi:  # the key tile cut by the document end: P V reads V
+            _zero_rows_from(v_bufs.index(s), o_hi - o_lo - j * BLOCK_N)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     # groups retire in order: with S done, the previous tile's P V product is done too: free its slot
@@ -948,6 +987,11 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
             ``rowsum(dO * O)`` (``flash_bwd._bwd_preprocess``).
         cu_seqlens, items, num_items: as ``flash_bwd`` (a list built with ``block_m=wl_block_m``,
             causal); merged items and documents of at most ``skip_len`` tokens are skipped.
+            A NaN / Inf in another document's rows stays out of a document's dK, dV and dQ partial
+            (the query step cut by the document end is loaded ending there, the key tile's rows past
+            it are zeroed in shared memory) when documents have at least ``block_m`` tokens
+            (``skip_len >= block_m - 1``; ``flash_bwd`` passes 512); shorter documents' query step
+            also covers the previous document's rows (masked, but ``0 x NaN`` is NaN).
         softmax_scale: the forward's scale.
         block_m, block_n, stages: query step, key tile, ring depth.
         retire_first: wait for the previous step's dV / dK products before issuing the next step's
