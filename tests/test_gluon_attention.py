@@ -330,3 +330,26 @@ def test_launchers_reject_a_ring_of_fewer_than_two_stages(fn, stages):
             gluon_attention.gluon_dq(x, x, x, x, lse, lse, cu, items, items[0, :1], 0.125, stages=stages)
         else:
             gluon_attention.gluon_fwd(x, x, x, cu, items, items[0, :1], 0.125, stages=stages)
+
+
+def test_loop_local_memory_counts_spill_traffic_per_loop():
+    """benchmarks/gluon_compile_report.py's loop scan: local loads / stores counted inside each
+    backward branch's body, not elsewhere (a synthetic cuobjdump listing; no compiler needed)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from gluon_compile_report import loop_local_memory
+
+    sass = "\n".join([
+        "        /*0000*/                   STL [R1], R2 ;",
+        "        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;",
+        "        /*0020*/                   LDL R3, [R1] ;",
+        "        /*0030*/                   STL [R1+0x4], R3 ;",
+        "        /*0040*/              @P0 BRA 0x10 ;",
+        "        /*0050*/                   LDL R5, [R1+0x8] ;",
+        "        /*0060*/                   BRA 0x70 ;",  # a forward branch: no loop
+        "        /*0070*/                   EXIT ;",
+    ])
+    assert loop_local_memory(sass) == [(4, 1, 1, 1)]
+    assert loop_local_memory("") == []
