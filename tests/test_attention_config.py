@@ -322,3 +322,33 @@ def test_kernel_breakdown_table_and_cpu_smoke(capsys):
     assert K.main(["--cpu-smoke", "--calls", "1", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "### smoke train" in out and "| kernel | us / call |" in out
+
+
+def test_ab_kernel_file_helpers(tmp_path, capsys):
+    """benchmarks/ab_kernel_file.py: variant specs are validated, medians and ratios vs ``current``
+    are per (variant, workload, metric), and without a GPU nothing is touched or measured."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import ab_kernel_file as A
+
+    f = tmp_path / "v.py"
+    f.write_text("x = 1\n")
+    assert A.parse_variant(f"old={f}") == ("old", str(f))
+    for bad in ("old", "=x", f"current={f}", "old=/nonexistent/file.py"):
+        with pytest.raises(ValueError):
+            A.parse_variant(bad)
+    runs = {"current": [{"W1": {"fwd_ms": 2.0, "train_ms": 8.0}}, {"W1": {"fwd_ms": 4.0, "train_ms": 10.0}}],
+            "old": [{"W1": {"fwd_ms": 3.3, "train_ms": 9.9}}]}
+    rows = A.summarize(runs)
+    assert ("current", "W1", "fwd_ms", 3.0, 1.0) in rows
+    assert ("current", "W1", "train_ms", 9.0, 1.0) in rows
+    old = {(r[1], r[2]): r for r in rows if r[0] == "old"}
+    assert old[("W1", "fwd_ms")][3:] == pytest.approx((3.3, 1.1))
+    assert old[("W1", "train_ms")][3:] == pytest.approx((9.9, 1.1))
+    target = tmp_path / "target.py"
+    target.write_text("y = 2\n")
+    import torch
+
+    if not torch.cuda.is_available():
+        assert A.main(["--file", str(target), "--variant", f"v={f}"]) == 0
+        assert "needs a CUDA GPU" in capsys.readouterr().out
+        assert target.read_text() == "y = 2\n"
