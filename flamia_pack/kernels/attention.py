@@ -482,12 +482,13 @@ def varlen_attention(
             ``None`` (default): on the CPU fallback only (outside ``torch.compile``); the GPU path
             skips it, since it reads q, k, v once more and syncs (W7: +45% on the forward).
             ``True``: on every path (one device sync); ``False``: never. Unchecked non-finite
-            inputs give non-finite outputs. A document with items of its own keeps them to itself
-            (Triton kernels, checked in the interpreter); short documents merged into one
-            128-query item (``merge_short``) share key tiles, and a NaN / Inf in one's K or V
-            reaches the others (masked P is 0, and 0 x NaN is NaN in the P V product): a known
-            defect. The Gluon kernels' last key tile of a document can hold the next document's
-            rows (TMA boxes are not cut at document ends): not checked on the GPU yet.
+            inputs give non-finite outputs. A document with items of its own keeps them to itself,
+            in O and in dQ, dK, dV (Triton kernels: masked loads; Gluon kernels: the tile a
+            document end cuts has the next document's rows zeroed or is loaded ending at the
+            document end; GPU test ``test_nan_in_one_document_stays_in_it``, every kernel family,
+            H200 2026-11-29); short documents merged into one 128-query item (``merge_short``)
+            share key tiles, and a NaN / Inf in one's K or V reaches the others (masked P is 0, and
+            0 x NaN is NaN in the P V product): a known defect.
 
     Returns:
         ``o`` ``(T, H_q, D)`` in q's dtype, or ``(o, lse)`` if ``return_lse``.
