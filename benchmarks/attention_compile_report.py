@@ -16,6 +16,9 @@ from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from flamia_pack.kernels import flash_fwd as F, flash_bwd as B
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gluon_compile_report import loop_local_memory  # noqa: E402 (spill traffic per loop)
+
 TARGET = GPUTarget("cuda", 90, 32)
 DIV16 = {"stride", "T", "total_rows"}
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
@@ -48,7 +51,9 @@ def report(name, fn, types, consts, nw, ns, maxnreg=0):
         info = " ".join(l.strip() for l in r.stderr.splitlines() if "registers" in l or "spill" in l)
         sass = subprocess.run([os.path.join(os.path.dirname(PTXAS), "cuobjdump"), "-sass", os.path.join(d, "k.o")], capture_output=True, text=True).stdout
     ops = {op: len(re.findall(op, sass)) for op in ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDL", "STL", r"RED\.E\.ADD\.F32", r"RED\.E\.ADD\.F32\S*\.64", r"RED\.E\.ADD\.F32\S*\.128", "UTMAREDG")}
-    print(f"{name}: smem {k.metadata.shared} | {info} | {ops}")
+    hot = [lp[:3] for lp in loop_local_memory(sass) if lp[1] or lp[2]]
+    print(f"{name}: smem {k.metadata.shared} | {info} | {ops} | loops with local memory (instructions, LDL, STL): "
+          f"{hot or 'none'}")
 
 ptr = {n: "*bf16" for n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")}
 ptr.update({"LSE": "*fp32", "DELTA": "*fp32", "DQACC": "*fp32", "dq_desc": "tensordesc<fp32[32,128]>", "DLSE": "*fp32", "items_ptr": "*i32", "order_ptr": "*i32", "num_items_ptr": "*i32", "cu_ptr": "*i32", "counter_ptr": "*i32",
