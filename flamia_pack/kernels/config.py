@@ -272,7 +272,10 @@ class AttentionKernelConfig:
 
     bwd_gluon_min_len: int = 512
     """With ``bwd_gluon``: items of documents longer than this many tokens run in the Gluon kernels,
-    the rest (and merged items) in the Triton launch (``sel = -bwd_gluon_min_len``); >= 1."""
+    the rest (and merged items) in the Triton launch (``sel = -bwd_gluon_min_len``); >= 1. Below 63
+    (``gluon_l1``), documents of fewer than 64 tokens reach the Gluon dK/dV programs, whose query step
+    cut by the document end is loaded ending there and then also covers the previous document's rows
+    (masked, but a NaN / Inf there reaches this document's dK, dV: ``gluon_attention.gluon_dkdv``)."""
 
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
