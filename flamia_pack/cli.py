@@ -74,13 +74,13 @@ def pack_cmd(
                                   "truncate or drop."),
     shard_rows: int = typer.Option(None, "--shard-rows", metavar="N", help="Packed rows per parquet shard "
                                    "(default: ~128 MiB uncompressed per shard)."),
-    pad_id: int = typer.Option(0, "--pad-id", metavar="N", help="Token id (>= 0) written past the last document of a row."),
+    pad_id: int = typer.Option(0, "--pad-id", metavar="N", help="Token id (>= 0, inside the tokenizer's vocabulary) written past the last document of a row."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout (no table)."),
 ) -> None:
     """Pack documents into fixed-capacity rows and write parquet shards + manifest.json.
 
     Errors in the input (missing file, unknown column, non-integer or negative token ids, corrupt
-    parquet, capacity < 1, pad id < 0, ...) print one red line on stderr and exit with code 2; nothing is
+    parquet, capacity < 1, pad id < 0 or outside the tokenizer's vocabulary, ...) print one red line on stderr and exit with code 2; nothing is
     presented as complete (no manifest.json is written).
 
     Memory: the tokens once (int32) plus one shard of rows (--shard-rows x capacity x 8 bytes),
@@ -120,6 +120,10 @@ def pack_cmd(
         path = source if source is not None else str(resources.files("flamia_pack") / "data" / "python-stdlib.parquet")
         t0 = time.perf_counter()
         src = open_source(path, text_column=text_column, tokenizer=tokenizer)
+        vocab = src.tokenizer_info().get("vocab_size")
+        if vocab is not None and pad_id >= vocab:
+            fail(f"--pad-id {pad_id} is outside the tokenizer's vocabulary (ids 0..{vocab - 1}): an embedding "
+                 f"lookup of the padding would index out of range; pick an id < {vocab}")
         description = src.description if source is not None else (
             "bundled sample " + src.description.replace(path, "python-stdlib.parquet"))
         with Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),

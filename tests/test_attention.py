@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from flamia_pack.errors import FlamiaError, MetadataError
 from flamia_pack.kernels import packed_attention_reference, varlen_attention
-from flamia_pack.kernels.attention import build_attention_work_list
+from flamia_pack.kernels.attention import build_attention_work_list, kernels_available
 from flamia_pack.kernels.config import AttentionKernelConfig, kernel_config
 from flamia_pack.kernels.tiles import program_geometry_host, tile_visible_host, visible_host
 from flamia_pack.scheduler.worklist import TileConfig, build_work_list_host
@@ -118,6 +118,42 @@ def test_work_list_mismatch_is_rejected():
     ok = build_attention_work_list(cu, q.shape[0], causal=True, head_dim=64)
     assert ok.total_tokens == q.shape[0]
     varlen_attention(q, k, v, cu, 40, causal=True, work_list=ok)
+
+
+def test_cpu_fallback_checks_cu_seqlens_values_with_a_work_list_too():
+    """On the CPU fallback a prebuilt work list does not switch the cu_seqlens value checks off (the
+    reference reads cu_seqlens itself): int64 values past int32 (which the cast would wrap to a
+    valid-looking 70), an end past T and a decreasing entry are errors, not silent answers."""
+    q, k, v, cu = _inputs([40, 30], d=64)
+    if kernels_available(q.device):
+        pytest.skip("the Triton interpreter path trusts a work list's cu_seqlens like the GPU path")
+    wl = build_attention_work_list(cu, q.shape[0], causal=True, head_dim=64)
+    for bad, needle in ((torch.tensor([0, 40, 2 ** 32 + 70]), "exceeds the number of tokens"),
+                        (torch.tensor([0, 40, 90], dtype=torch.int32), "exceeds the number of tokens"),
+                        (torch.tensor([0, 50, 40, 70], dtype=torch.int32), "strictly increasing")):
+        with pytest.raises(MetadataError, match=needle):
+            varlen_attention(q, k, v, bad, 40, causal=True, work_list=wl)
+    good = varlen_attention(q, k, v, cu.to(torch.int64), 40, causal=True, work_list=wl)
+    assert torch.equal(good, varlen_attention(q, k, v, cu, 40, causal=True))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cpu_fallback_is_float64_exact_for_float64_inputs(causal):
+    """float64 inputs are computed in float64 (LSE too): torch.autograd.gradcheck passes for O and
+    LSE w.r.t. q, k, v (GQA, two documents), and for O with a padding row (whose LSE is +inf, where
+    finite differences mean nothing)."""
+    if kernels_available("cpu"):
+        pytest.skip("the Triton interpreter path takes bf16 inputs")
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(8, 2, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (torch.randn(8, 1, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    full = torch.tensor([0, 3, 8], dtype=torch.int32)
+    o, lse = varlen_attention(q, k, v, full, 5, causal=causal, return_lse=True)
+    assert o.dtype == torch.float64 and lse.dtype == torch.float64
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: varlen_attention(a, b, c, full, 5, causal=causal, return_lse=True), (q, k, v))
+    padded = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert torch.autograd.gradcheck(lambda a, b, c: varlen_attention(a, b, c, padded, 4, causal=causal), (q, k, v))
 
 
 def test_config_by_name_gets_a_hint():

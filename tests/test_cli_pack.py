@@ -115,12 +115,14 @@ def _bad_inputs(tmp_path: pathlib.Path) -> dict[str, tuple[list[str], str]]:
         "tokenizer with ids": ([str(neg), "--tokenizer", str(tmp_path / "tok.json")], "is pre-tokenized"),
         # token ids are >= 0; a negative pad id was accepted and written into every row's tail
         "pad id negative": ([str(good), "--pad-id", "-1"], "--pad-id must be >= 0 (a token id), got -1"),
+        # the bytes tokenizer has ids 0..255: padding 300 would index past an embedding table
+        "pad id outside vocab": ([str(good), "--pad-id", "300"], "--pad-id 300 is outside the tokenizer's vocabulary"),
     }
 
 
 BAD_CASES = ["missing file", "unknown column", "non-integer tokens", "negative ids", "corrupt parquet",
              "capacity 0", "capacity negative", "bad algorithm", "bad long-docs", "shard rows 0", "bad tokenizer",
-             "tokenizer with ids", "pad id negative"]
+             "tokenizer with ids", "pad id negative", "pad id outside vocab"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)

@@ -238,3 +238,18 @@ def test_to_device_rejects_a_config_that_is_not_a_tile_config():
     with pytest.raises(FlamiaError, match="got AttentionKernelConfig.*work_list_tile_config"):
         to_device(b, "cpu", kc)
     assert "work_list" in to_device(b, "cpu", work_list_tile_config(kc, True))
+
+
+def test_to_device_rejects_bad_or_missing_devices():
+    """A device string that is not a device, or CUDA on a machine without it, is a FlamiaError
+    naming the problem (not torch's raw RuntimeError)."""
+    from flamia_pack.errors import FlamiaError
+    from flamia_pack.loaders.collate import to_device
+
+    batch = {"input_ids": torch.zeros(4, dtype=torch.int64), "max_seqlen": 4}
+    with pytest.raises(FlamiaError, match="device string"):
+        to_device(batch, "gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(FlamiaError, match="no CUDA device is available"):
+            to_device(batch, "cuda")
+    assert to_device(batch, "cpu")["max_seqlen"] == 4

@@ -20,7 +20,8 @@ Execution paths (chosen per call from the tensors' device):
   list of ``flamia_pack.scheduler`` (Hopper sm_90 is the tuned target; other CUDA GPUs with
   bf16 tensor cores run the same code untuned).
 - CPU (or no triton): the exact torch reference ``reference.packed_attention_reference``
-  (float32 compute, result cast back to the input dtype), differentiable through the same op.
+  (float32 compute, float64 for float64 inputs; result cast back to the input dtype), differentiable
+  through the same op (float64 inputs pass ``torch.autograd.gradcheck``).
   With ``TRITON_INTERPRET=1`` set before triton is imported, CPU tensors run the Triton kernels
   in the interpreter instead (tests; see ``interpret.py``).
 
@@ -309,23 +310,30 @@ def _config_from_tuple(vals: tuple[int, ...]) -> AttentionKernelConfig:
     return AttentionKernelConfig(**kw)
 
 
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """The fallback's compute (and LSE) dtype: float64 for float64 inputs (gradcheck-exact), else float32."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _reference_fwd(q, k, v, cu, causal, scale):
     from flamia_pack.kernels.reference import packed_attention_reference
 
+    ct = _compute_dtype(q)
     o, lse = packed_attention_reference(q, k, v, cu, causal=causal, softmax_scale=scale,
-                                        compute_dtype=torch.float32, return_lse=True)
-    return o.to(q.dtype), lse.to(torch.float32)
+                                        compute_dtype=ct, return_lse=True)
+    return o.to(q.dtype), lse.to(ct)
 
 
 def _reference_bwd(do, dlse, q, k, v, o, lse, cu, causal, scale):
-    """Exact float32 backward of packed attention (the fallback path's gradient), per document.
+    """Exact backward of packed attention (the fallback path's gradient), per document, in float32
+    (float64 for float64 inputs).
 
     Same formulas as flash_bwd.py: ``dS = P * (dO V^T - Delta)``, ``Delta = rowsum(dO * O) - dLSE``.
     """
     T, H, D = q.shape
     Hkv = k.shape[1]
     g = H // Hkv
-    f32 = torch.float32
+    f32 = _compute_dtype(q)
     dq = torch.zeros((T, H, D), dtype=f32, device=q.device)
     dk = torch.zeros((T, Hkv, D), dtype=f32, device=q.device)
     dv = torch.zeros((T, Hkv, D), dtype=f32, device=q.device)
@@ -372,7 +380,7 @@ def _varlen_attn_fwd(
 @_varlen_attn_fwd.register_fake
 def _varlen_attn_fwd_fake(q, k, v, cu_seqlens, items, num_items, causal, softmax_scale, config):
     T, H, D = q.shape
-    return q.new_empty((T, H, D)), q.new_empty((H, T), dtype=torch.float32)
+    return q.new_empty((T, H, D)), q.new_empty((H, T), dtype=_compute_dtype(q))
 
 
 @torch.library.custom_op("flamia_pack::varlen_attn_bwd", mutates_args=())
@@ -464,7 +472,8 @@ def varlen_attention(
             for CUDA graphs and in training loops. A list built for a row of another T is rejected;
             one built for other ``cu_seqlens`` of the same T is not detected (no sync). Without one, ``cu_seqlens`` is validated on the
             host (one sync) and a list is built on the device.
-        return_lse: also return the LSE ``(H_q, T)`` float32 (natural log; differentiable).
+        return_lse: also return the LSE ``(H_q, T)`` float32 (float64 for float64 inputs on the CPU
+            fallback; natural log; differentiable).
         deterministic: bitwise reproducible gradients. With ``False`` (default) a configuration
             with ``bwd_dq_atomic`` (Triton) or ``bwd_gluon_dq_reduce`` (Gluon, TMA bulk reduce)
             accumulates dQ in fp32 from the dK/dV programs (5 matrix products per tile pair, the
@@ -504,6 +513,9 @@ def varlen_attention(
             "use precision='bf16'")
     if precision != "bf16":
         raise FlamiaError(f"precision must be 'bf16' (or 'fp8' once implemented), got {precision!r}")
+    # numpy bools (e.g. from a config array) are bools too
+    causal, return_lse, deterministic = (bool(x) if type(x).__name__ == "bool" and type(x).__module__ == "numpy" else x
+                                         for x in (causal, return_lse, deterministic))
     for flag, val in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)):
         if not isinstance(val, bool):
             raise FlamiaError(f"{flag} must be a bool (True or False), got {val!r} ({type(val).__name__})")
@@ -526,8 +538,9 @@ def varlen_attention(
         hint = (f" (for a named candidate pass config=candidate_config({config!r}) from flamia_pack.kernels.config)"
                 if isinstance(config, str) else "")
         raise FlamiaError(f"config must be an AttentionKernelConfig or None, got {type(config).__name__}{hint}")
-    if cu_seqlens.dtype == torch.int64 and work_list is None:
-        # check the int64 values themselves: the int32 cast below would wrap 2**32 + n to n
+    if cu_seqlens.dtype == torch.int64 and (work_list is None or (not use_kernels and not torch.compiler.is_compiling())):
+        # check the int64 values themselves: the int32 cast below would wrap 2**32 + n to n (the CPU
+        # fallback checks them with a work list too: it has no device sync to save)
         _check_cu_values(cu_seqlens, T, max_seqlen)
     cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     if not cu32.is_contiguous():
@@ -547,6 +560,8 @@ def varlen_attention(
         if work_list is None:
             _check_cu_values(cu32, T, max_seqlen)
         else:  # checked for the same mistakes as on the GPU, then unused by the reference
+            if cu_seqlens.dtype == torch.int32 and not torch.compiler.is_compiling():
+                _check_cu_values(cu32, T, max_seqlen)  # (the reference reads cu_seqlens itself)
             _check_work_list(work_list, causal, cfg, q.device, T)
         items = torch.empty((0, 4), dtype=torch.int32, device=q.device)
         num_items = torch.zeros((1,), dtype=torch.int32, device=q.device)

@@ -28,7 +28,8 @@ Labels are shifted *within* each segment: ``labels[t] = input_ids[t + 1]`` when 
 the same segment of ``cu_seqlens``, else ``ignore_index`` (the last token of every segment, and
 every padding token). A segment is a document piece inside one row, so the row start is always
 a boundary -- also for a row whose first piece continues a document from an earlier row (``concat``
-packing: its ``position_ids`` may start at e.g. 5; they are kept as given for RoPE).
+packing; flamia_pack's packer restarts every piece's ``position_ids`` at 0, other packers may
+continue them, e.g. from 5: they are kept as given for RoPE).
 """
 from __future__ import annotations
 
@@ -313,7 +314,8 @@ def to_device(
 
     Raises:
         FlamiaError: unknown ``scale_groups``, ``work_list_config`` not a ``TileConfig`` (e.g. an
-            ``AttentionKernelConfig``: convert it with ``work_list_tile_config``).
+            ``AttentionKernelConfig``: convert it with ``work_list_tile_config``), a ``device`` that is
+            not a device, or ``"cuda"`` where no CUDA device is available.
     """
     if scale_groups not in (None, "block", "token"):
         raise FlamiaError(f"scale_groups must be 'block', 'token' or None, got {scale_groups!r}")
@@ -326,8 +328,15 @@ def to_device(
                 f"{type(work_list_config).__name__}; for the default kernel tiles pass "
                 "work_list_tile_config(kernel_config(head_dim, causal), causal) from flamia_pack.kernels.config"
             )
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise FlamiaError(f"device must be a torch.device or a device string such as 'cuda', 'cuda:0' or "
+                          f"'cpu', got {device!r}") from e
     cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise FlamiaError(f"to_device({str(device)!r}): no CUDA device is available here (torch "
+                          f"{torch.__version__}, torch.cuda.is_available() is False); pass 'cpu' or run on a GPU")
     out: dict[str, Any] = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor):
