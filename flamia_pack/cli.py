@@ -15,6 +15,15 @@ from __future__ import annotations
 
 import typer
 
+def _stdout():
+    """A rich console for stdout; when stdout is not a terminal (a pipe, a file, a test runner) it is
+    160 columns wide instead of rich's default 80, so tables are not cut (headers, verdicts)."""
+    from rich.console import Console
+
+    c = Console()
+    return c if c.is_terminal else Console(width=160)
+
+
 app = typer.Typer(
     name="flamia",
     help="flamia_pack: packed variable-length documents for long-context training.",
@@ -174,7 +183,7 @@ def pack_cmd(
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
     else:
-        Console().print(_pack_summary_table(summary))
+        _stdout().print(_pack_summary_table(summary))
 
 
 # ---- plan (issue: work list / scheduler) -----------------------------------------------------
@@ -457,7 +466,7 @@ def plan_cmd(
     t.add_row("calibration", f"{s['kernel_path']} a={s['a_us_per_tile']:.3g} us/tile, b={s['b_us_per_item']:.3g} "
                              f"us/item, {s['calibration_version']}"
                              f"{'' if s['calibration_measured'] else ' (estimate, not measured on our kernel)'}")
-    Console().print(t)
+    _stdout().print(t)
 
 
 # ---- probe-leak (issue: quantizer / leak probe) ----------------------------------------------
@@ -518,7 +527,7 @@ def probe_leak_cmd(
     if json_out:
         typer.echo(json.dumps([r.to_dict() for r in reports], indent=2))
     else:
-        Console().print(leak_table(reports))
+        _stdout().print(leak_table(reports))
 
 # ---- bench (issue: kernels) -------------------------------------------------------------------
 # `flamia bench`: time the BF16 packed-attention kernels on the local GPU (ours only; the peer
@@ -627,7 +636,7 @@ def bench_cmd(
         table.add_row(r["row"], str(r["tokens"]), str(r["docs"]), f"{r['num_heads']}/{r['num_kv_heads']}",
                       f"{r['fwd_ms']:.3f}", f"{r['fwd_tflops']:.0f}", f"{r['train_ms']:.3f}",
                       f"{r['train_tflops']:.0f}", f"{r['worklist_us']:.0f}")
-    Console().print(table)
+    _stdout().print(table)
 
 
 # ---- serve (issue: service) -------------------------------------------------------------------

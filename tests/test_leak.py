@@ -209,6 +209,8 @@ def test_cli_probe_leak_json_and_table():
     assert res.exit_code == 0, res.output
     for name in PATHS:
         assert name in res.stdout
+    # not a terminal: the table is not cut at rich's default 80 columns (verdicts were "cross-docu…")
+    assert "cross-document" in res.stdout and "within-group" in res.stdout and "…" not in res.stdout
 
 
 @pytest.mark.parametrize("bad", [["--path", "nope"], ["--cu-seqlens", "0,5,x"], ["--device", "tpu"],
