@@ -237,6 +237,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     console.log(f"device {device}, capacity {capacity}, {args.batch_rows} rows/batch, {args.workers} workers, "
                 f"model {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
                 f"attention {'triton kernels' if cuda else 'torch reference'}")
+    if not cuda and capacity > 4096:
+        # the CPU reference materialises each document's full (heads, L, L) float32 score matrix
+        gib = args.heads * capacity * capacity * 4 / 2 ** 30
+        console.log(f"[yellow]warning: rows of {capacity} tokens on the CPU: the torch reference builds each "
+                    f"document's full score matrix (up to {gib:.1f} GiB per layer for a row-long document) and "
+                    f"runs very slowly; use a GPU or rows of <= 4096 tokens (--capacity, or pack with a smaller "
+                    f"--capacity)[/yellow]")
 
     epoch, it = 0, iter(loader)
     losses: list[torch.Tensor] = []
