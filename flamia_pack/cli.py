@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import typer
 
+
 def _stdout():
     """A rich console for stdout; when stdout is not a terminal (a pipe, a file, a test runner) it is
     160 columns wide instead of rich's default 80, so tables are not cut (headers, verdicts)."""

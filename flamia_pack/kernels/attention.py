@@ -38,6 +38,7 @@ import numbers
 import os
 from typing import Optional
 
+import numpy as np
 import torch
 
 from flamia_pack.errors import FlamiaError, MetadataError
@@ -232,7 +233,7 @@ def build_attention_work_list(
 
 @torch.compiler.disable
 def _default_work_list(cu32: torch.Tensor, T: int, max_seqlen: int, causal: bool, cfg: AttentionKernelConfig):
-    _check_cu_values(cu32, T, max_seqlen)
+    # (cu_seqlens' values were checked by the caller, before the int32 cast)
     wl = build_attention_work_list(cu32, T, causal=causal, config=cfg, validate=False)
     return wl.items, wl.num_items
 
@@ -514,7 +515,7 @@ def varlen_attention(
     if precision != "bf16":
         raise FlamiaError(f"precision must be 'bf16' (or 'fp8' once implemented), got {precision!r}")
     # numpy bools (e.g. from a config array) are bools too
-    causal, return_lse, deterministic = (bool(x) if type(x).__name__ == "bool" and type(x).__module__ == "numpy" else x
+    causal, return_lse, deterministic = (bool(x) if isinstance(x, np.bool_) else x
                                          for x in (causal, return_lse, deterministic))
     for flag, val in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)):
         if not isinstance(val, bool):
@@ -538,9 +539,10 @@ def varlen_attention(
         hint = (f" (for a named candidate pass config=candidate_config({config!r}) from flamia_pack.kernels.config)"
                 if isinstance(config, str) else "")
         raise FlamiaError(f"config must be an AttentionKernelConfig or None, got {type(config).__name__}{hint}")
-    if cu_seqlens.dtype == torch.int64 and (work_list is None or (not use_kernels and not torch.compiler.is_compiling())):
-        # check the int64 values themselves: the int32 cast below would wrap 2**32 + n to n (the CPU
-        # fallback checks them with a work list too: it has no device sync to save)
+    # cu_seqlens values, checked once and as given (int64 before the int32 cast below, which would wrap
+    # 2**32 + n to n) whenever no work list is given; the CPU fallback also with one (the reference
+    # reads cu_seqlens itself and has no device sync to save), except while torch.compile traces
+    if work_list is None or (not use_kernels and not torch.compiler.is_compiling()):
         _check_cu_values(cu_seqlens, T, max_seqlen)
     cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     if not cu32.is_contiguous():
@@ -557,11 +559,7 @@ def varlen_attention(
         cfg_ints = _config_to_ints(cfg)
     else:
         cfg = config if config is not None else AttentionKernelConfig()
-        if work_list is None:
-            _check_cu_values(cu32, T, max_seqlen)
-        else:  # checked for the same mistakes as on the GPU, then unused by the reference
-            if cu_seqlens.dtype == torch.int32 and not torch.compiler.is_compiling():
-                _check_cu_values(cu32, T, max_seqlen)  # (the reference reads cu_seqlens itself)
+        if work_list is not None:  # checked for the same mistakes as on the GPU, then unused by the reference
             _check_work_list(work_list, causal, cfg, q.device, T)
         items = torch.empty((0, 4), dtype=torch.int32, device=q.device)
         num_items = torch.zeros((1,), dtype=torch.int32, device=q.device)
