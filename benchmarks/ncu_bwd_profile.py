@@ -28,12 +28,12 @@ from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths  # noqa:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="W1")
-    ap.add_argument("--impls", default="ours,flex")
+    ap.add_argument("--impls", default="ours,flex", help="comma list of ours, flex, sdpa (padded; uniform rows)")
     a = ap.parse_args()
     spec = WORKLOADS[a.workload]
     inp = B.make_inputs(workload_lengths(a.workload), spec["num_heads"], spec["num_kv_heads"], seed=3)
     for name in a.impls.split(","):
-        _, train, _ = (B.ours(inp) if name == "ours" else B.flex(inp))
+        _, train, _ = {"ours": B.ours, "flex": B.flex, "sdpa": B.sdpa_padded}[name](inp)
         for _ in range(3):
             train()
         torch.cuda.synchronize()

@@ -14,6 +14,6 @@ for r in rows:
 for (i, name), ms in data.items():
     dur = [m for m in ms if m[1] == "Duration"]
     print(f"== {i} {name} {dur[0][3] if dur else ''} {dur[0][2] if dur else ''}")
-    if any(s in name for s in ("bwd_kernel", "backward", "_fwd_kernel", "forward", "flex")):
+    if any(s in name for s in ("bwd_kernel", "backward", "_fwd_kernel", "forward", "flex", "fprop", "dgrad")):
         for s, m, u, v in ms:
             print(f"   {m} [{u}] = {v}")
