@@ -226,11 +226,14 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
     ("dq", {"persistent": True, "stages": 2, "group": 4}, True, 0),
     ("fwd", {"persistent": True}, True, 0),        # fwd_gluon_persistent: two Q slots + 2-deep K/V ring
     ("fwd", {"persistent": True, "causal": False}, True, 0),
+    ("fwd", {"persistent": True, "parts": 1}, True, 0),  # one 8-warp consumer (candidate fwd_parts1)
+    ("fwd", {"persistent": True, "group": 4, "head_dim": 64}, True, 0),
     ("dq", {}, True, 0),                           # 4 stages (197 KB)
     ("dq", {"stages": 3}, True, 0),
     ("dq", {"group": 4}, True, 0),
     ("fwd", {}, True, 0),
     ("fwd", {"causal": False, "head_dim": 64, "group": 2}, True, 0),
+    ("fwd", {"parts": 1}, True, 0),
 ])
 def test_gluon_kernels_compile_for_sm90_on_the_cpu(kind, kw, async_ok, max_spill):
     """Every shipped Gluon kernel compiles for sm_90a without a GPU (triton's bundled ptxas), with the
@@ -353,3 +356,15 @@ def test_loop_local_memory_counts_spill_traffic_per_loop():
     ])
     assert loop_local_memory(sass) == [(4, 1, 1, 1)]
     assert loop_local_memory("") == []
+
+
+def test_forward_parts_are_validated():
+    """``fwd_gluon_parts`` / ``gluon_fwd(parts=)`` accept 1 or 2 consumer partitions, nothing else."""
+    from flamia_pack.errors import FlamiaError
+    from flamia_pack.kernels.config import AttentionKernelConfig
+
+    assert AttentionKernelConfig().fwd_gluon_parts == 2
+    assert AttentionKernelConfig(fwd_gluon_parts=1).fwd_gluon_parts == 1
+    for bad in (0, 3, 4, True, 2.0, "2"):
+        with pytest.raises(FlamiaError, match="fwd_gluon_parts must be 1 or 2"):
+            AttentionKernelConfig(fwd_gluon_parts=bad)

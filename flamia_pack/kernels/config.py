@@ -191,7 +191,8 @@ class AttentionKernelConfig:
 
     fwd_gluon: bool = False
     """Forward: run the programs as the warp-specialized Gluon kernel of ``gluon_attention.py`` (a TMA
-    producer warp streaming K / V, an 8-warp wgmma consumer; 128 queries x 128-key tiles) where it
+    producer warp streaming K / V, two 4-warp wgmma consumers (``fwd_gluon_parts``); 128 queries x
+    128-key tiles) where it
     applies: sm_90, bf16, contiguous q / k / v, ``wl_block_m`` a multiple of 128, no
     ``hybrid_short_len``; merged items and 1-token documents stay in a Triton launch. The head_dim
     128 default in its persistent form (:data:`PERSISTENT_FWD`) except on rows of short documents
@@ -204,6 +205,16 @@ class AttentionKernelConfig:
     computes. Aimed at rows of 1,024-token documents (W3: ~4.5 key tiles of 128 per program, where
     padded SDPA's forward is 1.46x ours). Measured on the H200 (2026-11-29 late): see
     :data:`PERSISTENT_FWD`, the head_dim 128 default."""
+
+    fwd_gluon_parts: int = 2
+    """With ``fwd_gluon``: consumer partitions of the Gluon forward (``gluon_attention.gluon_fwd(parts=)``).
+    1: one 8-warp consumer, whose every ring-slot release is a 256-thread ``bar.sync`` before one
+    thread's ``mbarrier.arrive``, so the two warpgroups meet at every step (Nsight Compute on W1: 4.6 of
+    10.1 stall cycles per issued instruction on that barrier, cuDNN's forward 1.4 of 5.4); 2: two
+    4-warp partitions of 64 query rows each (FlashAttention-3's two consumer warpgroups), each
+    releasing a slot with its own 128-thread barrier (the ``empty`` barriers count two arrivals):
+    forward 1.14x / 1.17x / 1.07x on W1 / W8 / W3, training call 1.04x / 1.05x / 1.02x (H200,
+    2026-11-29 night, RESULTS run 7). The default since then."""
 
     bwd_gluon_retire_first: bool = True
     """With ``bwd_gluon``: the dK/dV consumer retires the previous step's dV / dK products before
@@ -324,6 +335,8 @@ class AttentionKernelConfig:
         if not _is_int(self.bwd_dq_reduce_max_bytes) or self.bwd_dq_reduce_max_bytes < 1:
             raise FlamiaError(f"AttentionKernelConfig.bwd_dq_reduce_max_bytes must be an int >= 1, "
                               f"got {self.bwd_dq_reduce_max_bytes!r}")
+        if not _is_int(self.fwd_gluon_parts) or self.fwd_gluon_parts not in (1, 2):
+            raise FlamiaError(f"AttentionKernelConfig.fwd_gluon_parts must be 1 or 2, got {self.fwd_gluon_parts!r}")
         if not _is_int(self.bwd_gluon_min_len) or self.bwd_gluon_min_len < 1:
             raise FlamiaError(f"AttentionKernelConfig.bwd_gluon_min_len must be an int >= 1, got {self.bwd_gluon_min_len!r}")
         if self.schedule not in SCHEDULES:
@@ -386,7 +399,8 @@ head_dim 128 default since 2026-11-29 (late): forward 1.02-1.06x the Triton 128 
 W2, W4, W6, W8, W9 and 1.10-1.12x on W3, 1.00x on W5 (GQA), in two or three passes each; the
 training call 1.00-1.02x (RESULTS "Session of 2026-11-29 (late)" runs 2-3). Not on rows of
 documents of at most :data:`SMALL_BWD_MAX_SEQLEN` tokens (W7: 0.63x of ``small_n32r``'s forward) nor
-at head_dim 64 (not measured)."""
+at head_dim 64 (not measured). Since 2026-11-29 (night) with two consumer partitions
+(``fwd_gluon_parts``, forward 1.07-1.17x the one-partition kernel)."""
 
 CANDIDATES: dict[str, dict] = {
     "default": {},
@@ -402,6 +416,8 @@ CANDIDATES: dict[str, dict] = {
     "gluon_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "bwd_gluon_persistent": True, "bwd_gluon_dq_reduce": False},
     # the persistent Gluon forward (now the head_dim 128 default), alone and with the persistent backward
     "gluon_fwd_pers": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True},
+    # the persistent Gluon forward with one 8-warp consumer partition (the default until 2026-11-29 night)
+    "fwd_parts1": {**HEAD_MAJOR, "fwd_gluon_parts": 1},
     "all_pers": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
                  "bwd_gluon_persistent": True},
     "all_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
@@ -520,7 +536,7 @@ the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
 ``benchmarks/gpu_bwd_sweep.py`` (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)").
 Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
 _FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon", "fwd_maxnreg",
-             "fwd_short_len", "fwd_gluon_persistent"}
+             "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts"}
 _TRITON_FWD = {"block_m", "block_n", "num_warps", "num_stages", "fwd_maxnreg", "fwd_short_len", "schedule", "doc_major",
                "hybrid_short_len"}
 for _name, _ov in CANDIDATES.items():

@@ -276,7 +276,7 @@ def flash_fwd(
         skip_len = max(1, config.fwd_short_len)
         gluon_attention.gluon_fwd(q, k, v, cu_seqlens, items, num_items, softmax_scale, causal=causal,
                                   wl_block_m=config.wl_block_m, skip_len=skip_len, o=o, lse=lse,
-                                  persistent=config.fwd_gluon_persistent)
+                                  persistent=config.fwd_gluon_persistent, parts=config.fwd_gluon_parts)
         parts = [(parts[-1][0] if config.fwd_short_len else config, -skip_len)]
     for cfg, sel in parts:
         f = cfg.wl_block_m // cfg.block_m

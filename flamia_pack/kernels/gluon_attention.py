@@ -27,12 +27,17 @@ merged items and shorter documents in a Triton launch with ``sel = -skip_len``);
 q/k/v/dO with ``head_dim`` 64 or 128; the padding rows are filled by ``flash_bwd``.
 
 Forward (``gluon_fwd``, config ``fwd_gluon``; persistent, the head_dim 128 default): the dQ programs' structure applied to
-FlashAttention's forward -- the same producer (Q once, K / V through the ring) and an 8-warp
-consumer running ``S = Q K^T``, the base-2 online softmax and ``O += P V`` (P as the register A
-operand) over 128 x 128 tiles, causal or not; merged items and 1-token documents stay in
+FlashAttention's forward -- the same producer (Q once, K / V through the ring, K and V with their own
+barriers) and, by default, **two 4-warp consumer partitions** of 64 query rows each (``parts=2``,
+FlashAttention-3's two consumer warpgroups) running ``S = Q K^T``, the base-2 online softmax and
+``O += P V`` (P as the register A operand) over 128-key tiles, software-pipelined (``S_j`` and
+``P_{j-1} V_{j-1}`` in flight together), causal or not; merged items and 1-token documents stay in
 ``flash_fwd``'s Triton kernel. Spill-free on sm_90a. Persistent (one program per SM, entries from a
 global counter, two Q slots): 1.02-1.06x the Triton forward on W1, W2, W4, W6, W8, W9 and 1.10x on W3
-(H200, 2026-11-29 late; benchmarks/RESULTS.md).
+with one 8-warp consumer (H200, 2026-11-29 late); the two partitions then 1.14x / 1.17x / 1.07x that
+on W1 / W8 / W3 (2026-11-29 night: a Gluon ``mbarrier.arrive`` is one thread's arrive after a
+``bar.sync`` of its whole partition, so one 8-warp consumer met at a 256-thread barrier at every
+slot release; the software pipelining alone measured 1.00x). benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -212,24 +217,27 @@ def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
 
 
 @gluon.jit
-def _zero_rows_from(buf, keep):
+def _zero_rows_from(buf, keep, NW: gl.constexpr = 8):
     """Rows ``>= keep`` of the consumer's shared tile ``buf`` (``ROWS x HEAD_DIM``, landed by TMA) set to 0.
 
     TMA boxes are cut at the tensor's end, not at a document's: the tile cut by a document end holds
     the next document's rows. Masking their scores (P = 0) is not enough, ``0 x NaN = NaN`` in the
     products that read them (P V, dS K, dS^T Q, P^T dO), so a NaN / Inf there would leak across the
     document boundary (Triton's masked loads read zeros). Only the one tile per program that crosses
-    the document end pays this (one shared-memory round trip); callers test the runtime condition."""
+    the document end pays this (one shared-memory round trip); callers test the runtime condition.
+    ``NW``: warps of the calling partition. Two consumer partitions reading the same tile (the
+    forward's ``parts=2``) each zero it before their own product: every write is 0 (rows past
+    ``keep``) or the value already there, so the two never disagree."""
     ROWS: gl.constexpr = buf.type.shape[0]
     CHUNK: gl.constexpr = 8  # 8-row slices: 2 registers a thread, not 16-32 (the dK/dV consumer spills)
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [CONSUMER_WARPS, 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
     for i in gl.static_range(ROWS // CHUNK):
         part = buf.slice(i * CHUNK, CHUNK, dim=0)
         x = part.load(layout)
         r = i * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
         part.store(gl.where((r < keep)[:, None], x, gl.zeros_like(x)))
     fence_async_shared()  # generic-proxy writes before the async proxy (wgmma) reads them
-    gl.thread_barrier()  # both warpgroups' rows written before either issues its product
+    gl.thread_barrier()  # the partition's rows written before any of its warpgroups issues its product
 
 
 @gluon.jit
@@ -442,28 +450,33 @@ def _query_rows(qs, qe, ds, de, e, F: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
 
 @gluon.jit
 def _ring(a_desc, b_desc, STAGES: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-          INIT_EMPTY: gl.constexpr = True):
+          INIT_EMPTY: gl.constexpr = True, SPLIT_KV: gl.constexpr = False, EMPTY_COUNT: gl.constexpr = 1):
     """The walked tiles' shared-memory ring: ``STAGES`` slots of one ``a_desc`` and one ``b_desc`` tile
     (``ROWS x HEAD_DIM`` bf16 each: Q / dO for dK/dV programs, K / V for dQ and forward programs) and
     each slot's ``ready`` (producer's TMA bytes) / ``empty`` (consumer's release) mbarrier (the
     ``empty`` ones initialised only with ``INIT_EMPTY``: a dK/dV program's own K / V slot is
-    released only by persistent programs)."""
+    released only by persistent programs). With ``SPLIT_KV`` there are ``2 * STAGES`` pairs: ``s`` for
+    the ``a`` tile of slot ``s``, ``STAGES + s`` for its ``b`` tile (the forward's K and V).
+    ``EMPTY_COUNT``: consumer partitions that release each slot."""
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROWS, HEAD_DIM], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROWS, HEAD_DIM], b_desc.layout)
-    ready, empty = _slot_barriers(STAGES, INIT_EMPTY)
+    if SPLIT_KV:
+        ready, empty = _slot_barriers(2 * STAGES, INIT_EMPTY, EMPTY_COUNT)
+    else:
+        ready, empty = _slot_barriers(STAGES, INIT_EMPTY, EMPTY_COUNT)
     return a_bufs, b_bufs, ready, empty
 
 
 @gluon.jit
-def _slot_barriers(STAGES: gl.constexpr, INIT_EMPTY: gl.constexpr = True):
-    """One ``ready`` / ``empty`` mbarrier pair per slot (count 1 each; ``empty`` initialised only
-    with ``INIT_EMPTY``)."""
+def _slot_barriers(STAGES: gl.constexpr, INIT_EMPTY: gl.constexpr = True, EMPTY_COUNT: gl.constexpr = 1):
+    """One ``ready`` / ``empty`` mbarrier pair per slot (``ready`` count 1; ``empty`` count
+    ``EMPTY_COUNT``, one arrive per consumer partition, initialised only with ``INIT_EMPTY``)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         if INIT_EMPTY:
-            mbarrier.init(empty.index(s), count=1)
+            mbarrier.init(empty.index(s), count=EMPTY_COUNT)
     return ready, empty
 
 
@@ -578,7 +591,10 @@ def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs
                         rs, o_lo, h, hk, n_steps, c, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                         HAS_DO: gl.constexpr):
     """One entry's loads for programs that own query rows (dQ, forward): its Q (and dO) tile once
-    (``qo_bar``), then its K / V tiles into the ring from ring position ``c`` (returned advanced)."""
+    (``qo_bar``), then its K / V tiles into the ring from ring position ``c`` (returned advanced). The
+    forward (no dO) has separate K and V barriers (``_ring(SPLIT_KV=True)``): V slot ``s`` is waited on
+    and released through barriers ``STAGES + s``, since its consumer frees a K slot one product
+    before the V slot of the same step (``_fwd_consume_entry``)."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     if HAS_DO:
         mbarrier.expect(qo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -590,11 +606,18 @@ def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs
     for j in range(n_steps):
         r = c + j  # ring position (c is the literal 0 for one-entry programs)
         s = r % STAGES
-        mbarrier.wait(empty.index(s), ((r // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         row = o_lo + j * BLOCK_N
-        tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], ready.index(s), k_bufs.index(s))
-        tma.async_copy_global_to_shared(v_desc, [row, hk * HEAD_DIM], ready.index(s), v_bufs.index(s))
+        mbarrier.wait(empty.index(s), ((r // STAGES) & 1) ^ 1)
+        if HAS_DO:  # dQ programs: K and V of a slot are read by the same step, one barrier pair
+            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], ready.index(s), k_bufs.index(s))
+            tma.async_copy_global_to_shared(v_desc, [row, hk * HEAD_DIM], ready.index(s), v_bufs.index(s))
+        else:  # forward: K slot s (barriers s) frees a step before V slot s (barriers STAGES + s)
+            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], ready.index(s), k_bufs.index(s))
+            mbarrier.wait(empty.index(STAGES + s), ((r // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(STAGES + s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row, hk * HEAD_DIM], ready.index(STAGES + s), v_bufs.index(s))
     return c + n_steps
 
 
@@ -727,22 +750,9 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
 # Forward programs: own BLOCK_M queries of one query head, walk the visible key tiles, online softmax.
 
 @gluon.jit
-def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc, m_i, l_i, qk_scale,
-              MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              s_layout: gl.constexpr, op_layout: gl.constexpr, acc_layout: gl.constexpr):
-    STAGES: gl.constexpr = k_bufs.type.shape[0]
-    r = c + j  # ring position of walked tile j (c: the entry's first; the literal 0 for one-entry programs)
-    s = r % STAGES
-    mbarrier.wait(ready.index(s), (r // STAGES) & 1)
-    if MASKED:
-        if o_lo + (j + 1) * BLOCK_N > o_hi:  # the key tile cut by the document end: P V reads V
-            _zero_rows_from(v_bufs.index(s), o_hi - o_lo - j * BLOCK_N)
-    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-    # groups retire in order: with S done, the previous tile's P V product is done too: free its slot
-    st = warpgroup_mma_wait(0, deps=(st,))
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(empty.index((r + STAGES - 1) % STAGES), count=1, pred=r > 0)
+def _fwd_softmax(st, m_i, l_i, q_pos, o_lo, o_hi, j, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                 BLOCK_N: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
+    """Base-2 online softmax of walked tile ``j``'s scores: ``(P as the bf16 A operand, m, l, alpha)``."""
     st = st * qk_scale
     if MASKED:
         k_pos = o_lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -754,39 +764,93 @@ def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc
     p = gl.exp2(st - m_ij[:, None])
     alpha = gl.exp2(m_i - m_ij)
     l_i = l_i * alpha + gl.sum(p, 1)
+    return gl.convert_layout(p.to(gl.bfloat16), op_layout), m_ij, l_i, alpha
+
+
+@gluon.jit
+def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc, p_prev, m_i, l_i, qk_scale,
+              MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              s_layout: gl.constexpr, op_layout: gl.constexpr, acc_layout: gl.constexpr):
+    """Walked tile ``j >= 1``, software-pipelined as FlashAttention-3's forward (Shah et al. 2024, §3.2
+    "intra-warpgroup overlapping"): ``S_j = Q K_j^T`` and the previous tile's ``O += P_{j-1} V_{j-1}``
+    are in flight together, and tile ``j``'s softmax runs while the second one computes. K slot ``s``
+    is freed once ``S_j`` retired, V slot ``s - 1`` once ``P_{j-1} V_{j-1}`` did (split barriers: the
+    producer loads K_{j+1} during this step). The tile the document end cuts is the last one: its V
+    rows are zeroed by ``_fwd_consume_entry`` before its product."""
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    r = c + j  # ring position of walked tile j (c: the entry's first; the literal 0 for one-entry programs)
+    s = r % STAGES
+    sp = (r - 1) % STAGES
+    mbarrier.wait(ready.index(s), (r // STAGES) & 1)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p_prev, v_bufs.index(sp), acc, is_async=True)
+    st = warpgroup_mma_wait(1, deps=(st,))  # groups retire in order: S_j done, P V may still run
+    mbarrier.arrive(empty.index(s), count=1)
+    p, m_ij, l_i, alpha = _fwd_softmax(st, m_i, l_i, q_pos, o_lo, o_hi, j, qk_scale, MASKED, CAUSAL, BLOCK_N,
+                                       s_layout, op_layout)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index(STAGES + sp), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout))[:, None]
-    p_op = gl.convert_layout(p.to(gl.bfloat16), op_layout)
-    acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
-    return acc, m_ij, l_i
+    return acc, p, m_ij, l_i
 
 
 @gluon.jit
 def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_empty, O, LSE, stride_ot, stride_lh,
                        rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, c,
                        CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       RELEASE_Q: gl.constexpr):
-    """One entry's forward from ring position ``c`` (returned advanced) and its O / LSE stores; with
-    ``RELEASE_Q`` its Q slot is handed back (``q_empty``) once its last product retired."""
-    s_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, BLOCK_N)
-    acc_layout: gl.constexpr = _wgmma_layout(CONSUMER_WARPS, HEAD_DIM)
+                       RELEASE_Q: gl.constexpr, WG: gl.constexpr = 0, NW: gl.constexpr = 8):
+    """One entry's forward from ring position ``c`` (returned advanced) and its O / LSE stores, by the
+    consumer partition ``WG`` of ``NW`` warps (8: the whole entry; 4: rows ``WG * BLOCK_M / 2`` on of
+    the entry's ``BLOCK_M``, each of the two partitions with its own barriers: FA3's two consumer
+    warpgroups, which no CTA-wide barrier couples); with
+    ``RELEASE_Q`` its Q slot is handed back (``q_empty``) once its last product retired. Tile 0's
+    ``S`` and softmax are peeled before the pipelined steps (``_fwd_step``), the last tile's ``P V``
+    after them (``n_steps >= 1`` for every entry a program runs)."""
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    PART_M: gl.constexpr = BLOCK_M * NW // 8
+    s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_N)
+    acc_layout: gl.constexpr = _wgmma_layout(NW, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    q_pos = rs + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.full([BLOCK_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
-    acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
+    q_part = q_smem.slice(WG * PART_M, PART_M, dim=0)
+    r0 = rs + WG * PART_M
+    q_pos = r0 + gl.arange(0, PART_M, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([PART_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.full([PART_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, acc_layout)  # carried as a plain tensor (rescaled each step)
     mbarrier.wait(q_bar, q_phase)
-    for j in range(0, u1):
-        acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc, m_i, l_i,
-                                  qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N, s_layout, op_layout, acc_layout)
-    for j in range(u1, n_steps):
-        acc, m_i, l_i = _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc, m_i, l_i,
-                                  qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N, s_layout, op_layout, acc_layout)
+    s0 = c % STAGES
+    mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
+    zero = gl.zeros([PART_M, BLOCK_N], gl.float32, s_layout)
+    st = warpgroup_mma(q_part, k_bufs.index(s0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(0, deps=(st,))
+    mbarrier.arrive(empty.index(s0), count=1)
+    if u1 > 0:
+        p, m_i, l_i, _alpha = _fwd_softmax(st, m_i, l_i, q_pos, o_lo, o_hi, 0, qk_scale, False, CAUSAL, BLOCK_N,
+                                           s_layout, op_layout)
+    else:
+        p, m_i, l_i, _alpha = _fwd_softmax(st, m_i, l_i, q_pos, o_lo, o_hi, 0, qk_scale, True, CAUSAL, BLOCK_N,
+                                           s_layout, op_layout)
+    for j in range(1, u1):
+        acc, p, m_i, l_i = _fwd_step(q_part, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc, p, m_i,
+                                     l_i, qk_scale, False, CAUSAL, PART_M, BLOCK_N, s_layout, op_layout, acc_layout)
+    for j in range(gl.maximum(u1, 1), n_steps):
+        acc, p, m_i, l_i = _fwd_step(q_part, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc, p, m_i,
+                                     l_i, qk_scale, True, CAUSAL, PART_M, BLOCK_N, s_layout, op_layout, acc_layout)
+    r = c + n_steps - 1
+    sl = r % STAGES
+    mbarrier.wait(ready.index(STAGES + sl), (r // STAGES) & 1)
+    if o_lo + n_steps * BLOCK_N > o_hi:  # the key tile cut by the document end: P V reads V
+        _zero_rows_from(v_bufs.index(sl), o_hi - o_lo - (n_steps - 1) * BLOCK_N, NW)
+    acc = warpgroup_mma(p, v_bufs.index(sl), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index(STAGES + sl), count=1)
     if RELEASE_Q:
         mbarrier.arrive(q_empty, count=1)  # Q read by every product: the next entry's may load
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc_layout))[:, None]
-    rows = rs + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    rows = r0 + gl.arange(0, PART_M, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     gl.store(O + rows.to(gl.int64)[:, None] * stride_ot + h * HEAD_DIM + cols[None, :], out.to(gl.bfloat16),
              mask=(rows < re)[:, None])
@@ -798,9 +862,11 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
 @gluon.jit
 def _fwd_consumer(q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
                   rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale,
-                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                  CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  WG: gl.constexpr = 0, NW: gl.constexpr = 8):
     _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, 0, q_bar, O, LSE, stride_ot, stride_lh,
-                       rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, 0, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, False)
+                       rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, 0, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, False,
+                       WG, NW)
 
 
 @gluon.jit
@@ -868,11 +934,13 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
 def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem, OUT, LSE, DELTA,
                         stride_out, stride_lh, qk_scale, sm_scale, num_items_ptr, max_entries,
                         total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr, IS_FWD: gl.constexpr):
+                        BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr, IS_FWD: gl.constexpr,
+                        WG: gl.constexpr = 0, NW: gl.constexpr = 8):
     """Persistent dQ / forward programs' consumer: the entries the producer hands over; ``OUT`` is dQ
-    (``IS_FWD`` False) or O (LSE written too)."""
+    (``IS_FWD`` False) or O (LSE written too). ``WG`` / ``NW``: the forward's consumer partition
+    (``_fwd_consume_entry``)."""
     QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
-    idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [CONSUMER_WARPS], [0])  # each thread: the whole slot
+    idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [NW], [0])  # each thread: the whole slot
     _n_valid, n_total = _entry_counts(num_items_ptr, max_entries, total, WL_BM // BLOCK_M)
     c = 0
     n = 0
@@ -884,7 +952,7 @@ def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready,
             c = _fwd_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, ready, empty, qo_ready.index(slot),
                                    (n // QO_STAGES) & 1, qo_empty.index(slot), OUT, LSE, stride_out, stride_lh, rs,
                                    re, o_lo, o_hi, h, n_steps, u1, qk_scale, c, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                   True)
+                                   True, WG, NW)
         else:
             c = _dq_consume_entry(q_bufs.index(slot), do_bufs.index(slot), k_bufs, v_bufs, ready, empty,
                                   qo_ready.index(slot), (n // QO_STAGES) & 1, qo_empty.index(slot), LSE, DELTA, OUT,
@@ -898,7 +966,8 @@ def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready,
 def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len,
                 stride_ot, stride_lh, qk_scale, total, counter_ptr,
                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr = False):
+                WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr = False,
+                PARTS: gl.constexpr = 1):
     if not PERSISTENT:
         # head-major grid (flash_fwd's grid_head_major): kv head after kv head, entries in decreasing
         # cost inside it, the query heads of one GQA group side by side (they share K / V in L2)
@@ -913,30 +982,58 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
             return
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_desc.layout)
-        k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
+        k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM, True, True, PARTS)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        gl.warp_specialize([
-            (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
-                             rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N)),
-            (_rows_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_bufs, v_bufs, ready, empty, q_bar,
-                              rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, False)),
-        ], [1], [24])
+        if PARTS == 1:
+            gl.warp_specialize([
+                (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
+                                 rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N)),
+                (_rows_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_bufs, v_bufs, ready, empty,
+                                  q_bar, rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, False)),
+            ], [1], [24])
+        else:  # two 4-warp consumer partitions, half of the entry's rows each
+            gl.warp_specialize([
+                (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
+                                 rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                 0, 4)),
+                (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
+                                 rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                 1, 4)),
+                (_rows_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_bufs, v_bufs, ready, empty,
+                                  q_bar, rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, False)),
+            ], [4, 1], [240, 24])
     else:  # one program per SM taking entries from a global counter; two Q slots
         q_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-        q_ready, q_empty = _slot_barriers(2)
-        k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM)
+        q_ready, q_empty = _slot_barriers(2, True, PARTS)
+        k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM, True, True, PARTS)
         t_smem = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        gl.warp_specialize([
-            (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE, LSE,
-                                   stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
-                                   max_entries, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
-                                   True)),
-            (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
-                                   q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
-                                   max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
-                                   True)),
-        ], [1], [24])
+        if PARTS == 1:
+            gl.warp_specialize([
+                (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE,
+                                       LSE, stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
+                                       max_entries, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                       True)),
+                (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
+                                       q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
+                                       max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                       True)),
+            ], [1], [24])
+        else:  # two 4-warp consumer partitions, half of each entry's rows each
+            gl.warp_specialize([
+                (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE,
+                                       LSE, stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
+                                       max_entries, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                       True, 0, 4)),
+                (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE,
+                                       LSE, stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
+                                       max_entries, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                       True, 1, 4)),
+                (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
+                                       q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
+                                       max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                       True)),
+            ], [4, 1], [240, 24])
 
 
 def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
@@ -1108,7 +1205,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
               num_items: torch.Tensor, softmax_scale: float, *, causal: bool = True, block_m: int = 128,
               block_n: int = 128, wl_block_m: int = 128, stages: int = 2, skip_len: int = 1,
               o: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-              persistent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              persistent: bool = False, parts: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward (the programs of ``flash_fwd``), warp-specialized Gluon, sm_90.
 
     Args:
@@ -1122,6 +1219,9 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         persistent: one program per SM taking entries from a global counter, the next entry's Q
             (second slot) and K / V tiles loading while the current one computes (config
             ``fwd_gluon_persistent``; the head_dim 128 default).
+        parts: consumer partitions (1: one of 8 warps, a 256-thread barrier before each slot release;
+            2, the default: two of 4 warps, ``block_m / 2`` rows each, releasing each slot on their own,
+            FA3's layout; config ``fwd_gluon_parts``).
 
     Returns:
         ``(o, lse)``: ``(T, H_q, D)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
@@ -1136,6 +1236,8 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         raise ValueError(f"gluon_fwd: skip_len must be >= 1 (merged items need the Triton kernel), got {skip_len}")
     if wl_block_m % block_m:
         raise ValueError(f"gluon_fwd: block_m={block_m} must divide wl_block_m={wl_block_m}")
+    if parts not in (1, 2) or isinstance(parts, bool):
+        raise ValueError(f"gluon_fwd: parts must be 1 or 2, got {parts!r}")
     T, H, D = q.shape
     Hkv = k.shape[1]
     o = torch.empty_like(q) if o is None else o
@@ -1151,13 +1253,14 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         float(softmax_scale) * LOG2E, total,
         torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else num_items,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
-        CAUSAL=bool(causal), PERSISTENT=bool(persistent), num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
+        CAUSAL=bool(causal), PERSISTENT=bool(persistent), PARTS=int(parts),
+        num_warps=CONSUMER_WARPS.value // int(parts), maxnreg=MAXNREG)
     return o, lse
 
 
 def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None = None, block_n: int | None = None,
                  stages: int | None = None, group: int = 1, causal: bool = True,
-                 retire_first: bool = True, dq_reduce: bool = False, persistent: bool = False) -> dict:
+                 retire_first: bool = True, dq_reduce: bool = False, persistent: bool = False, parts: int = 2) -> dict:
     """Compile one of this module's kernels for sm_90a WITHOUT a GPU (triton's bundled ptxas) and report.
 
     For screening before spending device time (benchmarks/gluon_compile_report.py prints it; the CPU
@@ -1167,6 +1270,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
     Args:
         kind: ``"dkdv"``, ``"dq"`` or ``"fwd"``; the other arguments default to the shipped tiles of
             ``gluon_dkdv`` / ``gluon_dq`` / ``gluon_fwd``.
+        parts: the forward's consumer partitions (``gluon_fwd(parts=)``; ignored for the other kinds).
 
     Returns:
         dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
@@ -1204,14 +1308,15 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
              "cu_ptr": "*i32", "counter_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc}
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=128, STAGES=st,
                   RETIRE_FIRST=bool(retire_first), CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce),
-                  PERSISTENT=bool(persistent))
+                  PERSISTENT=bool(persistent), PARTS=int(parts))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or n.startswith("stride")}
     compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": CONSUMER_WARPS.value, "maxnreg": MAXNREG})
+                              options={"num_warps": CONSUMER_WARPS.value // (int(parts) if kind == "fwd" else 1),
+                                       "maxnreg": MAXNREG})
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
