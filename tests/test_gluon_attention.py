@@ -368,3 +368,18 @@ def test_forward_parts_are_validated():
     for bad in (0, 3, 4, True, 2.0, "2"):
         with pytest.raises(FlamiaError, match="fwd_gluon_parts must be 1 or 2"):
             AttentionKernelConfig(fwd_gluon_parts=bad)
+
+
+def test_gluon_fwd_rejects_bad_partitions_before_touching_the_gpu():
+    """``gluon_fwd(parts=)``: 1 or 2 (an int), and each partition a multiple of 64 query rows (wgmma)."""
+    x = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    items = torch.zeros(1, 4, dtype=torch.int32)
+    n = torch.ones(1, dtype=torch.int32)
+    for bad in (0, 3, 2.0, True):
+        with pytest.raises(ValueError, match="parts must be the int 1 or 2"):
+            gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, parts=bad)
+    with pytest.raises(ValueError, match="multiple of 64 query rows"):
+        gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, block_m=64, parts=2)
+    with pytest.raises(ValueError, match="parts must be 1 or 2"):
+        gluon_attention.compile_sm90("fwd", parts=3)

@@ -116,6 +116,7 @@ def test_noncausal_falls_back_to_triton():
     assert r["ok"] and r["pad_ok"], r
 
 
+@pytest.mark.parametrize("name", ["gluon_fwd", "fwd_parts1"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("lengths,h,hkv,d,pad", [
     ([2048, 2048], 8, 8, 128, 0),
@@ -123,10 +124,12 @@ def test_noncausal_falls_back_to_triton():
     ([4096, 1, 1, 3, 60, 5, 2000], 4, 1, 128, 11),  # merged items + 1-token documents -> Triton
     ([1500, 65, 2, 700, 1890], 4, 2, 64, 9),
 ])
-def test_gluon_forward_vs_reference(lengths, h, hkv, d, pad, causal):
-    """The Gluon forward (``fwd_gluon``, candidate ``gluon_fwd``; off by default until measured)."""
+def test_gluon_forward_vs_reference(lengths, h, hkv, d, pad, causal, name):
+    """The Gluon forward: one program per entry with two consumer partitions (candidate ``gluon_fwd``)
+    and the persistent one with a single 8-warp consumer (``fwd_parts1``); the persistent two-partition
+    default runs in every default-config test."""
     if not _HOPPER:
         pytest.skip("sm_90 only")
     r = compare_with_reference(lengths, num_heads=h, num_kv_heads=hkv, head_dim=d, causal=causal, pad=pad,
-                               device="cuda", seed=len(lengths), config=_gluon(d, "gluon_fwd"), with_lse_grad=True)
+                               device="cuda", seed=len(lengths), config=_gluon(d, name), with_lse_grad=True)
     assert r["ok"] and r["pad_ok"], r

@@ -60,7 +60,8 @@ __all__ = ["gluon_dkdv", "gluon_dq", "gluon_fwd"]
 
 
 CONSUMER_WARPS = gl.constexpr(8)
-"""Warps of every kernel's consumer partition (two warpgroups; the kernels' ``num_warps``)."""
+"""Warps of every kernel's consumer (two warpgroups): one partition of 8 warps (the kernels' ``num_warps``),
+or, in the forward with ``parts=2``, two partitions of 4 (``num_warps`` 4)."""
 MAXNREG = (65536 // (12 * 32)) // 8 * 8
 """Launch register cap (168): three warpgroups -- the consumer's two and the producer's warp, registers
 being allocated per warpgroup -- share the SM's 64 K; the consumer then raises itself to 240 with
@@ -226,8 +227,11 @@ def _zero_rows_from(buf, keep, NW: gl.constexpr = 8):
     document boundary (Triton's masked loads read zeros). Only the one tile per program that crosses
     the document end pays this (one shared-memory round trip); callers test the runtime condition.
     ``NW``: warps of the calling partition. Two consumer partitions reading the same tile (the
-    forward's ``parts=2``) each zero it before their own product: every write is 0 (rows past
-    ``keep``) or the value already there, so the two never disagree."""
+    forward's ``parts=2``) each zero it before their own product (two round trips), each fenced and
+    synchronised only within its partition: one partition's stores may land while the other's
+    wgmma reads the tile, a formal generic/async-proxy race that is benign because every store is
+    bit-exact -- 0 for rows past ``keep`` (which the other partition writes too) or the value TMA
+    loaded there. The producer cannot reuse the slot before both partitions released it."""
     ROWS: gl.constexpr = buf.type.shape[0]
     CHUNK: gl.constexpr = 8  # 8-row slices: 2 registers a thread, not 16-32 (the dK/dV consumer spills)
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
@@ -593,8 +597,8 @@ def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs
     """One entry's loads for programs that own query rows (dQ, forward): its Q (and dO) tile once
     (``qo_bar``), then its K / V tiles into the ring from ring position ``c`` (returned advanced). The
     forward (no dO) has separate K and V barriers (``_ring(SPLIT_KV=True)``): V slot ``s`` is waited on
-    and released through barriers ``STAGES + s``, since its consumer frees a K slot one product
-    before the V slot of the same step (``_fwd_consume_entry``)."""
+    and released through barriers ``STAGES + s``, since its consumer frees K slot ``r`` once ``S_r``
+    retired, in step ``r``, and V slot ``r`` only in step ``r + 1``, after ``P_r V_r`` (``_fwd_step``)."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     if HAS_DO:
         mbarrier.expect(qo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -1044,8 +1048,9 @@ def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
 
 
 def _check_stages(fn: str, stages: int) -> None:
-    """The ring needs >= 2 slots: a consumer releases a slot only once the next one is ready, so one
-    slot would hang every program that walks two or more tiles."""
+    """The ring needs >= 2 slots: the dK/dV and dQ consumers release a slot only once the next one is
+    ready, so one slot would hang every program that walks two or more tiles (the forward, whose K and V
+    have their own barriers, would not hang, but is held to the same rule)."""
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
         raise ValueError(f"{fn}: stages (the ring depth) must be an int >= 2, got {stages!r}")
 
@@ -1228,16 +1233,26 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         items and padding rows untouched.
 
     Raises:
-        ValueError: as :func:`gluon_dkdv` (inputs), ``skip_len < 1``, or tiles that do not divide.
+        ValueError: as :func:`gluon_dkdv` (inputs), ``skip_len < 1``, tiles that do not divide, ``parts``
+            not 1 or 2, ``block_m / parts`` not a multiple of 64, or tiles that need more shared memory
+            than an sm_90 program has.
     """
     _check_stages("gluon_fwd", stages)
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts not in (1, 2):
+        raise ValueError(f"gluon_fwd: parts must be the int 1 or 2, got {parts!r}")
+    if (block_m // parts) % 64:
+        raise ValueError(f"gluon_fwd: each of the {parts} consumer partitions needs a multiple of 64 query rows "
+                         f"(wgmma), got block_m={block_m}")
     _check_inputs("gluon_fwd", q, k, v, q)
     if skip_len < 1:
         raise ValueError(f"gluon_fwd: skip_len must be >= 1 (merged items need the Triton kernel), got {skip_len}")
     if wl_block_m % block_m:
         raise ValueError(f"gluon_fwd: block_m={block_m} must divide wl_block_m={wl_block_m}")
-    if parts not in (1, 2) or isinstance(parts, bool):
-        raise ValueError(f"gluon_fwd: parts must be 1 or 2, got {parts!r}")
+    smem = ((2 if persistent else 1) * block_m + 2 * stages * block_n) * q.shape[2] * 2
+    if smem > 227 * 1024:
+        raise ValueError(f"gluon_fwd: block_m={block_m}, block_n={block_n}, stages={stages}"
+                         f"{' (persistent: two Q slots)' if persistent else ''} need {smem} B of shared memory, "
+                         f"more than the 232,448 B of an sm_90 program")
     T, H, D = q.shape
     Hkv = k.shape[1]
     o = torch.empty_like(q) if o is None else o
@@ -1296,6 +1311,8 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
     bm = block_m or (64 if kind == "dkdv" else 128)
     bn = block_n or {"dkdv": 128, "dq": 64, "fwd": 128}[kind]
     st = stages or {"dkdv": 2, "dq": 4, "fwd": 2}[kind]
+    if isinstance(parts, bool) or parts not in (1, 2):
+        raise ValueError(f"compile_sm90: parts must be 1 or 2, got {parts!r}")
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         raise FileNotFoundError(f"compile_sm90: no ptxas at {ptxas}")
