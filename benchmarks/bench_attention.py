@@ -65,6 +65,45 @@ def time_ms(fn, grad_to_none=None, rep=200, warmup=50) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
 
 
+def host_probe(fn, bench_fn=None, grad_to_none=None, rep: int = 100, calls: int = 100) -> dict:
+    """Is ``fn`` GPU-bound or host-bound? (benchmarks/fwd_host_probe.py, train_host_probe.py)
+
+    Returns ``bench`` (ms, :func:`time_ms` of ``bench_fn``, default ``fn``), ``graph`` (ms of ``fn``
+    captured in a CUDA graph and replayed: no host work; a string if capture failed), ``host_us``
+    (host microseconds per call enqueueing ``calls`` calls without a sync) and ``loop_ms`` (wall ms per
+    call of those calls including the final sync: near ``graph`` when GPU-bound, near ``host_us``
+    when host-bound). ``fn`` must be capturable (no host syncs, no gradient accumulation)."""
+    import triton
+
+    bench_fn = fn if bench_fn is None else bench_fn
+    bench_fn()
+    torch.cuda.synchronize()
+    bench = time_ms(bench_fn, grad_to_none=grad_to_none, rep=rep)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        graph = float(triton.testing.do_bench(g.replay, warmup=20, rep=rep, return_mode="median"))
+        del g
+    except Exception as exc:  # noqa: BLE001 - a probe reports, it does not stop
+        graph = f"capture failed ({type(exc).__name__})"
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return {"bench": bench, "graph": graph, "host_us": (t1 - t0) / calls * 1e6, "loop_ms": (t2 - t0) / calls * 1e3}
+
+
 def _leaves(inp, layout=None):
     xs = [inp[n].detach() if layout is None else layout(inp[n].detach()) for n in ("q", "k", "v")]
     return [x.clone().requires_grad_(True) for x in xs]
@@ -92,8 +131,9 @@ def _fwd_bwd_fns(call, inp, layout=None, out_layout=None):
 # ----------------------------------------------------------------------------------------------
 
 
-def ours(inp, config=None):
-    """Our op with a work list built once for the row."""
+def ours_call(inp, config=None):
+    """The bare call ``(q, k, v) -> o`` of our op, on the packed ``(T, H, D)`` tensors of ``inp``, with a
+    work list built once for the row."""
     from flamia_pack.kernels import varlen_attention
     from flamia_pack.kernels.attention import build_attention_work_list
 
@@ -102,7 +142,12 @@ def ours(inp, config=None):
     def call(q, k, v):
         return varlen_attention(q, k, v, inp["cu"], inp["max_seqlen"], causal=True, work_list=wl, config=config)
 
-    return _fwd_bwd_fns(call, inp)
+    return call
+
+
+def ours(inp, config=None):
+    """Our op with a work list built once for the row."""
+    return _fwd_bwd_fns(ours_call(inp, config), inp)
 
 
 def flex(inp):
@@ -147,7 +192,9 @@ def varlen(inp):
     return _fwd_bwd_fns(call, inp)
 
 
-def sdpa_padded(inp):
+def sdpa_padded_call(inp):
+    """The bare call ``(q, k, v) -> o`` of padded SDPA on the packed ``(T, H, D)`` tensors of ``inp``
+    (a dense ``(B, H, L, D)`` view), or None where documents differ in length."""
     lens = inp["lengths"]
     if len(set(lens.tolist())) != 1:
         return None
@@ -162,7 +209,12 @@ def sdpa_padded(inp):
         o = F.scaled_dot_product_attention(view(q), view(k), view(v), is_causal=True, enable_gqa=gqa)
         return o.transpose(1, 2).reshape(B * L, q.shape[1], q.shape[2])
 
-    return _fwd_bwd_fns(call, inp)
+    return call
+
+
+def sdpa_padded(inp):
+    call = sdpa_padded_call(inp)
+    return None if call is None else _fwd_bwd_fns(call, inp)
 
 
 PEERS = {"flex": flex, "varlen": varlen, "sdpa": sdpa_padded}

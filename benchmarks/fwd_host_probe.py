@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 
@@ -70,28 +69,10 @@ def main() -> int:
             for phase in ("before training", "after training"):
                 if phase == "after training":
                     train()
-                fwd()
-                torch.cuda.synchronize()
-                bench = B.time_ms(fwd, rep=60)
-                g = torch.cuda.CUDAGraph()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    fwd()
-                torch.cuda.current_stream().wait_stream(s)
-                with torch.cuda.graph(g):
-                    fwd()
-                graph = float(triton.testing.do_bench(g.replay, warmup=20, rep=60, return_mode="median"))
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(200):
-                    fwd()
-                t1 = time.perf_counter()
-                torch.cuda.synchronize()
-                t2 = time.perf_counter()
-                print(f"| {name} | {how} | {phase} | {bench:.3f} | {graph:.3f} | {(t1 - t0) / 200 * 1e6:.0f} | "
-                      f"{(t2 - t0) / 200 * 1e3:.3f} |", flush=True)
-                del g
+                r = B.host_probe(fwd, rep=60, calls=200)
+                graph = r["graph"] if isinstance(r["graph"], str) else f"{r['graph']:.3f}"
+                print(f"| {name} | {how} | {phase} | {r['bench']:.3f} | {graph} | {r['host_us']:.0f} | "
+                      f"{r['loop_ms']:.3f} |", flush=True)
             if os.environ.get("PROFILE") and how == "None":
                 import cProfile
                 import pstats

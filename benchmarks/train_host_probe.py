@@ -23,39 +23,8 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
-
-
-def _probe(name, impl, train_grad, bench_fn, leaves, B, triton):
-    bench_fn()
-    torch.cuda.synchronize()
-    bench = B.time_ms(bench_fn, grad_to_none=leaves, rep=100)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            train_grad()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            train_grad()
-        graph = f"{float(triton.testing.do_bench(g.replay, warmup=20, rep=100, return_mode='median')):.3f}"
-        del g
-    except Exception as exc:  # noqa: BLE001 - a probe reports, it does not stop
-        graph = f"capture failed ({type(exc).__name__})"
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(100):
-        train_grad()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    print(f"| {name} | {impl} | {bench:.3f} | {graph} | {(t1 - t0) / 100 * 1e6:.0f} | "
-          f"{(t2 - t0) / 100 * 1e3:.3f} |", flush=True)
 
 
 def main() -> int:
@@ -76,21 +45,21 @@ def main() -> int:
         spec = WORKLOADS[name]
         lengths = workload_lengths(name)
         inp = B.make_inputs(lengths, spec["num_heads"], spec["num_kv_heads"], seed=5)
-        impls = {"ours": B.ours}
-        if len(set(int(x) for x in lengths)) == 1:
-            impls["sdpa"] = B.sdpa_padded
-        for impl, make in impls.items():
-            made = make(inp)
-            _fwd, train, leaves = made[:3]
+        impls = {"ours": B.ours_call(inp), "sdpa": B.sdpa_padded_call(inp)}
+        for impl, call in impls.items():
+            if call is None:  # padded SDPA: uniform rows only
+                continue
+            _fwd, train, leaves = B._fwd_bwd_fns(call, inp)
+
             # the same call as ``train`` but through autograd.grad (graph-capturable, no accumulation)
-            call = _call_of(impl, inp, B)
-
             def train_grad(call=call):
-                xs = [x.detach().requires_grad_(True) for x in call["leaves"]]
-                o = call["fn"](*xs)
-                return torch.autograd.grad(o, xs, call["do"])
+                xs = [inp[n].detach().requires_grad_(True) for n in ("q", "k", "v")]
+                return torch.autograd.grad(call(*xs), xs, inp["do"])
 
-            _probe(name, impl, train_grad, train, leaves, B, triton)
+            r = B.host_probe(train_grad, bench_fn=train, grad_to_none=leaves, rep=100, calls=100)
+            graph = r["graph"] if isinstance(r["graph"], str) else f"{r['graph']:.3f}"
+            print(f"| {name} | {impl} | {r['bench']:.3f} | {graph} | {r['host_us']:.0f} | {r['loop_ms']:.3f} |",
+                  flush=True)
             if os.environ.get("PROFILE") and impl == "ours":
                 import cProfile
                 import pstats
@@ -105,33 +74,6 @@ def main() -> int:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     return 0
 
-
-def _call_of(impl, inp, B):
-    """The bare call ``fn(q, k, v) -> o`` with its inputs in the layout it takes, and its dO."""
-    from flamia_pack.kernels import varlen_attention
-    from flamia_pack.kernels.attention import build_attention_work_list
-
-    if impl == "ours":
-        wl = build_attention_work_list(inp["cu"], inp["T"], causal=True, head_dim=B.HEAD_DIM)
-
-        def fn(q, k, v):
-            return varlen_attention(q, k, v, inp["cu"], inp["max_seqlen"], causal=True, work_list=wl)
-
-        return {"fn": fn, "leaves": [inp[n] for n in ("q", "k", "v")], "do": inp["do"]}
-    # padded SDPA: the same views as bench_attention.sdpa_padded (uniform rows only)
-    lens = inp["lengths"]
-    nb, L = len(lens), int(lens[0])
-    gqa = inp["q"].shape[1] != inp["k"].shape[1]
-    F = torch.nn.functional
-
-    def view(x):
-        return x.view(nb, L, x.shape[1], x.shape[2]).transpose(1, 2)
-
-    def fn(q, k, v):
-        o = F.scaled_dot_product_attention(view(q), view(k), view(v), is_causal=True, enable_gqa=gqa)
-        return o.transpose(1, 2).reshape(nb * L, q.shape[1], q.shape[2])
-
-    return {"fn": fn, "leaves": [inp[n] for n in ("q", "k", "v")], "do": inp["do"]}
 
 if __name__ == "__main__":
     raise SystemExit(main())
