@@ -807,8 +807,8 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
                        RELEASE_Q: gl.constexpr, WG: gl.constexpr = 0, NW: gl.constexpr = 8):
     """One entry's forward from ring position ``c`` (returned advanced) and its O / LSE stores, by the
     consumer partition ``WG`` of ``NW`` warps (8: the whole entry; 4: rows ``WG * BLOCK_M / 2`` on of
-    the entry's ``BLOCK_M``, each of the two partitions with its own barriers: FA3's two consumer
-    warpgroups, which no CTA-wide barrier couples); with
+    the entry's ``BLOCK_M``, each of the two partitions arriving on the shared slot barriers (count 2)
+    on its own: FA3's two consumer warpgroups, which no CTA-wide barrier couples); with
     ``RELEASE_Q`` its Q slot is handed back (``q_empty``) once its last product retired. Tile 0's
     ``S`` and softmax are peeled before the pipelined steps (``_fwd_step``), the last tile's ``P V``
     after them (``n_steps >= 1`` for every entry a program runs)."""
