@@ -442,6 +442,7 @@ def main(argv=None) -> int:
         print(text)
         return 0
     peers = [] if args.no_peers else [p for p in args.peers.split(",") if p]
+    os.makedirs(args.out, exist_ok=True)  # run() writes its partial JSON there after each row
     wls = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
     header = _header()
     print(header, flush=True)
@@ -456,7 +457,6 @@ def main(argv=None) -> int:
     rows = run(wls, peers, args.rep, args.out, config=config)
     table = markdown(rows)
     print(table)
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
         f.write(header + "\n" + table + "\n")
     with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
