@@ -288,8 +288,9 @@ class AttentionKernelConfig:
     cut by the document end is loaded ending there and then also covers the previous document's rows
     (masked, but a NaN / Inf there reaches this document's dK, dV: ``gluon_attention.gluon_dkdv``); for
     the row's first document that step starts before row 0, and its LSE / Delta loads (masked only at
-    the document end) read before the start of their buffers. A guard there made ptxas spill in the
-    shipped kernels (0 -> 88 B, 76 -> 276 B), so the default (512) keeps such documents out instead."""
+    the document end until then) read before the start of their buffers; since 2026-11-29 (night, third) the
+    producer warp loads those rows masked to ``[0, o_hi)`` (no read before row 0). The default (512)
+    keeps such documents out."""
 
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
