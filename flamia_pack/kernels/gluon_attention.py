@@ -265,7 +265,7 @@ def _zero_rows_from(buf, keep, NW: gl.constexpr = 8):
 
 
 @gluon.jit
-def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, ld_bufs, h, stride_lh,
+def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, ld_bufs, h,
                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, dq_h0,
                MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                s_layout: gl.constexpr, op_layout: gl.constexpr, RETIRE_FIRST: gl.constexpr,
@@ -357,17 +357,17 @@ def _dkdv_consume_entry(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, k
     for g in range(GROUP):
         h = hk * GROUP + g
         for j in range(0, u0):
-            dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, ld_bufs, h, stride_lh,
+            dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, ld_bufs, h,
                                 rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, dq_h0, True,
                                 BLOCK_M, BLOCK_N, s_layout, op_layout, RETIRE_FIRST, DQ_REDUCE, dq_layout, HEAD_DIM)
             c += 1
         for j in range(u0, u1):
-            dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, ld_bufs, h, stride_lh,
+            dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, ld_bufs, h,
                                 rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, dq_h0, False,
                                 BLOCK_M, BLOCK_N, s_layout, op_layout, RETIRE_FIRST, DQ_REDUCE, dq_layout, HEAD_DIM)
             c += 1
         for j in range(u1, n_steps):
-            dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, ld_bufs, h, stride_lh,
+            dk, dv = _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, ld_bufs, h,
                                 rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, dq_h0, True,
                                 BLOCK_M, BLOCK_N, s_layout, op_layout, RETIRE_FIRST, DQ_REDUCE, dq_layout, HEAD_DIM)
             c += 1
@@ -1110,8 +1110,9 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
         retire_first: wait for the previous step's dV / dK products before issuing the next step's
             ``S^T`` / ``dP^T`` (config ``bwd_gluon_retire_first``). Without it ptxas serializes
             every wgmma of the D = 128 kernel for lack of registers (C7512, CPU-screened); with
-            it (and LSE / Delta loaded behind the step's first products) they stay asynchronous
-            and the kernel is spill-free: 1.02-1.06x faster training calls on the H200 (the default).
+            it (and LSE / Delta read from shared memory, staged there by the producer warp) they
+            stay asynchronous and the kernel is spill-free: 1.02-1.06x faster training calls on the
+            H200 (the default).
         dk, dv: optional preallocated outputs.
         dq_acc: optional ``(T, Hc, D)`` float32 contiguous accumulator (zeroed by the caller; ``Hc >=
             kv_heads * H_q / H_kv``): each step also computes its dQ partial ``dS K`` (a fifth
