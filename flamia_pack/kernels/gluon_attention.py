@@ -330,7 +330,7 @@ def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, ld_bufs, h,
 
 @gluon.jit
 def _dkdv_consume_entry(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, kv_phase, kv_empty, DK, DV,
-                        stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                        stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
                         ds_smem, p_smem, dq_stage, dq_desc, dq_h0, c, ld_bufs,
                         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, RETIRE_FIRST: gl.constexpr, DQ_REDUCE: gl.constexpr,
@@ -387,19 +387,19 @@ def _dkdv_consume_entry(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, k
 
 @gluon.jit
 def _dkdv_consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV,
-                   stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                   stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
                    ds_smem, p_smem, dq_stage, dq_desc, dq_h0, ld_bufs,
                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, RETIRE_FIRST: gl.constexpr, DQ_REDUCE: gl.constexpr):
     _dkdv_consume_entry(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, 0, kv_bar, DK, DV,
-                        stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                        stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
                         ds_smem, p_smem, dq_stage, dq_desc, dq_h0, 0, ld_bufs,
                         GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST, DQ_REDUCE, False)
 
 
 @gluon.jit
 def _dkdv_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, t_smem, DK, DV,
-                        stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, ds_smem, p_smem, dq_stage, dq_desc,
+                        stride_dkt, stride_dvt, qk_scale, sm_scale, ds_smem, p_smem, dq_stage, dq_desc,
                         num_items_ptr, max_entries, kv_head0, total, ld_bufs,
                         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, RETIRE_FIRST: gl.constexpr,
@@ -418,7 +418,7 @@ def _dkdv_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready,
         t, hk, rs, re, o_hi, u0, u1, n_steps, _unused = _handoff_load(t_smem.index(slot), idx_layout)
         c = _dkdv_consume_entry(q_bufs, do_bufs, k_bufs.index(slot), v_bufs.index(slot), ready, empty,
                                 kv_ready.index(slot), (n // KV_STAGES) & 1, kv_empty.index(slot),
-                                DK, DV, stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk,
+                                DK, DV, stride_dkt, stride_dvt, rs, re, o_hi, hk,
                                 n_steps, u0, u1, qk_scale, sm_scale, ds_smem, p_smem, dq_stage, dq_desc,
                                 kv_head0 * GROUP, c, ld_bufs, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST,
                                 DQ_REDUCE, True)
@@ -575,7 +575,7 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
         gl.warp_specialize([
             (_dkdv_consumer_loop, (q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, t_smem,
                                    DK, DV,
-                                   stride_lh, stride_dkt, stride_dvt, qk_scale, sm_scale, ds_smem, p_smem, dq_stage,
+                                   stride_dkt, stride_dvt, qk_scale, sm_scale, ds_smem, p_smem, dq_stage,
                                    dq_desc, num_items_ptr, max_entries, kv_head0, total, ld_bufs,
                                    GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, RETIRE_FIRST, DQ_REDUCE)),
             (_dkdv_producer_loop, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
@@ -589,7 +589,7 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
         kv_bar = kv_ready.index(0)
         gl.warp_specialize([
             (_dkdv_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV,
-                              stride_lh, stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
+                              stride_dkt, stride_dvt, rs, re, o_hi, hk, n_steps, u0, u1, qk_scale, sm_scale,
                               ds_smem, p_smem, dq_stage, dq_desc, kv_head0 * GROUP, ld_bufs,
                               GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, RETIRE_FIRST, DQ_REDUCE)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
