@@ -440,9 +440,37 @@ def _is_ours(name: str) -> bool:
     return name in (MANIFEST_NAME, PROGRESS_NAME) or bool(_SHARD_RE.match(name)) or bool(_TMP_RE.match(name))
 
 
+def _written_by_us(path: pathlib.Path) -> bool:
+    """Whether ``path`` (a name :func:`_is_ours` accepts) was written by this module, by its content: a
+    shard's parquet schema carries the ``flamia_pack`` metadata key, the manifest / progress file is a
+    JSON object with ``format_version`` (and the manifest a ``flamia_pack`` writer). A user's own
+    ``train-00000.parquet`` or ``manifest.json`` is not ours, so it is never overwritten or deleted."""
+    name = path.name
+    if _TMP_RE.match(name):
+        return True  # hidden temporary files of an interrupted run (dot-prefixed: never a user's data file)
+    if not path.is_file():
+        return False
+    import pyarrow.parquet as pq
+
+    try:
+        if _SHARD_RE.match(name):
+            meta = pq.read_schema(path).metadata or {}
+            return b"flamia_pack" in meta
+        d = json.loads(path.read_text())
+        if not isinstance(d, dict) or "format_version" not in d:
+            return False
+        return name != MANIFEST_NAME or str(d.get("writer", "")).startswith("flamia_pack")
+    except (OSError, ValueError, pa.ArrowException):
+        return False
+
+
 def check_output_dir(out_dir: str | os.PathLike[str]) -> None:
     """Check, without creating or changing anything, that ``write_packed`` may write to ``out_dir``:
-    it is missing, or a directory holding only files this module writes (hidden files ignored).
+    it is missing, or a directory holding only files this module writes (hidden files ignored). Files
+    named like ours count as ours only if their content says so (:func:`_written_by_us`: a
+    ``flamia_pack`` parquet metadata key, a manifest written by flamia_pack) or our own manifest /
+    progress file lists them (a damaged shard that a re-run rewrites), so a source folder holding a
+    user's ``train-00000.parquet`` is refused as an output directory instead of overwritten.
 
     Raises:
         FormatError: ``out_dir`` is a file, or holds other (non-hidden) files; those are never
@@ -453,7 +481,11 @@ def check_output_dir(out_dir: str | os.PathLike[str]) -> None:
         return
     if not out.is_dir():
         raise FormatError(f"output path {out} exists and is not a directory")
-    foreign = sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and not _is_ours(p.name))
+    # shards our own manifest / progress file lists are ours even if damaged (a re-run rewrites them)
+    listed = {name for name in _reuse_candidates(out)
+              if _written_by_us(out / MANIFEST_NAME) or _written_by_us(out / PROGRESS_NAME)}
+    foreign = sorted(p.name for p in out.iterdir()
+                     if not p.name.startswith(".") and not (_is_ours(p.name) and (p.name in listed or _written_by_us(p))))
     if foreign:
         raise FormatError(
             f"output directory {out} holds files that flamia pack did not write ({', '.join(foreign[:3])}"

@@ -146,6 +146,38 @@ def test_bad_arguments(tmp_path):
     assert (foreign / "notes.txt").read_text() == "mine"
 
 
+def test_user_files_named_like_our_output_are_never_overwritten(tmp_path):
+    """A source folder packed into itself (``flamia pack srcd --out srcd``) whose files happen to be
+    named ``train-00000.parquet`` / ``manifest.json`` is refused, byte for byte untouched: files count
+    as ours by their content (the ``flamia_pack`` parquet metadata, our manifest's writer), not their
+    names. Our own earlier output in the same directory is still accepted (re-runs resume)."""
+    import pyarrow as pa
+
+    packed = make_packed(seed=6)
+    src = tmp_path / "srcd"
+    src.mkdir()
+    pq.write_table(pa.table({"text": ["def f():\n    return 1\n"] * 3}), src / "train-00000.parquet")
+    (src / "manifest.json").write_text('{"mine": 1}')
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for what in ("train-00000.parquet", "manifest.json"):
+        only = tmp_path / f"only-{what}"
+        only.mkdir()
+        (only / what).write_bytes(before[what])
+        with pytest.raises(FormatError, match=f"did not write \\({what}\\)"):
+            formats.check_output_dir(only)
+    with pytest.raises(FormatError, match="did not write"):
+        write(src, packed)
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    # a JSON manifest from another tool with a format_version key is not ours either
+    (src / "manifest.json").write_text('{"format_version": 1, "writer": "other-tool"}')
+    with pytest.raises(FormatError, match="manifest.json"):
+        formats.check_output_dir(src)
+    ours = tmp_path / "ours"
+    write(ours, packed, shard_rows=6)
+    formats.check_output_dir(ours)  # our own output: accepted
+    write(ours, packed, shard_rows=6)
+
+
 # ---------------------------------------------------------------------------------------------
 # verify() and read errors
 
