@@ -69,6 +69,11 @@ def _bad_calls():
     yield "scale nan", (q, k, v, cu, 7), {"softmax_scale": float("nan")}, FlamiaError, "softmax_scale"
     yield "scale tensor", (q, k, v, cu, 7), {"softmax_scale": torch.tensor(0.5)}, FlamiaError, "softmax_scale"
     yield "max_seqlen bool", (q, k, v, cu, True), {}, FlamiaError, "max_seqlen"
+    # metadata mistakes are MetadataError (the README's promise), not only its FlamiaError base
+    yield "max_seqlen None", (q, k, v, cu, None), {}, MetadataError, "max_seqlen"
+    yield "cu list", (q, k, v, [0, 5, 12], 7), {}, MetadataError, "cu_seqlens must be a torch.Tensor"
+    yield "cu device", (q, k, v, cu.to("meta"), 7), {}, MetadataError, "cu_seqlens on meta"
+    yield "q device", (q.to("meta"), k, v, cu, 7), {}, FlamiaError, "q on meta, k on cpu"
 
 
 @pytest.mark.parametrize("case", list(_bad_calls()), ids=lambda c: c[0])

@@ -105,7 +105,8 @@ def kernels_available(device: torch.device | str) -> bool:
 
 def _expect_tensor(name: str, x) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        raise FlamiaError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        err = MetadataError if name == "cu_seqlens" else FlamiaError
+        raise err(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     return x
 
 
@@ -160,7 +161,10 @@ def check_attention_inputs(
         raise FlamiaError(f"q/k/v dtype must be one of {_FALLBACK_DTYPES}, got {q.dtype}")
     devs = {x.device for x in (q, k, v, cu_seqlens)}
     if len(devs) != 1:
-        raise FlamiaError(f"q, k, v and cu_seqlens must be on one device, got {sorted(str(d) for d in devs)}")
+        where = ", ".join(f"{n} on {x.device}" for n, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)))
+        # only cu_seqlens elsewhere: a metadata mistake (MetadataError, as the README promises)
+        err = MetadataError if len({q.device, k.device, v.device}) == 1 else FlamiaError
+        raise err(f"q, k, v and cu_seqlens must be on one device, got {where}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.numel() and x.stride(2) != 1:
             raise FlamiaError(f"{name} must be contiguous in head_dim (stride(-1) == 1), got strides {x.stride()}; call .contiguous()")
@@ -169,7 +173,7 @@ def check_attention_inputs(
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise MetadataError(f"cu_seqlens must be 1-D of shape (n_docs + 1,), got shape {tuple(cu_seqlens.shape)}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 0:
-        raise FlamiaError(f"max_seqlen must be an int >= 0, got {max_seqlen!r}")
+        raise MetadataError(f"max_seqlen must be an int >= 0, got {max_seqlen!r}")
     if T >= 2**31 // max(1, H * D):
         raise FlamiaError(f"T * num_heads * head_dim must be < 2**31, got {T} * {H} * {D}")
     return T, H, Hkv, D
