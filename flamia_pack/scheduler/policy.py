@@ -33,17 +33,25 @@ def choose_policy(seqlens, causal: bool, override: str | None = None) -> tuple[s
         ``(policy, reason)`` with a one-line human-readable reason.
 
     Raises:
-        FlamiaError: unknown override.
+        FlamiaError: unknown override; ``seqlens`` not a 1-D sequence of finite numbers >= 0.
     """
     if override not in (None, "auto") and override not in POLICIES:
         raise FlamiaError(f"policy must be one of 'auto', 'static', 'dynamic', got {override!r}")
+    if hasattr(seqlens, "detach"):
+        seqlens = seqlens.detach().cpu().numpy()
+    try:
+        lens = np.asarray(seqlens, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise FlamiaError(f"seqlens must be a 1-D sequence of document lengths, got {type(seqlens).__name__}") from None
+    if lens.ndim != 1:
+        raise FlamiaError(f"seqlens must be 1-D (document lengths), got shape {lens.shape}")
+    bad = np.flatnonzero(~np.isfinite(lens) | (lens < 0))
+    if bad.size:
+        raise FlamiaError(f"seqlens must be finite and >= 0 (document lengths), got {lens[bad[0]]} at index {bad[0]}")
     if override in POLICIES:
         return override, f"{override} requested explicitly (rule not applied)"
     if causal:
         return "dynamic", "causal call: item costs grow along each document, so dynamic acquisition balances the tail"
-    if hasattr(seqlens, "detach"):
-        seqlens = seqlens.detach().cpu().numpy()
-    lens = np.asarray(seqlens, dtype=np.float64)
     if lens.size == 0:
         return "static", "no documents"
     mx, mean = float(lens.max()), float(lens.mean())
