@@ -127,6 +127,10 @@ def pack_cmd(
             fail(f"--pad-id must be >= 0 (a token id), got {pad_id}")
         config = PackConfig(capacity=capacity, algorithm=algorithm, long_docs=long_docs, pad_id=pad_id)
         formats.check_output_dir(out)  # fail before reading the input, not after
+        try:  # a finished earlier output here: say what happened to it (reused or replaced)
+            previous = formats.read_manifest(out)
+        except FlamiaError:
+            previous = None
         path = source if source is not None else str(resources.files("flamia_pack") / "data" / "python-stdlib.parquet")
         t0 = time.perf_counter()
         src = open_source(path, text_column=text_column, tokenizer=tokenizer)
@@ -181,6 +185,13 @@ def pack_cmd(
         "seconds": {"read": t1 - t0, "pack": t2 - t1, "write": t3 - t2, "total": t3 - t0},
         "tokens_per_s": manifest.tokens["in"] / max(t3 - t0, 1e-9),
     }
+    if previous is not None:
+        reused = len({x.sha256 for x in previous.shards} & {x.sha256 for x in manifest.shards})
+        summary["previous_output"] = {"rows": previous.rows, "capacity": previous.capacity,
+                                      "shards": len(previous.shards), "shards_reused": reused}
+        if reused < len(previous.shards) or reused < len(manifest.shards):
+            err.print(f"note: {out} held a finished output ({previous.rows:,} rows x {previous.capacity:,}, "
+                      f"{len(previous.shards)} shard(s)); {reused} shard(s) were reused, the rest replaced")
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
     else:

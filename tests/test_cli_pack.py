@@ -277,3 +277,20 @@ def test_pack_holds_one_shard_of_rows_not_all(tmp_path, text_parquet, monkeypatc
     for r, row in enumerate(formats.iter_rows(out)):
         for k, v in ref.row(r).items():
             assert np.array_equal(row[k], v), f"row {r} {k}"
+
+
+def test_rerun_says_whether_an_earlier_output_was_reused_or_replaced(tmp_path, text_parquet):
+    """A re-run with the same arguments reuses every shard silently; with other arguments the finished
+    earlier output is replaced and the CLI says so (stderr note; ``previous_output`` in --json)."""
+    out = str(tmp_path / "out")
+    first = run_cli(str(text_parquet), "--out", out, "--capacity", "128", "--shard-rows", "7", "--json")
+    assert first.exit_code == 0 and "previous_output" not in json.loads(first.stdout)
+    same = run_cli(str(text_parquet), "--out", out, "--capacity", "128", "--shard-rows", "7", "--json")
+    prev = json.loads(same.stdout)["previous_output"]
+    assert same.exit_code == 0 and "note:" not in same.stderr
+    assert prev["shards_reused"] == prev["shards"] == json.loads(first.stdout)["shards"]
+    other = run_cli(str(text_parquet), "--out", out, "--capacity", "64", "--shard-rows", "7", "--json")
+    assert other.exit_code == 0 and "held a finished output" in " ".join(other.stderr.split())
+    prev = json.loads(other.stdout)["previous_output"]
+    assert prev["capacity"] == 128 and prev["shards_reused"] == 0
+    assert formats.verify(out).capacity == 64
