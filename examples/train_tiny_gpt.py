@@ -117,10 +117,13 @@ class TinyGPT(nn.Module):
 # training loop
 # ---------------------------------------------------------------------------------------------
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: ...)`` except where the default is None (the help text says what None means)."""
+    """Shows ``(default: ...)`` except where the default is None or the help text names the default
+    itself (it says what None means, or names it more readably than its value)."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
+        if action.default is None or "(default" in (action.help or ""):
+            return action.help  # None, or the help text names the default itself
+        return super()._get_help_string(action)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -138,7 +141,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--packed", type=pathlib.Path, default=None, help="read a `flamia pack` output directory instead of streaming")
     p.add_argument("--source", type=pathlib.Path, default=SAMPLE, help="document source to stream (default: bundled sample)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model init and the data shuffle")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=10, help="log loss and throughput every this many steps")
     p.add_argument("--warmup-steps", type=int, default=5, help="steps excluded from the throughput figures")
     p.add_argument("--max-seconds", type=float, default=None, help="stop early after this many seconds of training")
     p.add_argument("--json", type=pathlib.Path, default=None, help="write the run summary as JSON here")

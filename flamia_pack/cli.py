@@ -456,7 +456,7 @@ def plan_cmd(
                       f"H_q {s['num_heads']} / H_kv {s['num_kv_heads']}, D {s['head_dim']}, "
                       f"BLOCK {s['block_m']}x{s['block_n']}{', merge_short' if s['merge_short'] else ''}, "
                       f"{s['gpu']} ({s['num_sms']} SMs)")
-    per = " per row, summed" if len(preds) > 1 else ""
+    per = f", total over {len(preds):,} rows (each row one call)" if len(preds) > 1 else ""
     # a packed directory holds segments: a document split across rows counts once per piece
     if packing is not None:
         t.add_row("packing", f"{packing['documents']:,} documents -> {packing['rows']:,} rows of {cap:,} tokens "
