@@ -85,8 +85,8 @@ def test_policy_rule():
     assert pol == "static" and "explicit" in why
     with pytest.raises(FlamiaError):
         choose_policy([1], causal=True, override="fast")
-    for bad, msg in (([100, float("nan")], "nan at index 1"), ([100, -50], "-50.0 at index 1"),
-                     ([[1, 2], [3, 4]], "1-D"), ("abc", "document lengths")):
+    for bad, msg in (([100, float("nan")], "nan at index 1"), ([100, -50], "-50 at index 1"),
+                     ([[1, 2], [3, 4]], "1-D"), ("abc", "document lengths"), (["1", "x"], "document lengths")):
         with pytest.raises(FlamiaError, match=msg):
             choose_policy(bad, causal=True)
 

@@ -29,7 +29,8 @@ def lengths_from(seqlens=None, *, cu_seqlens=None) -> np.ndarray:
     """Document lengths as an int64 numpy array from lengths or ``cu_seqlens`` (numpy/torch/list).
 
     Raises:
-        FlamiaError: negative lengths, non-integer values, or not 1-D.
+        FlamiaError: negative lengths, non-integer values (NaN / Inf included), or not 1-D; the message
+            names the first bad value and its index.
     """
     if cu_seqlens is not None:
         from flamia_pack.varlen import validate_cu_seqlens
@@ -39,13 +40,19 @@ def lengths_from(seqlens=None, *, cu_seqlens=None) -> np.ndarray:
         seqlens = seqlens.detach().cpu().numpy()
     arr = np.asarray(seqlens)
     if arr.ndim != 1:
-        raise FlamiaError(f"seqlens must be 1-D, got shape {arr.shape}")
+        raise FlamiaError(f"seqlens must be 1-D (document lengths), got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        if not np.all(np.mod(arr, 1) == 0):
-            raise FlamiaError("seqlens must be integers")
+        try:
+            with np.errstate(invalid="ignore"):  # inf % 1 is NaN: reported below, not warned
+                bad = np.flatnonzero(~(np.mod(arr, 1) == 0))
+        except TypeError:  # strings, objects
+            raise FlamiaError(f"seqlens must be integer document lengths, got dtype {arr.dtype}") from None
+        if bad.size:
+            raise FlamiaError(f"seqlens must be integers (document lengths), got {arr[bad[0]]} at index {bad[0]}")
     arr = arr.astype(np.int64)
-    if arr.size and arr.min() < 0:
-        raise FlamiaError(f"seqlens must be >= 0, got {int(arr.min())}")
+    neg = np.flatnonzero(arr < 0)
+    if neg.size:
+        raise FlamiaError(f"seqlens must be >= 0 (document lengths), got {arr[neg[0]]} at index {neg[0]}")
     return arr
 
 

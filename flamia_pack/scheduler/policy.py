@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from flamia_pack.errors import FlamiaError
+from flamia_pack.scheduler.cost import lengths_from
 
 __all__ = ["POLICIES", "SKEW_THRESHOLD", "choose_policy"]
 
@@ -33,21 +34,11 @@ def choose_policy(seqlens, causal: bool, override: str | None = None) -> tuple[s
         ``(policy, reason)`` with a one-line human-readable reason.
 
     Raises:
-        FlamiaError: unknown override; ``seqlens`` not a 1-D sequence of finite numbers >= 0.
+        FlamiaError: unknown override; ``seqlens`` not 1-D integer lengths >= 0 (``cost.lengths_from``).
     """
     if override not in (None, "auto") and override not in POLICIES:
         raise FlamiaError(f"policy must be one of 'auto', 'static', 'dynamic', got {override!r}")
-    if hasattr(seqlens, "detach"):
-        seqlens = seqlens.detach().cpu().numpy()
-    try:
-        lens = np.asarray(seqlens, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise FlamiaError(f"seqlens must be a 1-D sequence of document lengths, got {type(seqlens).__name__}") from None
-    if lens.ndim != 1:
-        raise FlamiaError(f"seqlens must be 1-D (document lengths), got shape {lens.shape}")
-    bad = np.flatnonzero(~np.isfinite(lens) | (lens < 0))
-    if bad.size:
-        raise FlamiaError(f"seqlens must be finite and >= 0 (document lengths), got {lens[bad[0]]} at index {bad[0]}")
+    lens = lengths_from(seqlens).astype(np.float64)
     if override in POLICIES:
         return override, f"{override} requested explicitly (rule not applied)"
     if causal:
