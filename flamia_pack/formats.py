@@ -484,9 +484,9 @@ def check_output_dir(out_dir: str | os.PathLike[str]) -> None:
         return
     if not out.is_dir():
         raise FormatError(f"output path {out} exists and is not a directory")
-    # shards our own manifest / progress file lists are ours even if damaged (a re-run rewrites them)
-    listed = {name for name in _reuse_candidates(out)
-              if _written_by_us(out / MANIFEST_NAME) or _written_by_us(out / PROGRESS_NAME)}
+    # shards our own manifest / progress file lists are ours even if damaged (a re-run rewrites them);
+    # a listing file not written by us lists nothing
+    listed = set(_reuse_candidates(out, [n for n in (MANIFEST_NAME, PROGRESS_NAME) if _written_by_us(out / n)]))
     foreign = sorted(p.name for p in out.iterdir()
                      if not p.name.startswith(".") and not (_is_ours(p.name) and (p.name in listed or _written_by_us(p))))
     if foreign:
@@ -501,10 +501,11 @@ def _prepare_dir(out: pathlib.Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _reuse_candidates(out: pathlib.Path) -> dict[str, ShardInfo]:
-    """Shards recorded by an earlier run (old manifest, then progress file; later wins)."""
+def _reuse_candidates(out: pathlib.Path, names=(MANIFEST_NAME, PROGRESS_NAME)) -> dict[str, ShardInfo]:
+    """Shards recorded by an earlier run in the listing files ``names`` (old manifest, then progress
+    file; later wins)."""
     found: dict[str, ShardInfo] = {}
-    for name in (MANIFEST_NAME, PROGRESS_NAME):
+    for name in names:
         try:
             d = json.loads((out / name).read_text())
             if d.get("format_version") != FORMAT_VERSION:
