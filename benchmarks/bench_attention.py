@@ -104,6 +104,27 @@ def host_probe(fn, bench_fn=None, grad_to_none=None, rep: int = 100, calls: int 
     return {"bench": bench, "graph": graph, "host_us": (t1 - t0) / calls * 1e6, "loop_ms": (t2 - t0) / calls * 1e3}
 
 
+def host_probe_cells(r: dict) -> str:
+    """The ``bench ms | graph ms | host us/call | loop ms/call`` markdown cells of a :func:`host_probe` result."""
+    graph = r["graph"] if isinstance(r["graph"], str) else f"{r['graph']:.3f}"
+    return f"{r['bench']:.3f} | {graph} | {r['host_us']:.0f} | {r['loop_ms']:.3f}"
+
+
+def print_host_profile(fn, calls: int, what: str, top: int) -> None:
+    """cProfile of ``calls`` host calls of ``fn`` (then a sync), the ``top`` entries by own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"host profile of {calls} {what} (PROFILE=1), top {top} by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def _leaves(inp, layout=None):
     xs = [inp[n].detach() if layout is None else layout(inp[n].detach()) for n in ("q", "k", "v")]
     return [x.clone().requires_grad_(True) for x in xs]

@@ -70,21 +70,9 @@ def main() -> int:
                 if phase == "after training":
                     train()
                 r = B.host_probe(fwd, rep=60, calls=200)
-                graph = r["graph"] if isinstance(r["graph"], str) else f"{r['graph']:.3f}"
-                print(f"| {name} | {how} | {phase} | {r['bench']:.3f} | {graph} | {r['host_us']:.0f} | "
-                      f"{r['loop_ms']:.3f} |", flush=True)
+                print(f"| {name} | {how} | {phase} | {B.host_probe_cells(r)} |", flush=True)
             if os.environ.get("PROFILE") and how == "None":
-                import cProfile
-                import pstats
-
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(200):
-                    fwd()
-                prof.disable()
-                torch.cuda.synchronize()
-                print(f"host profile of 200 {name} forward calls (PROFILE=1), top 25 by own time:")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+                B.print_host_profile(fwd, 200, f"{name} forward calls", 25)
     return 0
 
 

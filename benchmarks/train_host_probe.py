@@ -57,21 +57,9 @@ def main() -> int:
                 return torch.autograd.grad(call(*xs), xs, inp["do"])
 
             r = B.host_probe(train_grad, bench_fn=train, grad_to_none=leaves, rep=100, calls=100)
-            graph = r["graph"] if isinstance(r["graph"], str) else f"{r['graph']:.3f}"
-            print(f"| {name} | {impl} | {r['bench']:.3f} | {graph} | {r['host_us']:.0f} | {r['loop_ms']:.3f} |",
-                  flush=True)
+            print(f"| {name} | {impl} | {B.host_probe_cells(r)} |", flush=True)
             if os.environ.get("PROFILE") and impl == "ours":
-                import cProfile
-                import pstats
-
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(100):
-                    train()
-                prof.disable()
-                torch.cuda.synchronize()
-                print(f"host profile of 100 {name} training calls (PROFILE=1), top 30 by own time:")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+                B.print_host_profile(train, 100, f"{name} training calls", 30)
     return 0
 
 
