@@ -337,12 +337,6 @@ _INTERP_CASES = {
                          config=_SMALL),
     "random_row_b": dict(lengths="random:1", num_heads=2, num_kv_heads=2, head_dim=64, causal=False, pad=0,
                          config=_SMALL),
-    # Delta computed inside the backward programs (bwd_delta_inline: no preprocess), with and without dLSE
-    "delta_inline_gqa_lsegrad": dict(lengths=[70, 5, 33, 1, 1, 2, 40], num_heads=4, num_kv_heads=2, head_dim=64,
-                                     causal=True, pad=7, config={**_SMALL, "bwd_delta_inline": True},
-                                     with_lse_grad=True),
-    "delta_inline_random_noncausal": dict(lengths="random:1", num_heads=2, num_kv_heads=2, head_dim=64, causal=False,
-                                          pad=0, config={**_SMALL, "bwd_delta_inline": True}),
 }
 
 _SCRIPT = r"""

@@ -292,14 +292,6 @@ class AttentionKernelConfig:
     producer warp loads those rows masked to ``[0, o_hi)`` (no read before row 0). The default (512)
     keeps such documents out."""
 
-    bwd_delta_inline: bool = False
-    """Triton backward only (no Gluon programs in the call): skip the ``Delta = rowsum(O * dO)``
-    preprocess launch; each dQ program computes its rows' Delta from its ``O`` and ``dO`` tiles, and
-    each dK/dV program computes the Delta of every query step it walks from that step's ``O`` rows
-    and the ``dO`` tile it loads anyway (one extra tile load per step, from L2 under the head-major
-    order). Saves the preprocess's full read of ``O`` and ``dO`` from DRAM (W7: ~130 us of a ~1.9 ms
-    training call). Ignored when the Gluon backward runs (its programs read a Delta array)."""
-
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
             v = getattr(self, name)
@@ -355,7 +347,7 @@ class AttentionKernelConfig:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
                      "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small",
-                     "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent", "bwd_delta_inline"):
+                     "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -528,8 +520,6 @@ CANDIDATES: dict[str, dict] = {
     # registers and 66 KB (2 programs per SM by registers); capped at 168, 3 programs per SM
     "small_n32": {**HEAD_MAJOR, **SMALL_TILES, "block_n": 32},
     "small_n32r": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES},
-    # the same with Delta computed inside the backward programs (no preprocess launch)
-    "small_n32r_dinl": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "bwd_delta_inline": True},
     "small_fwd_pers": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True},
     # forward: documents of <= 512 tokens in a second launch with SHORT_FWD_TILES (rows mixing long and
     # short documents: W2, W6; CPU-checked only)

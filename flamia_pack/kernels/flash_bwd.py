@@ -141,26 +141,6 @@ def _add_dq_tile(ds_t, k, aq_ptrs, dq_desc, row0, h, mask, sm_scale, HEAD_DIM: t
 
 
 @triton.jit
-def _step_delta(o_ptrs, do, dl_ptrs, mask, HAS_DLSE: tl.constexpr):
-    """``Delta`` of one query tile computed where it is used (``bwd_delta_inline``): ``rowsum(O * dO)``
-    in fp32 from the tile's ``O`` rows (``o_ptrs``, rows masked by ``mask`` or not at all when None) and
-    its already loaded ``dO``, minus ``dLSE`` (``dl_ptrs``) when the LSE output has a gradient. Same
-    arithmetic as :func:`_bwd_preprocess`, which the inline mode skips (FlashAttention-2 paper
-    Algorithm 2's ``D_i``, here fused into the programs that read ``dO`` anyway)."""
-    if mask is None:
-        o = tl.load(o_ptrs)
-    else:
-        o = tl.load(o_ptrs, mask=mask[:, None], other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    if HAS_DLSE:
-        if mask is None:
-            delta -= tl.load(dl_ptrs)
-        else:
-            delta -= tl.load(dl_ptrs, mask=mask, other=0.0)
-    return delta
-
-
-@triton.jit
 def _to_mma_regs(a, b, offs, DO_A: tl.constexpr, DO_B: tl.constexpr):
     """``(a, b)`` re-made as ``I @ a`` / ``I @ b`` (exact: one nonzero term per output, fp32 accumulate).
 
@@ -180,14 +160,14 @@ def _to_mma_regs(a, b, offs, DO_A: tl.constexpr, DO_B: tl.constexpr):
 
 @triton.jit
 def _dkdv_tile(
-    Q, K, V, DO, LSE, DELTA, O, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e, hk, sel, order_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_ot, stride_oh,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e, hk, sel, order_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
     qk_scale, sm_scale, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     F1: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
-    DOC_MAJOR: tl.constexpr, REG_OPS: tl.constexpr, DELTA_INLINE: tl.constexpr, HAS_DLSE: tl.constexpr,
+    DOC_MAJOR: tl.constexpr, REG_OPS: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
         items_ptr, cu_ptr, e, sel, order_ptr, F1, WL_BM, BLOCK_N1, BLOCK_M1, True, CAUSAL, DOC_MAJOR)
@@ -211,8 +191,7 @@ def _dkdv_tile(
             q_ptrs = Q + o_lo.to(tl.int64) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
             do_ptrs = DO + o_lo.to(tl.int64) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :]
             l_ptrs = LSE + h * stride_lh + o_lo + offs_m
-            d_ptrs = DELTA + h * stride_lh + o_lo + offs_m  # Delta, or dLSE with DELTA_INLINE
-            o_ptrs = O + o_lo.to(tl.int64) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
+            d_ptrs = DELTA + h * stride_lh + o_lo + offs_m
             # dQ^T tile (HEAD_DIM x BLOCK_M1) of the fp32 accumulator, added with atomics
             aq_ptrs = DQACC + o_lo.to(tl.int64) * stride_aqt + h * stride_aqh + offs_m[None, :] * stride_aqt + offs_d[:, None]
             if USE_TMA:
@@ -235,10 +214,7 @@ def _dkdv_tile(
                 else:
                     do = tl.load(do_ptrs + t * BLOCK_M1 * stride_dot)
                 dv = tl.dot(p_t.to(do.dtype), do, dv)
-                if DELTA_INLINE:
-                    delta = _step_delta(o_ptrs + t * BLOCK_M1 * stride_ot, do, d_ptrs + t * BLOCK_M1, None, HAS_DLSE)
-                else:
-                    delta = tl.load(d_ptrs + t * BLOCK_M1)
+                delta = tl.load(d_ptrs + t * BLOCK_M1)
                 dp_t = tl.dot(v, tl.trans(do))
                 ds_t = p_t * (dp_t - delta[None, :])
                 dk = tl.dot(ds_t.to(q.dtype), q, dk)
@@ -263,10 +239,7 @@ def _dkdv_tile(
                 else:
                     do = tl.load(do_ptrs + t * BLOCK_M1 * stride_dot, mask=q_ok[:, None], other=0.0)
                 dv = tl.dot(p_t.to(do.dtype), do, dv)
-                if DELTA_INLINE:
-                    delta = _step_delta(o_ptrs + t * BLOCK_M1 * stride_ot, do, d_ptrs + t * BLOCK_M1, q_ok, HAS_DLSE)
-                else:
-                    delta = tl.load(d_ptrs + t * BLOCK_M1, mask=q_ok, other=0.0)
+                delta = tl.load(d_ptrs + t * BLOCK_M1, mask=q_ok, other=0.0)
                 dp_t = tl.dot(v, tl.trans(do))
                 ds_t = p_t * (dp_t - delta[None, :])
                 dk = tl.dot(ds_t.to(q.dtype), q, dk)
@@ -282,14 +255,13 @@ def _dkdv_tile(
 
 @triton.jit
 def _dq_tile(
-    Q, K, V, DO, LSE, DELTA, O, DQ, items_ptr, cu_ptr, n_docs, e, h, sel, order_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_ot, stride_oh,
+    Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e, h, sel, order_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lh,
     qk_scale, sm_scale, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr, REG_OPS: tl.constexpr,
-    DELTA_INLINE: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
         items_ptr, cu_ptr, e, sel, order_ptr, F2, WL_BM, BLOCK_M2, BLOCK_N2, False, CAUSAL, DOC_MAJOR)
@@ -305,11 +277,7 @@ def _dq_tile(
         do = tl.load(DO + rs.to(tl.int64) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
                      mask=q_ok[:, None], other=0.0)
         lse2 = tl.load(LSE + h * stride_lh + q_pos, mask=q_ok, other=0.0) * 1.4426950408889634
-        if DELTA_INLINE:
-            o_ptrs = O + rs.to(tl.int64) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
-            delta = _step_delta(o_ptrs, do, DELTA + h * stride_lh + q_pos, q_ok, HAS_DLSE)
-        else:
-            delta = tl.load(DELTA + h * stride_lh + q_pos, mask=q_ok, other=0.0)
+        delta = tl.load(DELTA + h * stride_lh + q_pos, mask=q_ok, other=0.0)
         if REG_OPS & 12:
             q, do = _to_mma_regs(q, do, offs_m, REG_OPS & 4, REG_OPS & 8)
         k_ptrs = K + o_lo.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
@@ -357,9 +325,9 @@ def _dq_tile(
 
 @triton.jit(do_not_specialize=["n_docs", "max_items", "sel"])
 def _bwd_kernel(
-    Q, K, V, DO, LSE, DELTA, O, DQ, DK, DV, DQACC, dq_desc, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items, num_heads,
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQACC, dq_desc, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items, num_heads,
     num_kv_heads, sel, order_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
@@ -367,7 +335,6 @@ def _bwd_kernel(
     F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, KIND: tl.constexpr,
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, HEAD_MAJOR: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     DQ_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr, GROUP: tl.constexpr, REG_OPS: tl.constexpr,
-    DELTA_INLINE: tl.constexpr = False, HAS_DLSE: tl.constexpr = False,
 ):
     # GROUP = num_heads // num_kv_heads (a constexpr: with a runtime trip count the GQA loop of the
     # dK/dV programs cost 172 B of register spills on sm_90 even for MHA; 0 B as a constant)
@@ -408,17 +375,17 @@ def _bwd_kernel(
         head2 = rem2 % num_heads
     if r < tl.load(num_items_ptr):
         if rem < n_kv:
-            _dkdv_tile(Q, K, V, DO, LSE, DELTA, O, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e1, head1, sel, order_ptr,
-                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_ot, stride_oh,
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e1, head1, sel, order_ptr,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
                        qk_scale, sm_scale, GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
-                       DQ_ATOMIC, DQ_TMA, DOC_MAJOR, REG_OPS, DELTA_INLINE, HAS_DLSE)
+                       DQ_ATOMIC, DQ_TMA, DOC_MAJOR, REG_OPS)
         else:
-            _dq_tile(Q, K, V, DO, LSE, DELTA, O, DQ, items_ptr, cu_ptr, n_docs, e2, head2, sel, order_ptr,
-                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_ot, stride_oh,
+            _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e2, head2, sel, order_ptr,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dqt, stride_dqh, stride_lh,
                      qk_scale, sm_scale, GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
-                     DOC_MAJOR, REG_OPS, DELTA_INLINE, HAS_DLSE)
+                     DOC_MAJOR, REG_OPS)
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -493,15 +460,8 @@ def flash_bwd(
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    delta = torch.empty((H, T), dtype=torch.float32, device=q.device)
     gluon = _gluon_applies(config, causal, q, k, v)
-    has_dlse = dlse is not None
-    # bwd_delta_inline: the Triton programs compute Delta themselves (no preprocess); they read dLSE
-    # (or nothing) through the Delta argument
-    inline = bool(config.bwd_delta_inline) and not gluon
-    if inline:
-        delta = dlse if has_dlse else lse
-    else:
-        delta = torch.empty((H, T), dtype=torch.float32, device=q.device)
     # with bwd_gluon_dq_reduce the Gluon dK/dV programs add their dQ partials to an fp32 accumulator (TMA
     # bulk reduce); the preprocess zeroes it and one cast replaces the dQ programs, both only on the
     # rows those programs own (documents > bwd_gluon_min_len tokens, and padding rows)
@@ -514,8 +474,9 @@ def flash_bwd(
     if gluon and config.bwd_gluon_dq_reduce and config.bwd_gluon_retire_first:
         chunk_kv = max(1, min(Hkv, config.bwd_dq_reduce_max_bytes // max(1, 4 * T * group * D)))
         dq_red = torch.empty((T, chunk_kv * group, D), dtype=torch.float32, device=q.device)
-    if T > 0 and not inline:
+    if T > 0:
         blk = 64
+        has_dlse = dlse is not None
         _bwd_preprocess[(triton.cdiv(T, blk), H)](
             o, do, dlse if has_dlse else lse, delta, T, o.stride(0), o.stride(1), do.stride(0), do.stride(1),
             delta.stride(0), dq_red if dq_red is not None else delta, cu_seqlens, n_docs,
@@ -579,10 +540,9 @@ def flash_bwd(
             if n_prog == 0:
                 continue
             _bwd_kernel[(n_prog,)](
-                q, k, v, do, lse, delta, o, dq, dk, dv, dq_acc, dq_desc, items, valid_ranks, cu_seqlens,
+                q, k, v, do, lse, delta, dq, dk, dv, dq_acc, dq_desc, items, valid_ranks, cu_seqlens,
                 cu_seqlens.numel() - 1, ranks, H, Hkv, sel, order,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-                o.stride(0), o.stride(1),
                 dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                 dq_acc.stride(0) if atomic else 0, dq_acc.stride(1) if atomic else 0, delta.stride(0),
                 float(softmax_scale) * LOG2E, float(softmax_scale),
@@ -591,8 +551,7 @@ def flash_bwd(
                 F1=f1, F2=f2, WL_BM=cfg.wl_block_m, CAUSAL=bool(causal), KIND=kind,
                 MASKED_STAGES=cfg.bwd_masked_stages or stages, USE_TMA=use_tma, HEAD_MAJOR=cfg.bwd_head_major,
                 DQ_ATOMIC=atomic, DQ_TMA=int(cfg.bwd_dq_tma) if dq_desc is not None else 0, DOC_MAJOR=bool(cfg.doc_major),
-                GROUP=H // Hkv, REG_OPS=cfg.bwd_reg_operands, DELTA_INLINE=inline, HAS_DLSE=inline and has_dlse,
-                num_warps=warps, num_stages=stages,
+                GROUP=H // Hkv, REG_OPS=cfg.bwd_reg_operands, num_warps=warps, num_stages=stages,
             )
     if atomic:
         dq.copy_(dq_acc)  # padding rows are zero in the accumulator
