@@ -62,9 +62,10 @@ def triton_kind(s, kind):
     per_rank = {0: f1 * Hkv + f2 * H, 1: f1 * Hkv, 2: f2 * H}[kind]
     items = s["items"]
     B._bwd_kernel[(items.shape[0] * per_rank,)](
-        q, k, v, do, s["lse"], s["delta"], dq, dk, dv, s["delta"], None, items, s["num_items"], s["cu"],
+        q, k, v, do, s["lse"], s["delta"], do, s["lse"], dq, dk, dv, s["delta"], None, items, s["num_items"], s["cu"],
         s["cu"].numel() - 1, items.shape[0], H, Hkv, 0, items,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+        do.stride(0), do.stride(1),  # O / dLSE: read only with DQ_DELTA, which this probe leaves off
         dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), 0, 0, s["delta"].stride(0),
         float(s["scale"]) * 1.4426950408889634, float(s["scale"]),
         HEAD_DIM=D, BLOCK_M1=cfg.bwd_block_m1, BLOCK_N1=cfg.bwd_block_n1, BLOCK_M2=cfg.bwd_block_m2, BLOCK_N2=cfg.bwd_block_n2,

@@ -337,6 +337,11 @@ _INTERP_CASES = {
                          config=_SMALL),
     "random_row_b": dict(lengths="random:1", num_heads=2, num_kv_heads=2, head_dim=64, causal=False, pad=0,
                          config=_SMALL),
+    # Delta computed and stored by the dQ programs (bwd_dq_delta: no preprocess), with and without dLSE
+    "dq_delta_gqa_lsegrad": dict(lengths=[70, 5, 33, 1, 1, 2, 40], num_heads=4, num_kv_heads=2, head_dim=64,
+                                 causal=True, pad=7, config={**_SMALL, "bwd_dq_delta": True}, with_lse_grad=True),
+    "dq_delta_random_noncausal": dict(lengths="random:1", num_heads=2, num_kv_heads=2, head_dim=64, causal=False,
+                                      pad=0, config={**_SMALL, "bwd_dq_delta": True}),
 }
 
 _SCRIPT = r"""

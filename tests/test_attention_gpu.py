@@ -68,6 +68,20 @@ def test_s3_random_rows(row):
     _assert_ok(r, f"row {row}: {len(lengths)} docs")
 
 
+@pytest.mark.parametrize("d,h,hkv,causal", [(128, 8, 8, True), (128, 8, 2, True), (64, 4, 4, False), (64, 4, 1, True)])
+def test_backward_dq_programs_compute_delta(d, h, hkv, causal):
+    """``bwd_dq_delta``: no Delta preprocess; the dQ launch computes and stores Delta before the dK/dV
+    launch reads it; with the LSE gradient on; the W7 band's tiles and an unaligned mix."""
+    from flamia_pack.kernels.config import candidate_config
+
+    cfg = candidate_config("small_n32r_dqd", head_dim=d)
+    assert cfg.bwd_dq_delta
+    for lengths, pad in (([256] * 16 + [3, 1, 77], 13), ([1000, 1, 3, 517, 129, 128, 127, 64], 37)):
+        r = compare_with_reference(lengths, num_heads=h, num_kv_heads=hkv, head_dim=d, causal=causal, pad=pad,
+                                   device="cuda", config=cfg, seed=d + h + hkv, with_lse_grad=True)
+        _assert_ok(r, f"dQ-side Delta d={d} h={h}/{hkv} causal={causal} {len(lengths)} docs")
+
+
 def test_mqa_and_persistent_schedule():
     lengths = [int(x) for x in lognormal_lengths(6.5, 1.0, 8192, 3)]
     cfg = AttentionKernelConfig(schedule="persistent")

@@ -292,6 +292,14 @@ class AttentionKernelConfig:
     producer warp loads those rows masked to ``[0, o_hi)`` (no read before row 0). The default (512)
     keeps such documents out."""
 
+    bwd_dq_delta: bool = False
+    """Triton backward without the Gluon programs: skip the ``Delta = rowsum(O * dO) - dLSE``
+    preprocess launch; the dQ programs run in their own launch first, compute their rows' Delta from
+    one extra ``O`` tile each (they load ``dO`` anyway) and store it, then the dK/dV launch reads it
+    (so ``bwd_fused`` is ignored). Trades the preprocess's full DRAM read of ``O`` and ``dO`` (~130 us on
+    W7) against the fused launch's overlap of both program kinds. Needs ``bwd_dq_atomic=False``
+    (there are no dQ programs then). Since 2026-11-30 (candidate ``small_n32r_dqd``)."""
+
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
             v = getattr(self, name)
@@ -329,6 +337,8 @@ class AttentionKernelConfig:
             raise FlamiaError(f"AttentionKernelConfig.bwd_dq_tma must be 0, 1 or 2, got {self.bwd_dq_tma!r}")
         if isinstance(self.hybrid_short_len, bool) or not isinstance(self.hybrid_short_len, int) or self.hybrid_short_len < 0:
             raise FlamiaError(f"AttentionKernelConfig.hybrid_short_len must be an int >= 0, got {self.hybrid_short_len!r}")
+        if self.bwd_dq_delta and self.bwd_dq_atomic:
+            raise FlamiaError("AttentionKernelConfig.bwd_dq_delta needs bwd_dq_atomic=False (the dQ programs compute Delta)")
         if self.hybrid_short_len and self.bwd_dq_atomic:
             raise FlamiaError("AttentionKernelConfig.hybrid_short_len needs bwd_dq_atomic=False (one dQ path per call)")
         if not _is_int(self.fwd_short_len) or self.fwd_short_len < 0:
@@ -347,7 +357,7 @@ class AttentionKernelConfig:
             raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
                      "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small",
-                     "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent"):
+                     "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent", "bwd_dq_delta"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -520,6 +530,10 @@ CANDIDATES: dict[str, dict] = {
     # registers and 66 KB (2 programs per SM by registers); capped at 168, 3 programs per SM
     "small_n32": {**HEAD_MAJOR, **SMALL_TILES, "block_n": 32},
     "small_n32r": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES},
+    # the same without the Delta preprocess: dQ programs first (their own launch) compute and store Delta
+    "small_n32r_dqd": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "bwd_dq_delta": True},
+    # the two launches of small_n32r_dqd with the preprocess kept (to tell the two effects apart)
+    "small_n32r_split": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "bwd_fused": False},
     "small_fwd_pers": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True},
     # forward: documents of <= 512 tokens in a second launch with SHORT_FWD_TILES (rows mixing long and
     # short documents: W2, W6; CPU-checked only)

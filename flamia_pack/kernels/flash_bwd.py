@@ -255,13 +255,14 @@ def _dkdv_tile(
 
 @triton.jit
 def _dq_tile(
-    Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e, h, sel, order_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    Q, K, V, DO, LSE, DELTA, O, DLSE, DQ, items_ptr, cu_ptr, n_docs, e, h, sel, order_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_ot, stride_oh,
     stride_dqt, stride_dqh, stride_lh,
     qk_scale, sm_scale, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr, REG_OPS: tl.constexpr,
+    DQ_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
         items_ptr, cu_ptr, e, sel, order_ptr, F2, WL_BM, BLOCK_M2, BLOCK_N2, False, CAUSAL, DOC_MAJOR)
@@ -277,7 +278,17 @@ def _dq_tile(
         do = tl.load(DO + rs.to(tl.int64) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
                      mask=q_ok[:, None], other=0.0)
         lse2 = tl.load(LSE + h * stride_lh + q_pos, mask=q_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(DELTA + h * stride_lh + q_pos, mask=q_ok, other=0.0)
+        if DQ_DELTA:
+            # bwd_dq_delta: this program's rows' Delta = rowsum(O * dO) - dLSE, as _bwd_preprocess
+            # computes it, stored for the dK/dV launch that runs after this one
+            o = tl.load(O + rs.to(tl.int64) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
+                        mask=q_ok[:, None], other=0.0)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+            if HAS_DLSE:
+                delta -= tl.load(DLSE + h * stride_lh + q_pos, mask=q_ok, other=0.0)
+            tl.store(DELTA + h * stride_lh + q_pos, delta, mask=q_ok)
+        else:
+            delta = tl.load(DELTA + h * stride_lh + q_pos, mask=q_ok, other=0.0)
         if REG_OPS & 12:
             q, do = _to_mma_regs(q, do, offs_m, REG_OPS & 4, REG_OPS & 8)
         k_ptrs = K + o_lo.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
@@ -325,9 +336,9 @@ def _dq_tile(
 
 @triton.jit(do_not_specialize=["n_docs", "max_items", "sel"])
 def _bwd_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, DQACC, dq_desc, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items, num_heads,
-    num_kv_heads, sel, order_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    Q, K, V, DO, LSE, DELTA, O, DLSE, DQ, DK, DV, DQACC, dq_desc, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items,
+    num_heads, num_kv_heads, sel, order_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_ot, stride_oh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
@@ -335,6 +346,7 @@ def _bwd_kernel(
     F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, KIND: tl.constexpr,
     MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, HEAD_MAJOR: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     DQ_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr, GROUP: tl.constexpr, REG_OPS: tl.constexpr,
+    DQ_DELTA: tl.constexpr = False, HAS_DLSE: tl.constexpr = False,
 ):
     # GROUP = num_heads // num_kv_heads (a constexpr: with a runtime trip count the GQA loop of the
     # dK/dV programs cost 172 B of register spills on sm_90 even for MHA; 0 B as a constant)
@@ -381,11 +393,12 @@ def _bwd_kernel(
                        qk_scale, sm_scale, GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
                        DQ_ATOMIC, DQ_TMA, DOC_MAJOR, REG_OPS)
         else:
-            _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e2, head2, sel, order_ptr,
+            _dq_tile(Q, K, V, DO, LSE, DELTA, O, DLSE, DQ, items_ptr, cu_ptr, n_docs, e2, head2, sel, order_ptr,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                     stride_ot, stride_oh,
                      stride_dqt, stride_dqh, stride_lh,
                      qk_scale, sm_scale, GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
-                     DOC_MAJOR, REG_OPS)
+                     DOC_MAJOR, REG_OPS, DQ_DELTA, HAS_DLSE)
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -462,6 +475,9 @@ def flash_bwd(
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty((H, T), dtype=torch.float32, device=q.device)
     gluon = _gluon_applies(config, causal, q, k, v)
+    has_dlse = dlse is not None
+    # bwd_dq_delta: no preprocess; the dQ programs (their own launch, first) compute and store Delta
+    dq_delta = bool(config.bwd_dq_delta) and not gluon and not config.bwd_dq_atomic
     # with bwd_gluon_dq_reduce the Gluon dK/dV programs add their dQ partials to an fp32 accumulator (TMA
     # bulk reduce); the preprocess zeroes it and one cast replaces the dQ programs, both only on the
     # rows those programs own (documents > bwd_gluon_min_len tokens, and padding rows)
@@ -474,9 +490,8 @@ def flash_bwd(
     if gluon and config.bwd_gluon_dq_reduce and config.bwd_gluon_retire_first:
         chunk_kv = max(1, min(Hkv, config.bwd_dq_reduce_max_bytes // max(1, 4 * T * group * D)))
         dq_red = torch.empty((T, chunk_kv * group, D), dtype=torch.float32, device=q.device)
-    if T > 0:
+    if T > 0 and not dq_delta:
         blk = 64
-        has_dlse = dlse is not None
         _bwd_preprocess[(triton.cdiv(T, blk), H)](
             o, do, dlse if has_dlse else lse, delta, T, o.stride(0), o.stride(1), do.stride(0), do.stride(1),
             delta.stride(0), dq_red if dq_red is not None else delta, cu_seqlens, n_docs,
@@ -524,35 +539,44 @@ def flash_bwd(
             parts = [(replace(left, doc_major=True, bwd_head_major=False), -skip, left_order, left_count, left_ranks)]
         else:
             parts = [(left, -skip, order, num_items, items.shape[0])]
-    for cfg, sel, order, valid_ranks, ranks in parts:
+    launches = []  # (part, kind, programs per rank, warps, stages)
+    for part in parts:
+        cfg = part[0]
         f1 = cfg.wl_block_m // cfg.bwd_block_n1
         f2 = cfg.wl_block_m // cfg.bwd_block_m2
         nw, ns = cfg.bwd_num_warps, cfg.bwd_num_stages
         nw2, ns2 = cfg.bwd_dq_num_warps or nw, cfg.bwd_dq_num_stages or ns
         if atomic:
-            launches = [(1, f1 * Hkv, nw, ns)]
-        elif cfg.bwd_fused:
-            launches = [(0, f1 * Hkv + f2 * H, nw, ns)]
+            launches.append((part, 1, f1 * Hkv, nw, ns))
+        elif cfg.bwd_fused and not dq_delta:
+            launches.append((part, 0, f1 * Hkv + f2 * H, nw, ns))
         else:
-            launches = [(1, f1 * Hkv, nw, ns), (2, f2 * H, nw2, ns2)]
-        for kind, per_rank, warps, stages in launches:
-            n_prog = ranks * per_rank
-            if n_prog == 0:
-                continue
-            _bwd_kernel[(n_prog,)](
-                q, k, v, do, lse, delta, dq, dk, dv, dq_acc, dq_desc, items, valid_ranks, cu_seqlens,
-                cu_seqlens.numel() - 1, ranks, H, Hkv, sel, order,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-                dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                dq_acc.stride(0) if atomic else 0, dq_acc.stride(1) if atomic else 0, delta.stride(0),
-                float(softmax_scale) * LOG2E, float(softmax_scale),
-                HEAD_DIM=D, BLOCK_M1=cfg.bwd_block_m1, BLOCK_N1=cfg.bwd_block_n1,
-                BLOCK_M2=cfg.bwd_block_m2, BLOCK_N2=cfg.bwd_block_n2,
-                F1=f1, F2=f2, WL_BM=cfg.wl_block_m, CAUSAL=bool(causal), KIND=kind,
-                MASKED_STAGES=cfg.bwd_masked_stages or stages, USE_TMA=use_tma, HEAD_MAJOR=cfg.bwd_head_major,
-                DQ_ATOMIC=atomic, DQ_TMA=int(cfg.bwd_dq_tma) if dq_desc is not None else 0, DOC_MAJOR=bool(cfg.doc_major),
-                GROUP=H // Hkv, REG_OPS=cfg.bwd_reg_operands, num_warps=warps, num_stages=stages,
-            )
+            launches += [(part, 2, f2 * H, nw2, ns2), (part, 1, f1 * Hkv, nw, ns)]
+    if dq_delta:  # every dQ launch (they write Delta) before any dK/dV launch (it reads Delta)
+        launches.sort(key=lambda x: x[1] != 2)
+    for part, kind, per_rank, warps, stages in launches:
+        cfg, sel, order, valid_ranks, ranks = part
+        f1 = cfg.wl_block_m // cfg.bwd_block_n1
+        f2 = cfg.wl_block_m // cfg.bwd_block_m2
+        n_prog = ranks * per_rank
+        if n_prog == 0:
+            continue
+        _bwd_kernel[(n_prog,)](
+            q, k, v, do, lse, delta, o, dlse if has_dlse else lse, dq, dk, dv, dq_acc, dq_desc, items, valid_ranks,
+            cu_seqlens, cu_seqlens.numel() - 1, ranks, H, Hkv, sel, order,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+            o.stride(0), o.stride(1),
+            dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            dq_acc.stride(0) if atomic else 0, dq_acc.stride(1) if atomic else 0, delta.stride(0),
+            float(softmax_scale) * LOG2E, float(softmax_scale),
+            HEAD_DIM=D, BLOCK_M1=cfg.bwd_block_m1, BLOCK_N1=cfg.bwd_block_n1,
+            BLOCK_M2=cfg.bwd_block_m2, BLOCK_N2=cfg.bwd_block_n2,
+            F1=f1, F2=f2, WL_BM=cfg.wl_block_m, CAUSAL=bool(causal), KIND=kind,
+            MASKED_STAGES=cfg.bwd_masked_stages or stages, USE_TMA=use_tma, HEAD_MAJOR=cfg.bwd_head_major,
+            DQ_ATOMIC=atomic, DQ_TMA=int(cfg.bwd_dq_tma) if dq_desc is not None else 0, DOC_MAJOR=bool(cfg.doc_major),
+            GROUP=H // Hkv, REG_OPS=cfg.bwd_reg_operands, DQ_DELTA=dq_delta and kind == 2,
+            HAS_DLSE=dq_delta and has_dlse, num_warps=warps, num_stages=stages,
+        )
     if atomic:
         dq.copy_(dq_acc)  # padding rows are zero in the accumulator
     else:
