@@ -298,7 +298,9 @@ class AttentionKernelConfig:
     one extra ``O`` tile each (they load ``dO`` anyway) and store it, then the dK/dV launch reads it
     (so ``bwd_fused`` is ignored). Trades the preprocess's full DRAM read of ``O`` and ``dO`` (~130 us on
     W7) against the fused launch's overlap of both program kinds. Needs ``bwd_dq_atomic=False``
-    (there are no dQ programs then). Since 2026-11-30 (candidate ``small_n32r_dqd``)."""
+    (there are no dQ programs then). Measured (H200, 2026-11-30, candidate ``small_n32r_dqd`` vs
+    ``small_n32r``, medians of 3 passes): W7 training call 1.00x, S1 1.019x; the split alone with the
+    preprocess (``small_n32r_split``) 0.957x on W7. Off by default."""
 
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
