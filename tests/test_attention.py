@@ -337,6 +337,14 @@ _INTERP_CASES = {
                          config=_SMALL),
     "random_row_b": dict(lengths="random:1", num_heads=2, num_kv_heads=2, head_dim=64, causal=False, pad=0,
                          config=_SMALL),
+    # the forward's static snake schedule (DESIGN.md §6), and schedule="policy" resolving to it
+    # (non-causal, balanced) or to the atomic counter (causal); units dealt over 8 programs, many rounds
+    "static_snake_noncausal_gqa": dict(lengths=[70, 5, 33, 1, 1, 2, 40], num_heads=4, num_kv_heads=2, head_dim=64,
+                                       causal=False, pad=3, config={**_SMALL, "schedule": "static"}),
+    "policy_static_balanced": dict(lengths=[60, 50, 40, 55, 45], num_heads=2, num_kv_heads=2, head_dim=64,
+                                   causal=False, pad=0, config={**_SMALL, "schedule": "policy"}),
+    "policy_dynamic_causal": dict(lengths=[70, 5, 33, 1, 1, 2, 40], num_heads=2, num_kv_heads=1, head_dim=64,
+                                  causal=True, pad=5, config={**_SMALL, "schedule": "policy"}),
     # Delta computed and stored by the dQ programs (bwd_dq_delta: no preprocess), with and without dLSE
     "dq_delta_gqa_lsegrad": dict(lengths=[70, 5, 33, 1, 1, 2, 40], num_heads=4, num_kv_heads=2, head_dim=64,
                                  causal=True, pad=7, config={**_SMALL, "bwd_dq_delta": True}, with_lse_grad=True),

@@ -91,6 +91,31 @@ def test_policy_rule():
             choose_policy(bad, causal=True)
 
 
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(0, 5000), min_size=0, max_size=60), causal=st.booleans())
+def test_policy_for_call_agrees_with_choose_policy(lengths, causal):
+    """The kernels' host-int form of the rule picks what choose_policy picks from the lengths."""
+    from flamia_pack.scheduler.policy import policy_for_call
+
+    got = policy_for_call(causal, max(lengths, default=0), sum(lengths), len(lengths))[0]
+    want = "static" if sum(lengths) == 0 and not causal else choose_policy(lengths, causal=causal)[0]
+    assert got == want
+
+
+def test_policy_for_call_rejects_bad_ints_and_resolves_the_kernel_schedule():
+    from flamia_pack.kernels.attention import _resolve_policy
+    from flamia_pack.kernels.config import AttentionKernelConfig
+    from flamia_pack.scheduler.policy import policy_for_call
+
+    for bad in ((-1, 10, 2), (5, 1.5, 2), (5, 10, True)):
+        with pytest.raises(FlamiaError, match="must be an int >= 0"):
+            policy_for_call(False, *bad)
+    cfg = AttentionKernelConfig(schedule="policy")
+    assert _resolve_policy(cfg, False, 60, 250, 5).schedule == "static"  # max 60 < 4 x mean 50
+    assert _resolve_policy(cfg, False, 200, 250, 5).schedule == "persistent"  # 200 >= 4 x 50
+    assert _resolve_policy(cfg, True, 60, 250, 5).schedule == "persistent"  # causal -> dynamic
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     costs=st.lists(st.integers(0, 50), min_size=0, max_size=300),

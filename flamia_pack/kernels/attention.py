@@ -315,6 +315,16 @@ def _config_from_tuple(vals: tuple[int, ...]) -> AttentionKernelConfig:
     return AttentionKernelConfig(**kw)
 
 
+@host_cache
+def _resolve_policy(cfg: AttentionKernelConfig, causal: bool, max_seqlen: int, T: int, n_docs: int) -> AttentionKernelConfig:
+    """``schedule="policy"`` -> ``"static"`` (snake) or ``"persistent"`` (atomic counter) per
+    ``scheduler.policy.policy_for_call`` (DESIGN.md §6)."""
+    from flamia_pack.scheduler.policy import policy_for_call
+
+    policy, _ = policy_for_call(bool(causal), int(max_seqlen), int(T), int(n_docs))
+    return dataclasses.replace(cfg, schedule="static" if policy == "static" else "persistent")
+
+
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     """The fallback's compute (and LSE) dtype: float64 for float64 inputs (gradcheck-exact), else float32."""
     return torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -556,6 +566,8 @@ def varlen_attention(
                                                                num_kv_groups=q.shape[1] // k.shape[1])
         if deterministic and (cfg.bwd_dq_atomic or cfg.bwd_gluon_dq_reduce):
             cfg = dataclasses.replace(cfg, bwd_dq_atomic=False, bwd_gluon_dq_reduce=False)
+        if cfg.schedule == "policy":  # the scheduler's static / dynamic rule, from host ints
+            cfg = _resolve_policy(cfg, causal, max_seqlen, T, cu32.numel() - 1)
         if work_list is None:
             items, num_items = _default_work_list(cu32, T, max_seqlen, causal, cfg)
         else:

@@ -50,12 +50,18 @@ of its default (unset or empty: the default, with the ``max_seqlen`` rule of :fu
 ``default``: the default tiles for every call). For device runs that pick a variant
 without code changes, e.g. ``FLAMIA_ATTN_CONFIG=bwd_tma pytest tests/test_attention_gpu.py``."""
 
-SCHEDULES = ("grid", "persistent", "grid_head_major")
-"""``grid``: one program per (work-list entry, head), launched in the list's decreasing-cost order
-(CTAs are dispatched in launch order, which approximates LPT); ``persistent``: one program per SM
-slot taking the next (entry, head) from a global atomic counter (the dynamic policy of DESIGN.md §6);
-``grid_head_major``: the grid with the head index slowest (one head's entries in decreasing-cost order,
-then the next head's), so the programs in flight share one head's K/V in L2."""
+SCHEDULES = ("grid", "persistent", "grid_head_major", "static", "policy")
+"""Launch order of the Triton forward (DESIGN.md §6). ``grid``: one program per (work-list entry,
+head), launched in the list's decreasing-cost order (CTAs are dispatched in launch order, which
+approximates LPT); ``persistent``: one program per SM slot taking the next (entry, head) from a global
+atomic counter (the dynamic policy); ``grid_head_major``: the grid with the head index slowest (one
+head's entries in decreasing-cost order, then the next head's), so the programs in flight share one
+head's K/V in L2; ``static``: one program per SM slot walking the (entry, head) units dealt to it in
+snake order (the static policy: unit ``k`` of round ``r = k // P`` goes to program ``k % P`` in even
+rounds, ``P - 1 - k % P`` in odd ones, ``scheduler.worklist.static_assignment``); ``policy``: ``static``
+or ``persistent`` as ``scheduler.policy.policy_for_call`` picks for the call (causal -> dynamic;
+non-causal -> dynamic iff max_seqlen >= 4 x the mean length), from host ints (no sync). The persistent
+Gluon forward (head_dim 128 causal default) always takes entries from a counter (dynamic)."""
 
 
 def _is_int(x) -> bool:
@@ -470,6 +476,9 @@ CANDIDATES: dict[str, dict] = {
     "head_major": dict(HEAD_MAJOR),
     # the previous default: (entry, head) programs in plain decreasing-cost order (heads fastest)
     "grid_order": {"schedule": "grid", "bwd_head_major": False},
+    # the Triton forward following the scheduler's policy (static snake or dynamic counter; unmeasured)
+    "triton_policy": {"schedule": "policy", "bwd_head_major": True, "fwd_gluon": False},
+    "triton_static": {"schedule": "static", "bwd_head_major": True, "fwd_gluon": False},
     # both
     "tma_head_major": {**HEAD_MAJOR, "bwd_tma": True},
     # both, plus a 64-query x 64-key forward with 4 warps (less causal-diagonal waste and per-program

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flamia_pack.errors import FlamiaError
 from flamia_pack.kernels.config import AttentionKernelConfig
 from flamia_pack.kernels.tiles_triton import masked_tile_index, program_geometry, relative_doc, tile_visible
 
@@ -113,10 +114,24 @@ def _fwd_kernel(
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     F: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, PERSISTENT: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr, DOC_MAJOR: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr, DOC_MAJOR: tl.constexpr, STATIC: tl.constexpr = False,
 ):
     total = tl.load(num_items_ptr) * F * num_heads
-    if PERSISTENT:
+    if STATIC:
+        # static snake (DESIGN.md §6; seed 001 Algorithm 2 line 06): unit k of round r = k // P goes to
+        # program k % P in even rounds and P - 1 - k % P in odd ones; each program walks its units in
+        # increasing k (scheduler.worklist.static_assignment deals the same way)
+        c = tl.program_id(0)
+        n_prog = tl.num_programs(0)
+        r = 0
+        tile = c
+        while tile < total:
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group, sel, order_ptr,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL, DOC_MAJOR)
+            r += 1
+            tile = r * n_prog + tl.where(r % 2 == 0, c, n_prog - 1 - c)
+    elif PERSISTENT:
         tile = tl.atomic_add(counter_ptr, 1)
         while tile < total:
             nxt = tl.atomic_add(counter_ptr, 1)
@@ -281,7 +296,11 @@ def flash_fwd(
     for cfg, sel in parts:
         f = cfg.wl_block_m // cfg.block_m
         n_entries = items.shape[0] * f * H
-        persistent = cfg.schedule == "persistent"
+        if cfg.schedule == "policy":
+            raise FlamiaError("schedule='policy' must be resolved to 'static' or 'persistent' before the launch "
+                              "(varlen_attention does it with scheduler.policy.policy_for_call)")
+        static = cfg.schedule == "static"
+        persistent = cfg.schedule == "persistent" or static
         if persistent:
             counter = torch.zeros((1,), dtype=torch.int32, device=q.device)
             grid = (max(1, min(n_entries, 2 * _num_sms(q.device))),)
@@ -296,7 +315,7 @@ def flash_fwd(
                 float(softmax_scale) * LOG2E,
                 HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, F=f, WL_BM=cfg.wl_block_m,
                 CAUSAL=bool(causal), PERSISTENT=persistent, HEAD_MAJOR=cfg.schedule == "grid_head_major",
-                DOC_MAJOR=bool(cfg.doc_major),
+                DOC_MAJOR=bool(cfg.doc_major), STATIC=static,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.fwd_maxnreg} if cfg.fwd_maxnreg else {}),
             )
     fill_tail(o, cu_seqlens, 0.0, token_dim=0)

@@ -15,7 +15,7 @@ import numpy as np
 from flamia_pack.errors import FlamiaError
 from flamia_pack.scheduler.cost import lengths_from
 
-__all__ = ["POLICIES", "SKEW_THRESHOLD", "choose_policy"]
+__all__ = ["POLICIES", "SKEW_THRESHOLD", "choose_policy", "policy_for_call"]
 
 POLICIES = ("static", "dynamic")
 SKEW_THRESHOLD = 4.0
@@ -45,8 +45,41 @@ def choose_policy(seqlens, causal: bool, override: str | None = None) -> tuple[s
         return "dynamic", "causal call: item costs grow along each document, so dynamic acquisition balances the tail"
     if lens.size == 0:
         return "static", "no documents"
-    mx, mean = float(lens.max()), float(lens.mean())
+    return _noncausal_rule(float(lens.max()), float(lens.mean()))
+
+
+def _noncausal_rule(mx: float, mean: float) -> tuple[str, str]:
     ratio = mx / mean if mean > 0 else float("inf")
     if ratio >= SKEW_THRESHOLD:
         return "dynamic", f"non-causal, skewed: max_len {mx:.0f} >= {SKEW_THRESHOLD:g} x mean_len {mean:.1f} (ratio {ratio:.2f})"
     return "static", f"non-causal, balanced: max_len {mx:.0f} < {SKEW_THRESHOLD:g} x mean_len {mean:.1f} (ratio {ratio:.2f})"
+
+
+def policy_for_call(causal: bool, max_seqlen: int, total_tokens: int, n_docs: int) -> tuple[str, str]:
+    """:func:`choose_policy`'s rule from the host ints an attention call already has (no device sync).
+
+    ``mean_len = total_tokens / n_docs``: exact when ``cu_seqlens[-1] == total_tokens`` (the packed
+    row has no row-end padding), an over-estimate otherwise (padding counts as tokens), which can only
+    move a borderline call from dynamic to static. ``max_seqlen`` is the call's bound on the longest
+    document (varlen_attention's argument). Used by the kernels' ``schedule="policy"``.
+
+    Args:
+        causal: causal attention.
+        max_seqlen: int >= 0, the longest document's length (or a bound on it).
+        total_tokens: int >= 0, tokens of the packed row (T).
+        n_docs: int >= 0, documents in the row (``cu_seqlens.numel() - 1``).
+
+    Returns:
+        ``(policy, reason)`` as :func:`choose_policy`.
+
+    Raises:
+        FlamiaError: a negative or non-integer argument.
+    """
+    for name, x in (("max_seqlen", max_seqlen), ("total_tokens", total_tokens), ("n_docs", n_docs)):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
+            raise FlamiaError(f"{name} must be an int >= 0, got {x!r}")
+    if causal:
+        return "dynamic", "causal call: item costs grow along each document, so dynamic acquisition balances the tail"
+    if n_docs == 0 or total_tokens == 0:
+        return "static", "no documents"
+    return _noncausal_rule(float(max_seqlen), total_tokens / n_docs)
