@@ -152,23 +152,23 @@ def _fwd_bwd_fns(call, inp, layout=None, out_layout=None):
 # ----------------------------------------------------------------------------------------------
 
 
-def ours_call(inp, config=None):
+def ours_call(inp, config=None, causal: bool = True):
     """The bare call ``(q, k, v) -> o`` of our op, on the packed ``(T, H, D)`` tensors of ``inp``, with a
-    work list built once for the row."""
+    work list built once for the row (``causal=False``: the non-causal call, for schedule sweeps)."""
     from flamia_pack.kernels import varlen_attention
     from flamia_pack.kernels.attention import build_attention_work_list
 
-    wl = build_attention_work_list(inp["cu"], inp["T"], causal=True, head_dim=HEAD_DIM, config=config)
+    wl = build_attention_work_list(inp["cu"], inp["T"], causal=causal, head_dim=HEAD_DIM, config=config)
 
     def call(q, k, v):
-        return varlen_attention(q, k, v, inp["cu"], inp["max_seqlen"], causal=True, work_list=wl, config=config)
+        return varlen_attention(q, k, v, inp["cu"], inp["max_seqlen"], causal=causal, work_list=wl, config=config)
 
     return call
 
 
-def ours(inp, config=None):
+def ours(inp, config=None, causal: bool = True):
     """Our op with a work list built once for the row."""
-    return _fwd_bwd_fns(ours_call(inp, config), inp)
+    return _fwd_bwd_fns(ours_call(inp, config, causal), inp)
 
 
 def flex(inp):

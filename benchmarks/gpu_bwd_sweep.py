@@ -1,6 +1,6 @@
 """One-call H200 sweep of the attention config candidates (issue 5: the backward gap to FlexAttention).
 
-    PYTHONPATH=. python3 benchmarks/gpu_bwd_sweep.py [--candidates a,b,...] [--workloads W1,W4,W6,W7]
+    PYTHONPATH=. python3 benchmarks/gpu_bwd_sweep.py [--candidates a,b,...] [--workloads W1,W4,W6,W7] [--noncausal]
         [--rep MS] [--passes N] [--budget S] [--dry-run]
 
 For each candidate of ``flamia_pack.kernels.config.CANDIDATES`` (``default`` first):
@@ -61,8 +61,8 @@ def sweep_row(name: str):
     return WORKLOADS[name], workload_lengths(name)
 
 
-def check_correct(cfg, seed: int = 3, total: int = 3003, device: str = "cuda") -> dict:
-    """Correctness of one candidate on a small random packed row (causal, unaligned starts, 5 padding rows).
+def check_correct(cfg, seed: int = 3, total: int = 3003, device: str = "cuda", causal: bool = True) -> dict:
+    """Correctness of one candidate on a small random packed row (unaligned starts, 5 padding rows).
 
     H = 16 MHA and T = total + 5 divisible by 16, like the timed rows: the kernels compiled here
     have the same integer specializations (head count, group, divisibility of T-strides) and are
@@ -74,7 +74,7 @@ def check_correct(cfg, seed: int = 3, total: int = 3003, device: str = "cuda") -
     from flamia_pack.kernels.check import compare_with_reference, random_lengths
 
     lengths = random_lengths(np.random.default_rng(seed), total, 40)
-    r = compare_with_reference(lengths, num_heads=16, num_kv_heads=16, head_dim=128, causal=True, pad=5,
+    r = compare_with_reference(lengths, num_heads=16, num_kv_heads=16, head_dim=128, causal=causal, pad=5,
                                device=device, seed=seed, config=cfg)
     return {k: (float(v) if isinstance(v, float) else v) for k, v in r.items()}
 
@@ -126,6 +126,8 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=2, help="timing passes (alternating candidate order)")
     ap.add_argument("--budget", type=float, default=130.0, help="seconds after which no new cell is timed")
     ap.add_argument("--dry-run", action="store_true", help="CPU: build configs and work lists only")
+    ap.add_argument("--noncausal", action="store_true",
+                    help="time and check the non-causal call (e.g. the Triton forward's static / policy schedules)")
     a = ap.parse_args(argv)
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
@@ -136,7 +138,8 @@ def main(argv=None) -> int:
     if "default" in names:
         names.remove("default")
     names = ["default"] + names
-    cfgs = {n: candidate_config(n, 128, True) for n in names}
+    causal = not a.noncausal
+    cfgs = {n: candidate_config(n, 128, causal) for n in names}
     base = cfgs["default"]
     workloads = [w for w in a.workloads.split(",") if w]
 
@@ -152,11 +155,11 @@ def main(argv=None) -> int:
             for w in workloads:
                 lens = sweep_row(w)[1]
                 cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
-                wl = build_attention_work_list(cu, int(lens.sum()), causal=True, head_dim=128, config=c)
+                wl = build_attention_work_list(cu, int(lens.sum()), causal=causal, head_dim=128, config=c)
                 log(f"dry-run {n} {w}: T={int(lens.sum())} items={int(wl.num_items.item())}")
             log(f"dry-run {n}: overrides {diff} forward changed={changes_forward(c, base)}")
             if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels in the Triton interpreter
-                r = check_correct(c, total=299, device="cpu")
+                r = check_correct(c, total=299, device="cpu", causal=causal)
                 log(f"dry-run check {n} (interpreter, 300 tokens): {'OK' if r['ok'] else 'FAIL'}")
         if not a.dry_run:
             log("no CUDA device: dry run only")
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
     import bench_attention as B
 
     log(f"GPU {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
-        f"candidates {names}; workloads {workloads}")
+        f"candidates {names}; workloads {workloads}; {'causal' if causal else 'NON-causal'}")
     res: dict = {n: {"config": dataclasses.asdict(c), "fwd_changed": changes_forward(c, base), "train_ms": {}, "fwd_ms": {},
                      "train_runs": {}, "fwd_runs": {}} for n, c in cfgs.items()}
 
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
             log(f"check {n}: skipped (time budget)")
             continue
         try:
-            r = check_correct(c)
+            r = check_correct(c, causal=causal)
             res[n]["check"] = r
             res[n]["correct"] = bool(r["ok"])
             log(f"check {n}: {'OK' if r['ok'] else 'FAIL'} " + " ".join(
@@ -203,7 +206,7 @@ def main(argv=None) -> int:
             fns = {}
             for n in live:
                 try:
-                    f, t, leaves = B.ours(inp, cfgs[n])
+                    f, t, leaves = B.ours(inp, cfgs[n], causal)
                     t()
                     torch.cuda.synchronize()
                     fns[n] = (f, t, leaves)
@@ -221,7 +224,7 @@ def main(argv=None) -> int:
                     runs = res[n][f"{key}_runs"].get(w)
                     if runs:
                         res[n][f"{key}_ms"][w] = float(np.mean(runs))
-            fl = attention_flops(lens, spec["num_heads"], 128, True, mode="fwd_bwd")
+            fl = attention_flops(lens, spec["num_heads"], 128, causal, mode="fwd_bwd")
             log(f"pass {p + 1} {w}: " + ", ".join(
                 f"{n} {res[n]['train_runs'][w][-1]:.3f} ms ({fl / res[n]['train_runs'][w][-1] / 1e9:.0f} TF/s)"
                 for n in fns if res[n]["train_runs"].get(w)))
@@ -229,7 +232,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
 
     # 3. table and summary (raw numbers are written even if the summary fails)
-    summary = {"workloads": workloads, "rep_ms": a.rep, "passes": a.passes, "device": torch.cuda.get_device_name(),
+    summary = {"workloads": workloads, "causal": causal, "rep_ms": a.rep, "passes": a.passes, "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "triton": triton.__version__}
     text = ""
     try:
