@@ -209,6 +209,13 @@ def test_hf_save_to_disk_dataset_and_dict(tmp_path):
     datasets.DatasetDict({"train": sub, "test": ds}).save_to_disk(str(tmp_path / "dd"))
     src2 = open_source(tmp_path / "dd", text_column="text")
     assert as_lists(src2) == [byte_ids("5"), byte_ids("1"), byte_ids("9")]
+    # the split used is named (the summary said only "hf-dataset dd"); a plain Dataset has none
+    assert (src2.split, src2.splits) == ("train", ("train", "test"))
+    assert "(split 'train' of train, test; column 'text'" in src2.description
+    assert src2.info()["split"] == "train" and src2.info()["splits"] == ["train", "test"]
+    assert src.split is None and "split" not in src.description and "split" not in src.info()
+    datasets.DatasetDict({"validation": sub}).save_to_disk(str(tmp_path / "dd1"))
+    assert open_source(tmp_path / "dd1").split == "validation"
     import os
 
     assert os.environ["HF_DATASETS_OFFLINE"] == "1" and os.environ["HF_HUB_OFFLINE"] == "1"

@@ -389,6 +389,8 @@ class DocumentSource:
             raises ``TypeError`` when it is None.
         batch_rows: documents per batch of :meth:`iter_batches` (arrow inputs may give a batch
             of fewer rows at file/record-batch boundaries).
+        split, splits: for a saved HF ``DatasetDict``, the split read and all its splits; else
+            None and ``()``.
 
     Iterating twice reads the input twice. Errors found while reading raise ``SourceError``.
     """
@@ -404,6 +406,8 @@ class DocumentSource:
         num_docs: Optional[int],
         batch_rows: int,
         flat_reader: Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]],
+        split: Optional[str] = None,
+        splits: tuple[str, ...] = (),
     ):
         self.path = path
         self.format = format
@@ -413,12 +417,15 @@ class DocumentSource:
         self.num_docs = num_docs
         self.batch_rows = batch_rows
         self._flat_reader = flat_reader
+        self.split = split
+        self.splits = tuple(splits)
 
     @property
     def description(self) -> str:
         """One human-readable line, e.g. ``parquet data/x.parquet (column 'text', bytes tokenizer)``."""
         how = "pre-tokenized" if self.pretokenized else f"{self.tokenizer_name} tokenizer"
-        return f"{self.format} {self.path} (column {self.column!r}, {how})"
+        split = f"split {self.split!r} of {', '.join(self.splits)}; " if self.split is not None else ""
+        return f"{self.format} {self.path} ({split}column {self.column!r}, {how})"
 
     @property
     def tokenizer_name(self) -> str:
@@ -427,7 +434,10 @@ class DocumentSource:
 
     def info(self) -> dict[str, Any]:
         """JSON-serialisable description of the input (the manifest's ``source``)."""
-        return {"path": self.path, "format": self.format, "column": self.column, "num_docs": self.num_docs}
+        info = {"path": self.path, "format": self.format, "column": self.column, "num_docs": self.num_docs}
+        if self.split is not None:  # a DatasetDict: which of its splits was read
+            info.update(split=self.split, splits=list(self.splits))
+        return info
 
     def tokenizer_info(self) -> dict[str, Any]:
         """JSON-serialisable description of the tokenizer (the manifest's ``tokenizer``)."""
@@ -648,6 +658,7 @@ def _set_hf_offline() -> None:
 
 
 def _load_hf_dataset(p: pathlib.Path):
+    """``(dataset, split, splits)``: for a ``DatasetDict`` its split read and all its splits, else ``(ds, None, ())``."""
     _set_hf_offline()
     try:
         import datasets
@@ -660,12 +671,13 @@ def _load_hf_dataset(p: pathlib.Path):
     if isinstance(ds, datasets.DatasetDict):
         splits = list(ds.keys())
         if "train" in ds:
-            ds = ds["train"]
+            split = "train"
         elif len(splits) == 1:
-            ds = ds[splits[0]]
+            split = splits[0]
         else:
             raise SourceError(f"HF DatasetDict {p} has splits {', '.join(splits)} and no 'train'; save the split to pack on its own")
-    return ds
+        return ds[split], split, tuple(splits)
+    return ds, None, ()
 
 
 def _hf_arrays(ds, column: str, batch_rows: int) -> Iterator[pa.Array]:
@@ -806,6 +818,7 @@ def open_source(
 
     # tabular inputs: find schema + row count, choose the column, check its type
     first_json: Optional[pa.Table] = None
+    split, splits = None, ()  # a DatasetDict's split read, and all its splits
     if kind == "parquet":
         schema, n0 = _parquet_schema(files[0])
         num_docs: Optional[int] = n0 + sum(_parquet_schema(f)[1] for f in files[1:])
@@ -828,7 +841,7 @@ def open_source(
         num_docs = n0 + sum(_arrow_schema(f)[1] for f in files[1:])
         arrays_fn = lambda c: _arrow_arrays(files, c, batch_rows)
     else:  # hf-dataset
-        ds = _load_hf_dataset(p)
+        ds, split, splits = _load_hf_dataset(p)
         schema = ds.data.schema
         num_docs = ds.num_rows
         arrays_fn = lambda c: _wrap_errors(_hf_arrays(ds, c, batch_rows), f"HF dataset {p}")
@@ -847,4 +860,5 @@ def open_source(
         path=str(path), format=kind, column=column, pretokenized=pretokenized, tokenizer=tok,
         num_docs=num_docs, batch_rows=batch_rows,
         flat_reader=lambda: _docs_from_arrays(arrays_fn(column), column, pretokenized, tok, where),
+        split=split, splits=splits,
     )
