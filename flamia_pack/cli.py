@@ -184,7 +184,20 @@ def pack_cmd(
         "shards": len(manifest.shards),
         "seconds": {"read": t1 - t0, "pack": t2 - t1, "write": t3 - t2, "total": t3 - t0},
         "tokens_per_s": manifest.tokens["in"] / max(t3 - t0, 1e-9),
+        "nothing_packed": manifest.tokens["packed"] == 0,
     }
+    if summary["nothing_packed"]:  # valid input (exit 0), but rows of padding only: say why
+        d, t = manifest.documents, manifest.tokens
+        if d["in"] == 0:
+            why = "the source had no documents"
+        elif t["in"] == 0:
+            why = f"all {d['in']:,} documents were empty"
+        elif t["dropped_reasons"].get("long_doc_drop", 0) == t["in"]:
+            why = (f"all {d['in'] - d['empty']:,} non-empty documents were dropped (--long-docs drop, capacity "
+                   f"{manifest.capacity:,}: each is longer than a row; --long-docs split or truncate keeps them)")
+        else:  # pragma: no cover - split/truncate always pack something of a non-empty document
+            why = f"all {t['in']:,} tokens were dropped"
+        err.print(Text(f"warning: no tokens were packed: {why}", style="bold yellow"), soft_wrap=True)
     if previous is not None:
         reused = len({x.sha256 for x in previous.shards} & {x.sha256 for x in manifest.shards})
         summary["previous_output"] = {"rows": previous.rows, "capacity": previous.capacity,

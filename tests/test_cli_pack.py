@@ -294,3 +294,27 @@ def test_rerun_says_whether_an_earlier_output_was_reused_or_replaced(tmp_path, t
     prev = json.loads(other.stdout)["previous_output"]
     assert prev["capacity"] == 128 and prev["shards_reused"] == 0
     assert formats.verify(out).capacity == 64
+
+
+def test_nothing_packed_warns_on_stderr_exit_0(tmp_path, text_parquet):
+    """Packing nothing (every document dropped, an empty source) exited 0 silently; it still exits 0
+    (valid input) but says why on stderr, and --json has ``nothing_packed``."""
+    cases = {
+        "dropped": ([str(text_parquet), "--capacity", "1", "--long-docs", "drop"],
+                    "all documents were dropped (--long-docs drop, capacity 1"),
+        "empty source": ([str(tmp_path / "e.jsonl"), "--capacity", "8"], "the source had no documents"),
+    }
+    (tmp_path / "e.jsonl").write_text("")
+    for name, (args, needle) in cases.items():
+        res = run_cli(*args, "--out", str(tmp_path / name), "--json")
+        assert res.exit_code == 0, res.output
+        s = json.loads(res.stdout)
+        assert s["nothing_packed"] is True and s["tokens"]["packed"] == 0
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("warning: no tokens were packed: "), res.stderr
+        if name == "dropped":
+            n = s["documents"]["in"] - s["documents"]["empty"]
+            needle = needle.replace("all documents", f"all {n} non-empty documents")
+        assert needle in lines[0]
+    res = run_cli(str(text_parquet), "--out", str(tmp_path / "ok"), "--capacity", "64", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["nothing_packed"] is False and "warning" not in res.stderr
