@@ -60,9 +60,15 @@ def _pack_summary_table(summary: dict):
     table.add_row("rows", f"{summary['rows']:,} x {summary['capacity']:,} tokens "
                           f"({summary['algorithm']}, long docs: {summary['long_docs']})")
     table.add_row("fill", f"{100.0 * summary['fill']:.3f} %")
-    table.add_row("speed", f"{summary['tokens_per_s']:,.0f} tokens/s ({summary['seconds']['total']:.2f} s: "
-                           f"read {summary['seconds']['read']:.2f}, plan {summary['seconds']['pack']:.2f}, "
-                           f"fill + write {summary['seconds']['write']:.2f})")
+    sec = summary["seconds"]
+    prev = summary.get("previous_output")
+    if prev is not None and prev["all_reused"]:  # nothing written: a tokens/s would time only read + plan
+        table.add_row("speed", f"reused (no shards written: all {summary['shards']} were already there from an "
+                               f"earlier run; {sec['total']:.2f} s: read {sec['read']:.2f}, plan {sec['pack']:.2f}, "
+                               f"fill + compare {sec['write']:.2f})")
+    else:
+        table.add_row("speed", f"{summary['tokens_per_s']:,.0f} tokens/s ({sec['total']:.2f} s: read {sec['read']:.2f}, "
+                               f"plan {sec['pack']:.2f}, fill + write {sec['write']:.2f})")
     table.add_row("output", f"{summary['output']} ({summary['shards']} shard(s) + manifest.json)")
     return table
 
@@ -201,7 +207,10 @@ def pack_cmd(
     if previous is not None:
         reused = len({x.sha256 for x in previous.shards} & {x.sha256 for x in manifest.shards})
         summary["previous_output"] = {"rows": previous.rows, "capacity": previous.capacity,
-                                      "shards": len(previous.shards), "shards_reused": reused}
+                                      "shards": len(previous.shards), "shards_reused": reused,
+                                      # every shard of this output was the earlier run's, none written
+                                      "all_reused": {(x.file, x.sha256) for x in manifest.shards}
+                                      <= {(x.file, x.sha256) for x in previous.shards}}
         if reused < len(previous.shards) or reused < len(manifest.shards):
             err.print(f"note: {out} held a finished output ({previous.rows:,} rows x {previous.capacity:,}, "
                       f"{len(previous.shards)} shard(s)); {reused} shard(s) were reused, the rest replaced")

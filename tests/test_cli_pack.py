@@ -318,3 +318,20 @@ def test_nothing_packed_warns_on_stderr_exit_0(tmp_path, text_parquet):
         assert needle in lines[0]
     res = run_cli(str(text_parquet), "--out", str(tmp_path / "ok"), "--capacity", "64", "--json")
     assert res.exit_code == 0 and json.loads(res.stdout)["nothing_packed"] is False and "warning" not in res.stderr
+
+
+def test_rerun_reusing_every_shard_says_reused_not_tokens_per_s(tmp_path, text_parquet):
+    """A re-run with the same arguments (`make demo` twice) writes nothing: its speed row said a
+    meaningless tokens/s; it says "reused" (all_reused in --json's previous_output)."""
+    out = str(tmp_path / "out")
+    args = [str(text_parquet), "--out", out, "--capacity", "128", "--shard-rows", "7"]
+    first = run_cli(*args)
+    assert first.exit_code == 0 and "tokens/s" in first.stdout and "reused" not in first.stdout
+    again = run_cli(*args)
+    speed = next(ln for ln in again.stdout.splitlines() if "speed" in ln)
+    assert again.exit_code == 0 and "reused (no shards written" in speed and "tokens/s" not in speed
+    assert json.loads(run_cli(*args, "--json").stdout)["previous_output"]["all_reused"] is True
+    other = run_cli(*args[:-1], "5", "--json")  # other shard size: shards rewritten
+    assert other.exit_code == 0 and json.loads(other.stdout)["previous_output"]["all_reused"] is False
+    speed = next(ln for ln in run_cli(*args[:-1], "3").stdout.splitlines() if "speed" in ln)
+    assert "tokens/s" in speed
