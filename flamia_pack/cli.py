@@ -681,8 +681,8 @@ def bench_cmd(
 def serve_cmd(
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0 = any free port)."),
-    db: str = typer.Option(None, "--db", help="SQLite file of recorded runs (default: $FLAMIA_DB_PATH or "
-                           "./flamia_runs.db)."),
+    db: str = typer.Option(None, "--db", help="SQLite file of recorded runs, created if missing; its directory "
+                           "must exist (default: $FLAMIA_DB_PATH or ./flamia_runs.db)."),
     calibration: str = typer.Option(None, "--calibration", help="Calibration JSON to start from (default: "
                                     "$FLAMIA_CALIBRATION_PATH or the shipped table; never written)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level (critical, error, warning, "
@@ -694,7 +694,7 @@ def serve_cmd(
     --calibration override theirs. OpenAPI docs at /docs. Needs the `service` extra (fastapi, uvicorn).
 
     Bad settings (an invalid FLAMIA_* value, a missing, unreadable or malformed calibration JSON, a
-    database path that is a directory or not a SQLite file) are checked before the server starts and
+    database path that is a directory, not a SQLite file or in a missing directory) are checked before the server starts and
     print one red line on stderr, exit code 2.
     """
     from rich.console import Console
@@ -735,6 +735,9 @@ def serve_cmd(
         if settings.db_path.is_dir():
             fail(f"database {settings.db_path} is a directory; --db (or FLAMIA_DB_PATH) must name a SQLite "
                  "file (created if missing)")
+        if not settings.db_path.parent.is_dir():  # RunStore would create it: a typo made a directory tree
+            fail(f"the directory of database {settings.db_path} does not exist ({settings.db_path.parent}); --db "
+                 "(or FLAMIA_DB_PATH) must name a SQLite file in an existing directory (the file is created if missing)")
         try:
             RunStore(settings.db_path)
         except sqlite3.Error as exc:

@@ -515,6 +515,8 @@ def test_serve_cli_errors_are_one_line_exit_2(tmp_path, monkeypatch):
         ("calibration is a directory", "Is a directory"),
         ("db is a directory", "is a directory; --db (or FLAMIA_DB_PATH) must name a SQLite file"),
         ("db is not sqlite", "file is not a database"),
+        # RunStore creates parent directories: a typo in --db silently made a directory tree
+        ("db directory missing", "the directory of database"),
     ],
 )
 def test_serve_bad_calibration_or_db_is_one_line_exit_2_before_uvicorn(tmp_path, monkeypatch, case, needle):
@@ -537,6 +539,8 @@ def test_serve_bad_calibration_or_db_is_one_line_exit_2_before_uvicorn(tmp_path,
         args += ["--calibration", str(tmp_path)]
     elif case == "db is a directory":
         args[2] = str(tmp_path)
+    elif case == "db directory missing":
+        args[2] = str(tmp_path / "no" / "such" / "x.db")
     else:
         db.write_text("not a database, just text " * 100)
     r = CliRunner().invoke(cli_app, args)
@@ -547,6 +551,7 @@ def test_serve_bad_calibration_or_db_is_one_line_exit_2_before_uvicorn(tmp_path,
     if case in files:
         assert "expected" in lines[0] or case == "invalid json"
     assert "Traceback" not in r.output
+    assert not (tmp_path / "no").exists()  # nothing created
 
 
 def test_cli_import_does_not_pull_the_web_stack():
