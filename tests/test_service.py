@@ -401,6 +401,9 @@ def test_refit_recovers_hidden_coefficients_and_bumps_version(tmp_path):
     cal = base.lookup("bf16_fwd_bwd", 128, "H200")
     with make_client(tmp_path, dispatcher=fake) as c:
         assert c.post("/v1/calibration:refit").status_code == 409  # nothing recorded yet
+        # no request body is taken: a malformed one is ignored (the same 409), not a 422
+        r = c.post("/v1/calibration:refit", content=b"[", headers={"content-type": "application/json"})
+        assert r.status_code == 409 and "at least 2 recorded runs" in r.json()["detail"]
         mixes = [{"lengths": [4096] * 4}, {"histogram": [[2048, 3], [128, 40]]}, {"lengths": [8000, 300, 77, 1500]},
                  {"histogram": [[64, 300]]}]
         for m in mixes:

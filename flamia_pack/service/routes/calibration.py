@@ -32,7 +32,8 @@ async def refit_calibration(state: ServiceState = Depends(get_state)) -> RefitRe
     ``a * tiles + b`` to the measured times by least squares on the relative error (re-simulating
     each run's schedule), store the new table in the database under a new version
     (``<base>+refit<n>``) and use it from now on. The shipped calibration file is never modified.
-    409 when no key has two runs yet, or while another refit runs."""
+    409 when no key has two runs yet, or while another refit runs. Takes no request body: one sent
+    (even malformed JSON) is ignored, so it is never a 422."""
     if not state.refit_lock.acquire(blocking=False):
         raise HTTPException(status_code=409, detail="a refit is already in progress")
     old = state.calibration
