@@ -182,6 +182,15 @@ def test_dataset_state_roundtrip_without_loader(packed_dir, docs, kind):
     assert keys(ds3) == epoch4
 
 
+def test_packed_dataset_bool_arguments_must_be_bools(packed_dir):
+    """shuffle="yes" (or "no": bool("no") is True) was accepted and silently shuffled."""
+    for kw in ({"shuffle": "yes"}, {"shuffle": 1}, {"verify": "no"}):
+        (name, value), = kw.items()
+        with pytest.raises(FlamiaError, match=f"{name} must be a bool \\(True or False\\), got {value!r}"):
+            PackedDataset(packed_dir, **kw)
+    assert PackedDataset(packed_dir, shuffle=np.bool_(True), verify=False).shuffle is True
+
+
 def test_resume_refuses_another_configuration(packed_dir, docs):
     ds = PackedDataset(packed_dir, shuffle=True, seed=1, verify=False)
     state = ds.state_dict()
@@ -285,6 +294,8 @@ def test_streaming_bad_input():
         StreamingPackedDataset([[1, 2]], capacity=0)
     with pytest.raises(FlamiaError, match="long_docs"):
         StreamingPackedDataset([[1, 2]], capacity=8, long_docs="wrap")
+    with pytest.raises(FlamiaError, match=r"shuffle must be a bool \(True or False\), got 'no' \(str\)"):
+        StreamingPackedDataset([[1, 2]], capacity=8, shuffle="no")
     with pytest.raises(SourceError, match="document 1"):
         list(StreamingPackedDataset([[1, 2], [-1]], capacity=8))
 

@@ -89,6 +89,12 @@ def _check_int(value: Any, name: str, lo: int = 0) -> int:
     return int(value)
 
 
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):  # bool("no") is True: a string would silently shuffle
+        raise FlamiaError(f"{name} must be a bool (True or False), got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
 def _resolve_rank(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
     """(rank, world_size): the given values, else torch.distributed's when initialised, else (0, 1)."""
     if rank is None and world_size is None:
@@ -338,7 +344,8 @@ class PackedDataset(IterableDataset):
 
         super().__init__()
         self.data_dir = pathlib.Path(data_dir)
-        self.shuffle = bool(shuffle)
+        self.shuffle = _check_bool(shuffle, "shuffle")
+        verify = _check_bool(verify, "verify")
         self.seed = _check_int(seed, "seed")
         if rank is not None or world_size is not None:
             _resolve_rank(rank, world_size)  # validate now
@@ -560,7 +567,7 @@ class StreamingPackedDataset(IterableDataset):
         self.capacity = _check_int(capacity, "capacity", 1)
         self.buffer_docs = _check_int(buffer_docs, "buffer_docs", 1)
         self.seed = _check_int(seed, "seed")
-        self.shuffle = bool(shuffle)
+        self.shuffle = _check_bool(shuffle, "shuffle")
         self.text_column = text_column
         self.tokenizer = tokenizer
         self.pad_id = int(pad_id)
