@@ -398,6 +398,13 @@ def plan_cmd(
             rows, _ = _plan_read_lengths_file(source)
             what = f"lengths file {source}"
         cap = capacity if capacity is not None else man_capacity
+        if man_capacity is not None and cap is not None:  # rows are planned as they are, never re-packed
+            fullest = max(range(len(rows)), key=lambda i: int(rows[i].sum()))
+            if int(rows[fullest].sum()) > cap:
+                fail(f"--capacity {cap:,} is less than a row of packed dataset {source}: row {fullest} holds "
+                     f"{int(rows[fullest].sum()):,} tokens (manifest capacity {man_capacity:,}); its rows are "
+                     f"planned as they are, so --capacity must be >= {int(rows[fullest].sum()):,} or left out "
+                     "(the manifest's)")
         table = load_calibration(calibration)
         config = None  # the calibration entry's geometry = the work lists the kernel really builds
         if (block_m, block_n, merge_short) != (None, None, None):

@@ -71,6 +71,14 @@ def test_packed_directory(tmp_path):
     assert len(d["per_row"]) == len(rows)
     assert d["static_ms"] == pytest.approx(sum(predict(x, capacity=2048).static_ms for x in rows))
     assert _json(out, "--rows", 1)["rows"] == 1
+    # --capacity below a row: it said "documents total N tokens, more than capacity"; a row is meant
+    fullest = max(int(x.sum()) for x in rows)
+    r = _run(out, "--capacity", 100)
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert f"--capacity 100 is less than a row of packed dataset {out}" in lines[0]
+    assert f"holds {fullest:,} tokens" in lines[0] and "documents total" not in lines[0]
+    assert _json(out, "--capacity", fullest)["settings"]["capacity"] == fullest
 
 
 def test_packed_directory_reason_counts_rows_per_policy(tmp_path):
