@@ -316,6 +316,27 @@ def _plan_rows_reason(preds) -> str:
     return "; ".join(parts)
 
 
+def _plan_policy_note(summary: dict, policy: str) -> str | None:
+    """When the rule (``--policy auto``) picked the schedule the simulator predicts slower, say so, e.g.
+    ``rule: non-causal, balanced -> static; the simulator predicts dynamic 0.2% faster`` (None otherwise;
+    the rule itself is kept: it needs no simulation, and the kernels' ``schedule='policy'`` applies it)."""
+    if policy not in (None, "auto"):
+        return None
+    chosen, st, dy = summary["predicted_ms"], summary["static_ms"], summary["dynamic_ms"]
+    other, best = ("static", st) if st < dy else ("dynamic", dy)
+    if not best < chosen:
+        return None
+    pct = 100.0 * (chosen - best) / chosen
+    if summary["policy"] == "mixed":
+        rule, other = "rule: static or dynamic per row", f"{other} on every row"
+    else:
+        kind = ("causal" if summary["settings"]["causal"] else
+                "non-causal, skewed" if summary["policy"] == "dynamic" else "non-causal, balanced")
+        rule = f"rule: {kind} -> {summary['policy']}"
+    return f"{rule}; the simulator predicts {other} {pct:.1f}% faster" if pct >= 0.1 else \
+        f"{rule}; the simulator predicts {other} {pct:.2g}% faster"
+
+
 @app.command("plan")
 def plan_cmd(
     source: str = typer.Argument(None, help="Text file with one document length per line, or a packed "
@@ -464,6 +485,7 @@ def plan_cmd(
             "calibration_measured": p0.calibration_measured,
         },
     }
+    summary["policy_note"] = _plan_policy_note(summary, policy)
     summary["predicted_tflops"] = summary["flops"] / (summary["predicted_ms"] * 1e-3) / 1e12 if summary["predicted_ms"] else 0.0
     if packing is not None:  # "rows" = packed rows; one call over their segments ("documents" counts segments)
         summary["rows"] = packing["rows"]
@@ -499,7 +521,8 @@ def plan_cmd(
     t.add_row("work items", f"{summary['items']:,} ({summary['tiles_per_head']:,} key tiles per head)")
     t.add_row("policy", f"{summary['policy']}: {summary['reason']}")
     t.add_row("predicted", f"static {summary['static_ms']:.3f} ms, dynamic {summary['dynamic_ms']:.3f} ms{per} "
-                           f"-> {summary['predicted_ms']:.3f} ms, {summary['predicted_tflops']:.0f} TFLOP/s")
+                           f"-> {summary['predicted_ms']:.3f} ms, {summary['predicted_tflops']:.0f} TFLOP/s"
+                           + (f" ({summary['policy_note']})" if summary["policy_note"] else ""))
     pk, pd = summary["memory_packed_bytes"], summary["memory_padded_bytes"]
     ratio = f" ({pd / pk:.2f}x)" if pk else ""
     t.add_row("memory", f"packed {_plan_fmt_bytes(pk)}, padded-to-longest {_plan_fmt_bytes(pd)}{ratio}"

@@ -195,3 +195,25 @@ def test_mix_longer_than_capacity_packs_like_the_service(tmp_path, source):
     assert r.exit_code == 0, r.output
     text = " ".join(r.stdout.split())
     assert f"{mp.pack.rows} rows of {cap:,} tokens" in text and "fill" in text
+
+
+def test_note_when_the_rule_picks_the_schedule_predicted_slower(tmp_path):
+    """`plan --no-causal` printed "static X ms, dynamic Y ms -> X ms" with Y < X and no word on it: the
+    rule (kept) is named and the simulator's faster schedule with it; nothing when --policy is explicit."""
+    from flamia_pack.cli import _plan_policy_note
+
+    f = tmp_path / "lens.txt"
+    f.write_text("\n".join(map(str, [5131, 4137, 2231, 2531, 423, 694, 230, 1484, 6524, 5230])))
+    d = _json(f, "--no-causal")
+    assert d["policy"] == "static" and d["dynamic_ms"] < d["static_ms"] == d["predicted_ms"]
+    pct = 100 * (d["static_ms"] - d["dynamic_ms"]) / d["static_ms"]
+    note = f"rule: non-causal, balanced -> static; the simulator predicts dynamic {pct:.1f}% faster"
+    assert d["policy_note"] == note
+    r = _run(f, "--no-causal")
+    assert r.exit_code == 0 and f"({note})" in " ".join(r.stdout.replace("│", " ").split()), r.stdout
+    assert _json(f, "--no-causal", "--policy", "static")["policy_note"] is None
+    d = _json(f, "--no-causal", "--policy", "dynamic")
+    assert d["predicted_ms"] == min(d["static_ms"], d["dynamic_ms"]) and d["policy_note"] is None
+    mixed = {"policy": "mixed", "predicted_ms": 10.0, "static_ms": 11.0, "dynamic_ms": 9.0, "settings": {"causal": False}}
+    assert _plan_policy_note(mixed, "auto") == ("rule: static or dynamic per row; the simulator predicts "
+                                                 "dynamic on every row 10.0% faster")
