@@ -178,6 +178,22 @@ def test_user_files_named_like_our_output_are_never_overwritten(tmp_path):
     write(ours, packed, shard_rows=6)
 
 
+def test_hidden_files_are_ignored_by_the_guard_and_left_untouched(tmp_path):
+    """README: hidden files / folders (``.git``, ``.gitignore``) do not make an output directory
+    foreign, and writing (and re-writing with other shards) leaves them byte for byte as they were."""
+    out = tmp_path / "out"
+    (out / ".git" / "objects").mkdir(parents=True)
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (out / ".gitignore").write_text("*.parquet\n")
+    formats.check_output_dir(out)
+    write(out, make_packed(seed=7), shard_rows=6)
+    write(out, make_packed(seed=8), shard_rows=4)
+    assert (out / ".git" / "HEAD").read_text() == "ref: refs/heads/main\n" and (out / ".git" / "objects").is_dir()
+    assert (out / ".gitignore").read_text() == "*.parquet\n"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".git", ".gitignore"]
+    formats.verify(out)
+
+
 # ---------------------------------------------------------------------------------------------
 # verify() and read errors
 
