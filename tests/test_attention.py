@@ -209,6 +209,88 @@ def test_fallback_matches_reference_fwd_bwd(causal, h, hkv):
     assert all((x.grad[used:] == 0).all() for x in xs)
 
 
+def _naive_doc_attention(q, k, v, cu, causal, scale):
+    """Plain float64 softmax attention, one document at a time (GQA by repeating kv heads); padding rows
+    get O = 0 and LSE = +inf. Differentiable through autograd: the ground truth for the blocked backward."""
+    T, H, D = q.shape
+    g = H // k.shape[1]
+    os_, lses = [], []
+    bounds = cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qs = q[s:e].transpose(0, 1)
+        ks = k[s:e].repeat_interleave(g, dim=1).transpose(0, 1)
+        vs = v[s:e].repeat_interleave(g, dim=1).transpose(0, 1)
+        sc = torch.matmul(qs, ks.transpose(1, 2)) * scale
+        if causal:
+            sc = sc.masked_fill(~torch.ones(e - s, e - s, dtype=torch.bool).tril(), float("-inf"))
+        lse = torch.logsumexp(sc, dim=-1)
+        os_.append(torch.matmul(torch.exp(sc - lse[..., None]), vs).transpose(0, 1))
+        lses.append(lse)
+    pad = T - bounds[-1]
+    o = torch.cat(os_ + [q.new_zeros((pad, H, D))], dim=0)
+    lse = torch.cat(lses + [q.new_full((H, pad), float("inf"))], dim=1)
+    return o, lse
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fallback_bwd_query_blocks_match_autograd(monkeypatch, causal):
+    """The CPU backward walks each document in query blocks (``_REF_BWD_BLOCK_BYTES``); lowered here
+    so every document spans several blocks, dq/dk/dv (with an LSE gradient, GQA 4/2) must equal torch
+    autograd through plain per-document float64 attention."""
+    from flamia_pack.kernels import attention as attn
+
+    h, hkv, d = 4, 2, 16
+    lengths, pad = [40, 1, 75, 9], 3
+    monkeypatch.setattr(attn, "_REF_BWD_BLOCK_BYTES", h * 75 * 8 * 8)  # 8 rows of the 75-token document
+    assert attn._reference_bwd_block_rows(h, 75, 8) == 8
+    assert all(attn._reference_bwd_block_rows(h, n, 8) < n for n in (40, 75))  # several blocks each
+    q, k, v, cu = _inputs(lengths, h=h, hkv=hkv, d=d, pad=pad, dtype=torch.float64, seed=3)
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = varlen_attention(*xs, cu, 75, causal=causal, return_lse=True)
+    ys = [x.clone().requires_grad_() for x in (q, k, v)]
+    o_ref, lse_ref = _naive_doc_attention(*ys, cu, causal, d ** -0.5)
+    g = torch.Generator().manual_seed(4)
+    do = torch.randn(o.shape, generator=g, dtype=torch.float64)
+    dl = torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    used = sum(lengths)
+    torch.autograd.backward([o, lse[:, :used]], [do, dl[:, :used]])
+    torch.autograd.backward([o_ref, lse_ref[:, :used]], [do, dl[:, :used]])
+    torch.testing.assert_close(o, o_ref, atol=1e-12, rtol=1e-12)
+    for a, b in zip(xs, ys):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-10, rtol=1e-10)
+        assert (a.grad[used:] == 0).all()
+
+
+def test_fallback_bwd_memory_bound(monkeypatch):
+    """Per-block score matrices stay under ``_REF_BWD_BLOCK_BYTES`` even for L=100,000 and H=16, and one
+    12,000-token document (H=1, D=8) runs forward+backward with every backward P block under the bound
+    (the unblocked backward built 12,000^2 float32 matrices, 576 MB each)."""
+    from flamia_pack.kernels import attention as attn
+
+    bound = attn._REF_BWD_BLOCK_BYTES
+    assert bound <= 256 * 2 ** 20
+    for H, L, itemsize in ((16, 100_000, 4), (16, 100_000, 8), (1, 100_000, 4), (64, 10 ** 7, 8)):
+        rows = attn._reference_bwd_block_rows(H, L, itemsize)
+        assert 1 <= rows <= L
+        assert rows == 1 or H * rows * L * itemsize <= bound
+    L = 12_000
+    q, k, v, cu = _inputs([L], h=1, hkv=1, d=8, dtype=torch.float32, seed=5)
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = varlen_attention(*xs, cu, L, causal=True)
+    sizes = []
+    real_exp = torch.exp
+
+    def spy_exp(x, *args, **kwargs):
+        sizes.append(x.numel() * x.element_size())
+        return real_exp(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "exp", spy_exp)
+    o.backward(torch.ones_like(o))
+    monkeypatch.setattr(torch, "exp", real_exp)
+    assert len(sizes) > 1 and max(sizes) <= bound, (len(sizes), max(sizes, default=0))
+    assert all(torch.isfinite(x.grad).all() for x in xs)
+
+
 @pytest.mark.parametrize("prebuilt", [False, True])
 def test_fallback_under_torch_compile(prebuilt):
     q, k, v, cu = _inputs([17, 5, 30], h=4, hkv=2, d=64, dtype=torch.float32)
