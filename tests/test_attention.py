@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flamia_pack.errors import FlamiaError, MetadataError
-from flamia_pack.kernels import packed_attention_reference, varlen_attention
+from flamia_pack.kernels import packed_attention_reference, reference, varlen_attention
 from flamia_pack.kernels.attention import build_attention_work_list, kernels_available
 from flamia_pack.kernels.config import AttentionKernelConfig, kernel_config
 from flamia_pack.kernels.tiles import program_geometry_host, tile_visible_host, visible_host
@@ -234,16 +234,14 @@ def _naive_doc_attention(q, k, v, cu, causal, scale):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_fallback_bwd_query_blocks_match_autograd(monkeypatch, causal):
-    """The CPU backward walks each document in query blocks (``_REF_BWD_BLOCK_BYTES``); lowered here
+    """The CPU backward walks each document in query blocks (``reference.REF_BWD_BLOCK_BYTES``); lowered here
     so every document spans several blocks, dq/dk/dv (with an LSE gradient, GQA 4/2) must equal torch
     autograd through plain per-document float64 attention."""
-    from flamia_pack.kernels import attention as attn
-
     h, hkv, d = 4, 2, 16
     lengths, pad = [40, 1, 75, 9], 3
-    monkeypatch.setattr(attn, "_REF_BWD_BLOCK_BYTES", h * 75 * 8 * 8)  # 8 rows of the 75-token document
-    assert attn._reference_bwd_block_rows(h, 75, 8) == 8
-    assert all(attn._reference_bwd_block_rows(h, n, 8) < n for n in (40, 75))  # several blocks each
+    monkeypatch.setattr(reference, "REF_BWD_BLOCK_BYTES", h * 75 * 8 * 8)  # 8 rows of the 75-token document
+    assert reference.reference_bwd_block_rows(h, 75, 8) == 8
+    assert all(reference.reference_bwd_block_rows(h, n, 8) < n for n in (40, 75))  # several blocks each
     q, k, v, cu = _inputs(lengths, h=h, hkv=hkv, d=d, pad=pad, dtype=torch.float64, seed=3)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     o, lse = varlen_attention(*xs, cu, 75, causal=causal, return_lse=True)
@@ -262,15 +260,13 @@ def test_fallback_bwd_query_blocks_match_autograd(monkeypatch, causal):
 
 
 def test_fallback_bwd_memory_bound(monkeypatch):
-    """Per-block score matrices stay under ``_REF_BWD_BLOCK_BYTES`` even for L=100,000 and H=16, and one
+    """Per-block score matrices stay under ``reference.REF_BWD_BLOCK_BYTES`` even for L=100,000 and H=16, and one
     12,000-token document (H=1, D=8) runs forward+backward with every backward P block under the bound
     (the unblocked backward built 12,000^2 float32 matrices, 576 MB each)."""
-    from flamia_pack.kernels import attention as attn
-
-    bound = attn._REF_BWD_BLOCK_BYTES
+    bound = reference.REF_BWD_BLOCK_BYTES
     assert bound <= 256 * 2 ** 20
     for H, L, itemsize in ((16, 100_000, 4), (16, 100_000, 8), (1, 100_000, 4), (64, 10 ** 7, 8)):
-        rows = attn._reference_bwd_block_rows(H, L, itemsize)
+        rows = reference.reference_bwd_block_rows(H, L, itemsize)
         assert 1 <= rows <= L
         assert rows == 1 or H * rows * L * itemsize <= bound
     L = 12_000

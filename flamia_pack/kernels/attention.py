@@ -339,67 +339,12 @@ def _reference_fwd(q, k, v, cu, causal, scale):
     return o.to(q.dtype), lse.to(ct)
 
 
-# Bytes of one (H, rows, L) score-sized matrix per query block of the fallback backward; P, dP and dS
-# of a block are each at most this big, so a document's backward is O(H * L) memory, not O(H * L^2).
-_REF_BWD_BLOCK_BYTES = 64 * 1024 * 1024
-
-
-def _reference_bwd_block_rows(H: int, L: int, itemsize: int) -> int:
-    """Query rows per block of ``_reference_bwd`` for a document of ``L`` tokens and ``H`` query heads:
-    the largest count with ``H * rows * L * itemsize <= _REF_BWD_BLOCK_BYTES`` (at least 1, at most L)."""
-    per_row = max(1, H * L * itemsize)
-    return max(1, min(L, _REF_BWD_BLOCK_BYTES // per_row))
-
-
 def _reference_bwd(do, dlse, q, k, v, o, lse, cu, causal, scale):
-    """Exact backward of packed attention (the fallback path's gradient), per document, in float32
-    (float64 for float64 inputs).
+    """The fallback path's exact gradient: :func:`reference.packed_attention_reference_bwd` (query
+    blocks of bounded memory), in float32 (float64 for float64 inputs)."""
+    from flamia_pack.kernels.reference import packed_attention_reference_bwd
 
-    Same formulas as flash_bwd.py: ``dS = P * (dO V^T - Delta)``, ``Delta = rowsum(dO * O) - dLSE``.
-    Each document is walked in query blocks (``_reference_bwd_block_rows``): a block's P, dP and dS are
-    ``(H, rows, L)`` with ``H * rows * L * itemsize <= _REF_BWD_BLOCK_BYTES`` (64 MiB; causal blocks
-    only see keys up to their last row), and dK / dV accumulate over the blocks, so memory is
-    O(H * L * D + _REF_BWD_BLOCK_BYTES) per document instead of O(H * L^2).
-    """
-    T, H, D = q.shape
-    Hkv = k.shape[1]
-    g = H // Hkv
-    f32 = _compute_dtype(q)
-    itemsize = torch.empty((), dtype=f32).element_size()
-    dq = torch.zeros((T, H, D), dtype=f32, device=q.device)
-    dk = torch.zeros((T, Hkv, D), dtype=f32, device=q.device)
-    dv = torch.zeros((T, Hkv, D), dtype=f32, device=q.device)
-    bounds = cu.tolist()
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if e <= s:
-            continue
-        L = e - s
-        ks = k[s:e].to(f32).repeat_interleave(g, dim=1).transpose(0, 1)  # (H, L, D)
-        vs = v[s:e].to(f32).repeat_interleave(g, dim=1).transpose(0, 1)
-        dks = torch.zeros((H, L, D), dtype=f32, device=q.device)  # per query head; summed over the group below
-        dvs = torch.zeros((H, L, D), dtype=f32, device=q.device)
-        rows = _reference_bwd_block_rows(H, L, itemsize)
-        for q0 in range(s, e, rows):
-            q1 = min(q0 + rows, e)
-            n = (q1 if causal else e) - s  # keys this block can see (causal: up to its last row)
-            qb = q[q0:q1].to(f32).transpose(0, 1)  # (H, m, D)
-            dob = do[q0:q1].to(f32).transpose(0, 1)
-            ob = o[q0:q1].to(f32).transpose(0, 1)
-            kb, vb = ks[:, :n], vs[:, :n]
-            p = torch.exp(torch.matmul(qb, kb.transpose(1, 2)) * scale - lse[:, q0:q1, None].to(f32))  # (H, m, n)
-            if causal:
-                p = torch.tril(p, diagonal=q0 - s)  # block row i is document row q0 - s + i
-            delta = (dob * ob).sum(-1)
-            if dlse is not None:
-                delta = delta - dlse[:, q0:q1].to(f32)
-            ds = p * (torch.matmul(dob, vb.transpose(1, 2)) - delta[..., None])
-            dq[q0:q1] = (torch.matmul(ds, kb) * scale).transpose(0, 1)
-            dks[:, :n] += torch.matmul(ds.transpose(1, 2), qb) * scale
-            dvs[:, :n] += torch.matmul(p.transpose(1, 2), dob)
-            del p, ds
-        dk[s:e] = dks.view(Hkv, g, L, D).sum(1).transpose(0, 1)
-        dv[s:e] = dvs.view(Hkv, g, L, D).sum(1).transpose(0, 1)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return packed_attention_reference_bwd(do, q, k, v, o, lse, cu, causal=causal, softmax_scale=scale, dlse=dlse)
 
 
 @torch.library.custom_op("flamia_pack::varlen_attn_fwd", mutates_args=())

@@ -23,7 +23,8 @@ negative control, or the positive run outside its document, moved), ``nondetermi
 
 Built-in paths (:data:`PATHS`) emulate input quantization in torch: q, k, v are quantized and
 dequantized (token blocks, per tensor, or MX features) and fed to the exact float32 reference
-(``kernels.reference.packed_attention_reference``); the incoming gradient dO is encoded with the
+(``kernels.reference.packed_attention_reference_blocked``: its backward walks query blocks, so a
+long document does not hold O(H * L^2) scores); the incoming gradient dO is encoded with the
 same scheme on the way back (DESIGN.md §4: "dO encoded once with the same token-block scheme").
 The quantize->dequantize steps are straight-through in the backward (identity Jacobian), so the
 backward is the reference backward evaluated at the dequantized inputs. P and dS quantization
@@ -40,7 +41,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from flamia_pack.errors import FlamiaError
-from flamia_pack.kernels.reference import packed_attention_reference
+from flamia_pack.kernels.reference import packed_attention_reference_blocked
 from flamia_pack.quant import (
     GROUP_SIZE,
     dequantize,
@@ -249,13 +250,15 @@ def _qdq_mx(x, cu):
 
 
 def _reference_path(q, k, v, cu_seqlens, max_seqlen):
-    return packed_attention_reference(q, k, v, cu_seqlens)
+    # the reference's output with its bounded-memory backward (autograd through the plain reference
+    # would keep O(H * L^2) scores per document)
+    return packed_attention_reference_blocked(q, k, v, cu_seqlens)
 
 
 def _make_qdq_path(qdq) -> AttnFn:
     def path(q, k, v, cu_seqlens, max_seqlen):
         qh, kh, vh = (_QuantDequant.apply(t, lambda y: qdq(y, cu_seqlens)) for t in (q, k, v))
-        o = packed_attention_reference(qh, kh, vh, cu_seqlens)
+        o = packed_attention_reference_blocked(qh, kh, vh, cu_seqlens)
         return _QuantizeGrad.apply(o, lambda g: qdq(g, cu_seqlens))
     return path
 

@@ -105,3 +105,133 @@ def packed_attention_reference(
     if return_lse:
         return o, lse
     return o
+
+
+REF_BWD_BLOCK_BYTES = 64 * 1024 * 1024
+"""Bytes of one ``(H, rows, L)`` score-sized matrix per query block of
+:func:`packed_attention_reference_bwd`; P, dP and dS of a block are each at most this big, so a
+document's backward is O(H * L * D) memory plus this, not O(H * L^2)."""
+
+
+def reference_bwd_block_rows(H: int, L: int, itemsize: int) -> int:
+    """Query rows per block of :func:`packed_attention_reference_bwd` for a document of ``L`` tokens and
+    ``H`` query heads: the largest count with ``H * rows * L * itemsize <= REF_BWD_BLOCK_BYTES`` (at
+    least 1, at most L)."""
+    per_row = max(1, H * L * itemsize)
+    return max(1, min(L, REF_BWD_BLOCK_BYTES // per_row))
+
+
+def packed_attention_reference_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact backward of packed attention, per document, in bounded memory.
+
+    FlashAttention-2 (Dao, 2023) Algorithm 2's formulas, as the kernels (``flash_bwd.py``) use them:
+    ``P = exp(S * scale - lse)``, ``Delta = rowsum(dO * O) - dLSE``, ``dS = P * (dO V^T - Delta)``,
+    ``dQ = scale * dS K``, ``dK = scale * dS^T Q``, ``dV = P^T dO``. Each document is walked in query
+    blocks (:func:`reference_bwd_block_rows`): a block's P, dP and dS are ``(H, rows, L)`` with
+    ``H * rows * L * itemsize <= REF_BWD_BLOCK_BYTES`` (64 MiB; causal blocks only see keys up to
+    their last row), dK / dV accumulate over the blocks, so memory is O(H * L * D + 64 MiB) per
+    document instead of O(H * L^2). GQA: each kv head gets the sum over its query-head group.
+
+    Args:
+        do: ``(T, H_q, D)`` gradient of ``o``.
+        q, k, v: as :func:`packed_attention_reference`.
+        o, lse: its outputs (``return_lse=True``): ``(T, H_q, D)`` and ``(H_q, T)``.
+        cu_seqlens: ``(n_docs + 1,)`` int32/int64 (trusted here: validated by the forward).
+        causal, softmax_scale: as the forward (``softmax_scale`` None = ``D ** -0.5``).
+        dlse: optional ``(H_q, T)`` gradient of ``lse``.
+
+    Returns:
+        ``(dq, dk, dv)`` in q / k / v's dtypes, computed in float32 (float64 for float64 ``q``); rows
+        past ``cu_seqlens[-1]`` are zero.
+    """
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    g = H // Hkv
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    f32 = torch.float64 if q.dtype == torch.float64 else torch.float32
+    itemsize = torch.empty((), dtype=f32).element_size()
+    dq = torch.zeros((T, H, D), dtype=f32, device=q.device)
+    dk = torch.zeros((T, Hkv, D), dtype=f32, device=q.device)
+    dv = torch.zeros((T, Hkv, D), dtype=f32, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e <= s:
+            continue
+        L = e - s
+        ks = k[s:e].to(f32).repeat_interleave(g, dim=1).transpose(0, 1)  # (H, L, D)
+        vs = v[s:e].to(f32).repeat_interleave(g, dim=1).transpose(0, 1)
+        dks = torch.zeros((H, L, D), dtype=f32, device=q.device)  # per query head; summed over the group below
+        dvs = torch.zeros((H, L, D), dtype=f32, device=q.device)
+        rows = reference_bwd_block_rows(H, L, itemsize)
+        for q0 in range(s, e, rows):
+            q1 = min(q0 + rows, e)
+            n = (q1 if causal else e) - s  # keys this block can see (causal: up to its last row)
+            qb = q[q0:q1].to(f32).transpose(0, 1)  # (H, m, D)
+            dob = do[q0:q1].to(f32).transpose(0, 1)
+            ob = o[q0:q1].to(f32).transpose(0, 1)
+            kb, vb = ks[:, :n], vs[:, :n]
+            p = torch.exp(torch.matmul(qb, kb.transpose(1, 2)) * scale - lse[:, q0:q1, None].to(f32))  # (H, m, n)
+            if causal:
+                p = torch.tril(p, diagonal=q0 - s)  # block row i is document row q0 - s + i
+            delta = (dob * ob).sum(-1)
+            if dlse is not None:
+                delta = delta - dlse[:, q0:q1].to(f32)
+            ds = p * (torch.matmul(dob, vb.transpose(1, 2)) - delta[..., None])
+            dq[q0:q1] = (torch.matmul(ds, kb) * scale).transpose(0, 1)
+            dks[:, :n] += torch.matmul(ds.transpose(1, 2), qb) * scale
+            dvs[:, :n] += torch.matmul(p.transpose(1, 2), dob)
+            del p, ds
+        dk[s:e] = dks.view(Hkv, g, L, D).sum(1).transpose(0, 1)
+        dv[s:e] = dvs.view(Hkv, g, L, D).sum(1).transpose(0, 1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _BlockedReference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, causal, softmax_scale, compute_dtype):
+        o, lse = packed_attention_reference(q, k, v, cu_seqlens, causal=causal, softmax_scale=softmax_scale,
+                                            compute_dtype=compute_dtype, return_lse=True)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+        ctx.causal, ctx.softmax_scale = causal, softmax_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu = ctx.saved_tensors
+        dq, dk, dv = packed_attention_reference_bwd(do, q, k, v, o, lse, cu, causal=ctx.causal,
+                                                    softmax_scale=ctx.softmax_scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def packed_attention_reference_blocked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """:func:`packed_attention_reference`'s output with a bounded-memory backward.
+
+    Autograd through :func:`packed_attention_reference` keeps every query block's scores and
+    probabilities for the backward (O(H * L^2) per document: a 100,000-token document needs tens of
+    GB); this autograd function saves only q, k, v, o and LSE and computes the gradients with
+    :func:`packed_attention_reference_bwd` (query blocks of at most ``REF_BWD_BLOCK_BYTES``). Same
+    arguments, shapes and errors as :func:`packed_attention_reference` (``return_lse`` not offered);
+    gradients flow to q, k and v only.
+    """
+    return _BlockedReference.apply(q, k, v, cu_seqlens, causal, softmax_scale, compute_dtype)
