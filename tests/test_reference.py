@@ -92,3 +92,31 @@ def test_blocked_reference_gradients_equal_autograd(monkeypatch, causal):
     for x, y in zip(a, b):
         torch.testing.assert_close(x.grad, y.grad, atol=1e-11, rtol=1e-11)
         assert (x.grad[sum(lengths):] == 0).all()
+
+
+def test_reference_forward_blocks_bounded_by_bytes(monkeypatch):
+    """The forward's query blocks shrink so a block's (H, rows, L) scores stay under REF_BWD_BLOCK_BYTES;
+    rows are independent, so any blocking gives the same values (up to BLAS summation order)."""
+    from flamia_pack.kernels import reference
+
+    g = torch.Generator().manual_seed(5)
+    T, H, D = 300, 2, 8
+    q, k, v = (torch.randn(T, H, D, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 260, 300], dtype=torch.int32)
+    o1, l1 = packed_attention_reference(q, k, v, cu, return_lse=True)
+    assert reference.reference_bwd_block_rows(H, 260, 4) == 260  # default: one block per document
+    monkeypatch.setattr(reference, "REF_BWD_BLOCK_BYTES", H * 260 * 4 * 16)  # 16 rows per block
+    calls = []
+    real = torch.matmul
+
+    def spy(a, b, *args, **kw):
+        out = real(a, b, *args, **kw)
+        calls.append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(torch, "matmul", spy)
+    o2, l2 = packed_attention_reference(q, k, v, cu, return_lse=True)
+    monkeypatch.setattr(torch, "matmul", real)
+    assert max(calls) <= H * 260 * 4 * 16 and len(calls) > 2 * (260 // 16)
+    torch.testing.assert_close(o2, o1, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(l2, l1, atol=1e-6, rtol=1e-6)

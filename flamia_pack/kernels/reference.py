@@ -52,7 +52,8 @@ def packed_attention_reference(
         softmax_scale: defaults to ``D ** -0.5``.
         compute_dtype: float32 (default) or float64.
         return_lse: also return the natural-log LSE, ``(H_q, T)`` float32-or-compute_dtype.
-        block_q: query rows per block for long documents (memory ``block_q * doc_len * H``).
+        block_q: at most this many query rows per block; fewer when a block's ``(H, rows, doc_len)``
+            scores would pass ``REF_BWD_BLOCK_BYTES`` (64 MiB), so memory stays O(H * doc_len * D).
 
     Returns:
         ``o`` of shape ``(T, H_q, D)`` in ``compute_dtype`` (and ``lse`` if requested).
@@ -84,9 +85,13 @@ def packed_attention_reference(
         cu_t = torch.tensor(cu, device=q.device)
         used = pos[: cu[-1]]
         doc_of[: cu[-1]] = torch.searchsorted(cu_t, used, right=True) - 1
+    itemsize = torch.empty((), dtype=compute_dtype).element_size()
     for c0, c1 in _chunks(cu, block_q):
-        for q0 in range(c0, c1, block_q):
-            q1 = min(q0 + block_q, c1)
+        # at most block_q rows, and few enough that a block's (H, rows, chunk) scores stay under
+        # REF_BWD_BLOCK_BYTES (a 100,000-token document: 41 rows at H = 16 instead of 1,024)
+        rows = min(block_q, reference_bwd_block_rows(Hq, c1 - c0, itemsize))
+        for q0 in range(c0, c1, rows):
+            q1 = min(q0 + rows, c1)
             k1 = q1 if causal else c1
             qs = qf[q0:q1].transpose(0, 1)  # (H, m, D)
             ks = kf[c0:k1].transpose(0, 1)
