@@ -554,8 +554,7 @@ def flash_bwd(
             launches += [(part, 2, f2 * H, nw2, ns2), (part, 1, f1 * Hkv, nw, ns)]
     if dq_delta:  # every dQ launch (they write Delta) before any dK/dV launch (it reads Delta)
         launches.sort(key=lambda x: x[1] != 2)
-    for part, kind, per_rank, warps, stages in launches:
-        cfg, sel, order, valid_ranks, ranks = part
+    for (cfg, sel, order, valid_ranks, ranks), kind, per_rank, warps, stages in launches:
         f1 = cfg.wl_block_m // cfg.bwd_block_n1
         f2 = cfg.wl_block_m // cfg.bwd_block_m2
         n_prog = ranks * per_rank
