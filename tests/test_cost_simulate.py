@@ -97,9 +97,12 @@ def test_policy_for_call_agrees_with_choose_policy(lengths, causal):
     """The kernels' host-int form of the rule picks what choose_policy picks from the lengths."""
     from flamia_pack.scheduler.policy import policy_for_call
 
-    got = policy_for_call(causal, max(lengths, default=0), sum(lengths), len(lengths))[0]
+    from flamia_pack.scheduler.policy import policy_name_for_call
+
+    args = (causal, max(lengths, default=0), sum(lengths), len(lengths))
+    got = policy_for_call(*args)[0]
     want = "static" if sum(lengths) == 0 and not causal else choose_policy(lengths, causal=causal)[0]
-    assert got == want
+    assert got == want == policy_name_for_call(*args)
 
 
 def test_policy_for_call_rejects_bad_ints_and_resolves_the_kernel_schedule():

@@ -318,10 +318,11 @@ def _config_from_tuple(vals: tuple[int, ...]) -> AttentionKernelConfig:
 @host_cache
 def _resolve_policy(cfg: AttentionKernelConfig, causal: bool, max_seqlen: int, T: int, n_docs: int) -> AttentionKernelConfig:
     """``schedule="policy"`` -> ``"static"`` (snake) or ``"persistent"`` (atomic counter) per
-    ``scheduler.policy.policy_for_call`` (DESIGN.md §6)."""
-    from flamia_pack.scheduler.policy import policy_for_call
+    ``scheduler.policy.policy_for_call``'s rule (DESIGN.md §6); trace-safe (symbolic T under
+    ``torch.compile(dynamic=True)``: ``policy_name_for_call`` builds no reason string)."""
+    from flamia_pack.scheduler.policy import policy_name_for_call
 
-    policy, _ = policy_for_call(bool(causal), int(max_seqlen), int(T), int(n_docs))
+    policy = policy_name_for_call(bool(causal), max_seqlen, T, n_docs)
     return dataclasses.replace(cfg, schedule="static" if policy == "static" else "persistent")
 
 

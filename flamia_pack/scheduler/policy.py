@@ -15,7 +15,7 @@ import numpy as np
 from flamia_pack.errors import FlamiaError
 from flamia_pack.scheduler.cost import lengths_from
 
-__all__ = ["POLICIES", "SKEW_THRESHOLD", "choose_policy", "policy_for_call"]
+__all__ = ["POLICIES", "SKEW_THRESHOLD", "choose_policy", "policy_for_call", "policy_name_for_call"]
 
 POLICIES = ("static", "dynamic")
 SKEW_THRESHOLD = 4.0
@@ -53,6 +53,16 @@ def _noncausal_rule(mx: float, mean: float) -> tuple[str, str]:
     if ratio >= SKEW_THRESHOLD:
         return "dynamic", f"non-causal, skewed: max_len {mx:.0f} >= {SKEW_THRESHOLD:g} x mean_len {mean:.1f} (ratio {ratio:.2f})"
     return "static", f"non-causal, balanced: max_len {mx:.0f} < {SKEW_THRESHOLD:g} x mean_len {mean:.1f} (ratio {ratio:.2f})"
+
+
+def policy_name_for_call(causal: bool, max_seqlen, total_tokens, n_docs) -> str:
+    """:func:`policy_for_call`'s policy alone, without checks or a reason string: safe while
+    ``torch.compile`` traces (the ints may be symbolic). Same float arithmetic as the rule."""
+    if causal:
+        return "dynamic"
+    if n_docs == 0 or total_tokens == 0:
+        return "static"
+    return "dynamic" if max_seqlen / (total_tokens / n_docs) >= SKEW_THRESHOLD else "static"
 
 
 def policy_for_call(causal: bool, max_seqlen: int, total_tokens: int, n_docs: int) -> tuple[str, str]:
