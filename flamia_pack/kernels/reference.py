@@ -138,6 +138,7 @@ def packed_attention_reference_bwd(
     causal: bool = True,
     softmax_scale: float | None = None,
     dlse: torch.Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact backward of packed attention, per document, in bounded memory.
 
@@ -156,16 +157,17 @@ def packed_attention_reference_bwd(
         cu_seqlens: ``(n_docs + 1,)`` int32/int64 (trusted here: validated by the forward).
         causal, softmax_scale: as the forward (``softmax_scale`` None = ``D ** -0.5``).
         dlse: optional ``(H_q, T)`` gradient of ``lse``.
+        compute_dtype: float32 or float64; None = float64 for float64 ``q``, else float32.
 
     Returns:
-        ``(dq, dk, dv)`` in q / k / v's dtypes, computed in float32 (float64 for float64 ``q``); rows
-        past ``cu_seqlens[-1]`` are zero.
+        ``(dq, dk, dv)`` in q / k / v's dtypes, computed in ``compute_dtype``; rows past
+        ``cu_seqlens[-1]`` are zero.
     """
     T, H, D = q.shape
     Hkv = k.shape[1]
     g = H // Hkv
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-    f32 = torch.float64 if q.dtype == torch.float64 else torch.float32
+    f32 = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
     itemsize = torch.empty((), dtype=f32).element_size()
     dq = torch.zeros((T, H, D), dtype=f32, device=q.device)
     dk = torch.zeros((T, Hkv, D), dtype=f32, device=q.device)
@@ -209,14 +211,15 @@ class _BlockedReference(torch.autograd.Function):
         o, lse = packed_attention_reference(q, k, v, cu_seqlens, causal=causal, softmax_scale=softmax_scale,
                                             compute_dtype=compute_dtype, return_lse=True)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-        ctx.causal, ctx.softmax_scale = causal, softmax_scale
+        ctx.causal, ctx.softmax_scale, ctx.compute_dtype = causal, softmax_scale, compute_dtype
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, cu = ctx.saved_tensors
         dq, dk, dv = packed_attention_reference_bwd(do, q, k, v, o, lse, cu, causal=ctx.causal,
-                                                    softmax_scale=ctx.softmax_scale)
+                                                    softmax_scale=ctx.softmax_scale,
+                                                    compute_dtype=ctx.compute_dtype)
         return dq, dk, dv, None, None, None, None
 
 
