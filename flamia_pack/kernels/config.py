@@ -407,10 +407,13 @@ candidates built from SMALL_TILES and measured before then ran the 16-query step
 
 SHORT_FWD_TILES: dict = {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3, "fwd_maxnreg": 168}
 """The forward tiles of short documents (``small_n32r``, and the second launch of ``fwd_short_len``):
-64 x 32 tiles, 4 warps, 3 stages (66 KB), capped at 168 registers (176 uncapped; spill-free in the CPU
-screen), so three programs per SM instead of two: they hide each other's Q / first K-V load
-latency when each program walks only a few key tiles. W7 forward 1.195x, training call 1.045x over
-``small`` (H200, 2026-11-29 evening)."""
+64 x 32 tiles, 4 warps, 3 stages (66 KB), capped at 168 registers, so three programs per SM instead of
+two: they hide each other's Q / first K-V load latency when each program walks only a few key tiles.
+W7 forward 1.195x, training call 1.045x over ``small`` (H200, 2026-11-29 evening). The CPU screen
+of 2026-11-30 (sm_90a, the kernel as it is now, head-major) finds 92 B of spills at the cap, 23
+local loads in the key loop (uncapped: 251 registers, spill-free, two per SM); candidates
+``small_n16r`` (64 x 16, cap 128: four per SM, 16 B of spills) and ``small_m32r`` (32 x 32, cap 128:
+four per SM, spill-free, but mma.sync instead of wgmma at 32 rows) are the next measurement."""
 
 HEAD_MAJOR: dict = {"schedule": "grid_head_major", "bwd_head_major": True}
 """Head-major program order in the forward and the backward (the default since 2026-11-29)."""
@@ -541,6 +544,9 @@ CANDIDATES: dict[str, dict] = {
     # registers and 66 KB (2 programs per SM by registers); capped at 168, 3 programs per SM
     "small_n32": {**HEAD_MAJOR, **SMALL_TILES, "block_n": 32},
     "small_n32r": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES},
+    # four forward programs per SM (128 registers): 64 x 16 tiles (wgmma), or 32 x 32 (mma.sync); unmeasured
+    "small_n16r": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "block_n": 16, "fwd_maxnreg": 128},
+    "small_m32r": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "block_m": 32, "fwd_maxnreg": 128},
     # the same without the Delta preprocess: dQ programs first (their own launch) compute and store Delta
     "small_n32r_dqd": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "bwd_dq_delta": True},
     # the two launches of small_n32r_dqd with the preprocess kept (to tell the two effects apart)
