@@ -362,7 +362,9 @@ class AttentionKernelConfig:
         if not _is_int(self.bwd_gluon_min_len) or self.bwd_gluon_min_len < 1:
             raise FlamiaError(f"AttentionKernelConfig.bwd_gluon_min_len must be an int >= 1, got {self.bwd_gluon_min_len!r}")
         if self.schedule not in SCHEDULES:
-            raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+            raise FlamiaError(f"AttentionKernelConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r} "
+                              "(DESIGN.md §6's dynamic policy is 'persistent', the atomic counter; 'static' is "
+                              "the snake; 'policy' picks one per call)")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
                      "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small",
                      "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent", "bwd_dq_delta"):

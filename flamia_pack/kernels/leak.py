@@ -157,7 +157,8 @@ class LeakReport:
             ("dV prefix (legit. non-zero)", f(self.dv_prefix)),
             ("first changed token", "-" if self.first_changed is None else str(self.first_changed)),
             ("outside doc (pos. run)", f(self.outside_positive)),
-            (f"neg. control: doc {self.neg_doc} -> O", f(neg.get("o"))),
+            (f"neg. control: doc {self.neg_doc} -> O" if self.neg_doc is not None
+             else "neg. control (needs a second document) -> O", f(neg.get("o"))),
             ("neg. control -> dQ", f(neg.get("dq"))),
             ("neg. control -> dK, dV", f(max(neg["dk"], neg["dv"]) if neg else None)),
             ("noise (repeat run)", f(self.noise)),
