@@ -317,24 +317,19 @@ def _plan_rows_reason(preds) -> str:
 
 
 def _plan_policy_note(summary: dict, policy: str) -> str | None:
-    """When the rule (``--policy auto``) picked the schedule the simulator predicts slower, say so, e.g.
-    ``rule: non-causal, balanced -> static; the simulator predicts dynamic 0.2% faster`` (None otherwise;
-    the rule itself is kept: it needs no simulation, and the kernels' ``schedule='policy'`` applies it)."""
+    """When the rule (``--policy auto``) picked the schedule the simulator predicts slower, say so
+    (``scheduler.policy.slower_choice_note``; None otherwise)."""
+    from flamia_pack.scheduler.policy import slower_choice_note
+
     if policy not in (None, "auto"):
         return None
-    chosen, st, dy = summary["predicted_ms"], summary["static_ms"], summary["dynamic_ms"]
-    other, best = ("static", st) if st < dy else ("dynamic", dy)
-    if not best < chosen:
-        return None
-    pct = 100.0 * (chosen - best) / chosen
     if summary["policy"] == "mixed":
-        rule, other = "rule: static or dynamic per row", f"{other} on every row"
+        rule, suffix = "rule: static or dynamic per row", " on every row"
     else:
         kind = ("causal" if summary["settings"]["causal"] else
                 "non-causal, skewed" if summary["policy"] == "dynamic" else "non-causal, balanced")
-        rule = f"rule: {kind} -> {summary['policy']}"
-    return f"{rule}; the simulator predicts {other} {pct:.1f}% faster" if pct >= 0.1 else \
-        f"{rule}; the simulator predicts {other} {pct:.2g}% faster"
+        rule, suffix = f"rule: {kind} -> {summary['policy']}", ""
+    return slower_choice_note(rule, summary["predicted_ms"], summary["static_ms"], summary["dynamic_ms"], suffix)
 
 
 @app.command("plan")

@@ -114,6 +114,22 @@ def test_docs_pages_load_their_assets_from_this_server(client, page):
 # ---------------------------------------------------------------------------------------------
 # POST /v1/cost:predict
 # ---------------------------------------------------------------------------------------------
+def test_predict_notes_when_the_rule_picks_the_slower_schedule(client):
+    """The rule is kept, but the answer says when the simulator predicts the other schedule faster (as
+    `flamia plan` does); a forced policy gets no note."""
+    body = {"lengths": [8192, 256, 256, 1024], "num_heads": 16, "head_dim": 128}
+    b = client.post("/v1/cost:predict", json=body).json()
+    pm = b["predicted_ms"]
+    # causal -> dynamic by the rule, while the simulator puts static ahead on this mix (shipped calibration)
+    assert b["policy"] == "dynamic" and pm["static"] < pm["chosen"] == pm["dynamic"], b
+    assert b["policy_note"].startswith("rule: dynamic; the simulator predicts static") and "% faster" in b["policy_note"]
+    forced = client.post("/v1/cost:predict", json={**body, "policy": b["policy"]}).json()
+    assert forced["policy_note"] is None
+    w1 = client.post("/v1/cost:predict", json={"lengths": [4096] * 16}).json()
+    assert (w1["policy_note"] is None) == (w1["predicted_ms"]["chosen"] <= min(w1["predicted_ms"]["static"],
+                                                                               w1["predicted_ms"]["dynamic"]))
+
+
 def test_predict_w1_matches_scheduler_and_packer(client):
     lengths = [4096] * 16
     r = client.post("/v1/cost:predict", json={"lengths": lengths})

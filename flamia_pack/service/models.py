@@ -137,6 +137,10 @@ class PredictResponse(BaseModel):
     tiles: int = Field(description="Visible key tiles summed over work items (one head).")
     policy: Literal["static", "dynamic"]
     policy_reason: str
+    policy_note: str | None = Field(
+        None, description="Set when the rule's schedule is predicted slower than the other one (the rule is "
+        "kept; `flamia plan` prints the same note); None when it is not, or when `policy` was forced."
+    )
     predicted_ms: PredictedMs
     memory: MemoryEstimate
     gpu: str

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
+from flamia_pack.scheduler.policy import slower_choice_note
 from flamia_pack.service.engine import MixPrediction, predict_mix
 from flamia_pack.service.models import (
     MemoryEstimate,
@@ -40,6 +41,8 @@ def to_response(mp: MixPrediction) -> PredictResponse:
         tiles=int(p.tiles),
         policy=p.policy,
         policy_reason=p.reason,
+        policy_note=None if "rule not applied" in p.reason else slower_choice_note(
+            f"rule: {p.policy}", p.predicted_ms, p.static_ms, p.dynamic_ms),
         predicted_ms=PredictedMs(static=p.static_ms, dynamic=p.dynamic_ms, chosen=p.predicted_ms),
         memory=MemoryEstimate(
             packed_bytes=int(p.memory_packed_bytes),
