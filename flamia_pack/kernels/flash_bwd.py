@@ -73,6 +73,16 @@ def _gluon_rows(CU, n_docs, rows, T, skip, n_steps):
     return (rows >= total) | (end - start > skip)
 
 
+@triton.jit
+def _row_delta(o, do, dlse_ptrs, mask, HAS_DLSE: tl.constexpr):
+    """``Delta = rowsum(O * dO) - dLSE`` (fp32) of one block of query rows whose ``O`` / ``dO`` tiles are
+    loaded; ``dLSE`` read (masked) only with ``HAS_DLSE``. FlashAttention-2 Algorithm 2's ``D_i``."""
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptrs, mask=mask, other=0.0)
+    return delta
+
+
 @triton.jit(do_not_specialize=["T", "n_docs", "skip", "n_steps", "acc_heads"])
 def _bwd_preprocess(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh,
                     DQ_ACC, CU, n_docs, skip, n_steps, acc_heads,
@@ -90,9 +100,7 @@ def _bwd_preprocess(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, str
     d = tl.arange(0, HEAD_DIM)
     o = tl.load(O + rows.to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :], mask=ok[:, None], other=0.0)
     do = tl.load(DO + rows.to(tl.int64)[:, None] * stride_dot + h * stride_doh + d[None, :], mask=ok[:, None], other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + h * stride_lh + rows, mask=ok, other=0.0)
+    delta = _row_delta(o, do, DLSE + h * stride_lh + rows, ok, HAS_DLSE)
     tl.store(DELTA + h * stride_lh + rows, delta, mask=ok)
     if ZERO_DQ:
         if h < acc_heads:
@@ -283,9 +291,7 @@ def _dq_tile(
             # computes it, stored for the dK/dV launch that runs after this one
             o = tl.load(O + rs.to(tl.int64) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
                         mask=q_ok[:, None], other=0.0)
-            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-            if HAS_DLSE:
-                delta -= tl.load(DLSE + h * stride_lh + q_pos, mask=q_ok, other=0.0)
+            delta = _row_delta(o, do, DLSE + h * stride_lh + q_pos, q_ok, HAS_DLSE)
             tl.store(DELTA + h * stride_lh + q_pos, delta, mask=q_ok)
         else:
             delta = tl.load(DELTA + h * stride_lh + q_pos, mask=q_ok, other=0.0)
@@ -539,7 +545,7 @@ def flash_bwd(
             parts = [(replace(left, doc_major=True, bwd_head_major=False), -skip, left_order, left_count, left_ranks)]
         else:
             parts = [(left, -skip, order, num_items, items.shape[0])]
-    launches = []  # (part, kind, programs per rank, warps, stages)
+    launches = []  # (part, f1, f2, kind, programs per rank, warps, stages)
     for part in parts:
         cfg = part[0]
         f1 = cfg.wl_block_m // cfg.bwd_block_n1
@@ -547,16 +553,14 @@ def flash_bwd(
         nw, ns = cfg.bwd_num_warps, cfg.bwd_num_stages
         nw2, ns2 = cfg.bwd_dq_num_warps or nw, cfg.bwd_dq_num_stages or ns
         if atomic:
-            launches.append((part, 1, f1 * Hkv, nw, ns))
+            launches.append((part, f1, f2, 1, f1 * Hkv, nw, ns))
         elif cfg.bwd_fused and not dq_delta:
-            launches.append((part, 0, f1 * Hkv + f2 * H, nw, ns))
+            launches.append((part, f1, f2, 0, f1 * Hkv + f2 * H, nw, ns))
         else:
-            launches += [(part, 2, f2 * H, nw2, ns2), (part, 1, f1 * Hkv, nw, ns)]
+            launches += [(part, f1, f2, 2, f2 * H, nw2, ns2), (part, f1, f2, 1, f1 * Hkv, nw, ns)]
     if dq_delta:  # every dQ launch (they write Delta) before any dK/dV launch (it reads Delta)
-        launches.sort(key=lambda x: x[1] != 2)
-    for (cfg, sel, order, valid_ranks, ranks), kind, per_rank, warps, stages in launches:
-        f1 = cfg.wl_block_m // cfg.bwd_block_n1
-        f2 = cfg.wl_block_m // cfg.bwd_block_m2
+        launches.sort(key=lambda x: x[3] != 2)
+    for (cfg, sel, order, valid_ranks, ranks), f1, f2, kind, per_rank, warps, stages in launches:
         n_prog = ranks * per_rank
         if n_prog == 0:
             continue

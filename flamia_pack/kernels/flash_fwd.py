@@ -301,12 +301,9 @@ def flash_fwd(
                               "(varlen_attention does it with scheduler.policy.policy_for_call)")
         static = cfg.schedule == "static"
         persistent = cfg.schedule == "persistent" or static
-        if persistent:
-            counter = torch.zeros((1,), dtype=torch.int32, device=q.device)
-            grid = (max(1, min(n_entries, 2 * _num_sms(q.device))),)
-        else:
-            counter = num_items  # unused
-            grid = (max(1, n_entries),)
+        # the atomic counter only for the dynamic schedule (the static snake deals units by program id)
+        counter = torch.zeros((1,), dtype=torch.int32, device=q.device) if persistent and not static else num_items
+        grid = (max(1, min(n_entries, 2 * _num_sms(q.device))),) if persistent else (max(1, n_entries),)
         if n_entries > 0:
             _fwd_kernel[grid](
                 q, k, v, o, lse, items, num_items, cu_seqlens, counter, n_docs, items.shape[0] * f, H, H // Hkv, sel, order,
