@@ -41,15 +41,21 @@ def choose_policy(seqlens, causal: bool, override: str | None = None) -> tuple[s
     lens = lengths_from(seqlens).astype(np.float64)
     if override in POLICIES:
         return override, f"{override} requested explicitly (rule not applied)"
+    return _rule(causal, float(lens.max()) if lens.size else 0.0, float(lens.mean()) if lens.size else None)
+
+
+def _ratio(mx, mean):
+    """max_len / mean_len, the rule's skew (inf for a zero mean); works on symbolic ints too."""
+    return mx / mean if mean > 0 else float("inf")
+
+
+def _rule(causal: bool, mx: float, mean: float | None) -> tuple[str, str]:
+    """The rule and its reason; ``mean`` None: no documents."""
     if causal:
         return "dynamic", "causal call: item costs grow along each document, so dynamic acquisition balances the tail"
-    if lens.size == 0:
+    if mean is None:
         return "static", "no documents"
-    return _noncausal_rule(float(lens.max()), float(lens.mean()))
-
-
-def _noncausal_rule(mx: float, mean: float) -> tuple[str, str]:
-    ratio = mx / mean if mean > 0 else float("inf")
+    ratio = _ratio(mx, mean)
     if ratio >= SKEW_THRESHOLD:
         return "dynamic", f"non-causal, skewed: max_len {mx:.0f} >= {SKEW_THRESHOLD:g} x mean_len {mean:.1f} (ratio {ratio:.2f})"
     return "static", f"non-causal, balanced: max_len {mx:.0f} < {SKEW_THRESHOLD:g} x mean_len {mean:.1f} (ratio {ratio:.2f})"
@@ -62,7 +68,7 @@ def policy_name_for_call(causal: bool, max_seqlen, total_tokens, n_docs) -> str:
         return "dynamic"
     if n_docs == 0 or total_tokens == 0:
         return "static"
-    return "dynamic" if max_seqlen / (total_tokens / n_docs) >= SKEW_THRESHOLD else "static"
+    return "dynamic" if _ratio(max_seqlen, total_tokens / n_docs) >= SKEW_THRESHOLD else "static"
 
 
 def policy_for_call(causal: bool, max_seqlen: int, total_tokens: int, n_docs: int) -> tuple[str, str]:
@@ -88,11 +94,7 @@ def policy_for_call(causal: bool, max_seqlen: int, total_tokens: int, n_docs: in
     for name, x in (("max_seqlen", max_seqlen), ("total_tokens", total_tokens), ("n_docs", n_docs)):
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
             raise FlamiaError(f"{name} must be an int >= 0, got {x!r}")
-    if causal:
-        return "dynamic", "causal call: item costs grow along each document, so dynamic acquisition balances the tail"
-    if n_docs == 0 or total_tokens == 0:
-        return "static", "no documents"
-    return _noncausal_rule(float(max_seqlen), total_tokens / n_docs)
+    return _rule(causal, float(max_seqlen), total_tokens / n_docs if n_docs and total_tokens else None)
 
 
 def slower_choice_note(rule: str, chosen_ms: float, static_ms: float, dynamic_ms: float,
