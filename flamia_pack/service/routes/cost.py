@@ -18,8 +18,9 @@ from flamia_pack.service.state import ServiceState, get_state
 router = APIRouter(prefix="/v1", tags=["cost"])
 
 
-def to_response(mp: MixPrediction) -> PredictResponse:
-    """Build the API answer from a :class:`~flamia_pack.service.engine.MixPrediction`."""
+def to_response(mp: MixPrediction, rule_applied: bool = True) -> PredictResponse:
+    """Build the API answer from a :class:`~flamia_pack.service.engine.MixPrediction`; ``rule_applied``:
+    the policy came from the rule (request ``policy="auto"``), not forced, so a slower pick gets a note."""
     p, st = mp.prediction, mp.pack
     return PredictResponse(
         documents=int(mp.lengths.size),
@@ -41,8 +42,8 @@ def to_response(mp: MixPrediction) -> PredictResponse:
         tiles=int(p.tiles),
         policy=p.policy,
         policy_reason=p.reason,
-        policy_note=None if "rule not applied" in p.reason else slower_choice_note(
-            f"rule: {p.policy}", p.predicted_ms, p.static_ms, p.dynamic_ms),
+        policy_note=slower_choice_note(f"rule: {p.policy}", p.predicted_ms, p.static_ms, p.dynamic_ms)
+        if rule_applied else None,
         predicted_ms=PredictedMs(static=p.static_ms, dynamic=p.dynamic_ms, chosen=p.predicted_ms),
         memory=MemoryEstimate(
             packed_bytes=int(p.memory_packed_bytes),
@@ -75,6 +76,6 @@ async def predict_cost(
         lengths = state.lengths_of(req)
         params = state.params_of(req)
         mp = predict_mix(lengths, params, calibration=calibration, max_segments=state.settings.max_segments)
-        return to_response(mp)
+        return to_response(mp, rule_applied=params.policy == "auto")
 
     return await offload(work, state.settings.request_timeout_s)
