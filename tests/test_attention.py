@@ -234,14 +234,14 @@ def _naive_doc_attention(q, k, v, cu, causal, scale):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_fallback_bwd_query_blocks_match_autograd(monkeypatch, causal):
-    """The CPU backward walks each document in query blocks (``reference.REF_BWD_BLOCK_BYTES``); lowered here
+    """The CPU backward walks each document in query blocks (``reference.REF_BLOCK_BYTES``); lowered here
     so every document spans several blocks, dq/dk/dv (with an LSE gradient, GQA 4/2) must equal torch
     autograd through plain per-document float64 attention."""
     h, hkv, d = 4, 2, 16
     lengths, pad = [40, 1, 75, 9], 3
-    monkeypatch.setattr(reference, "REF_BWD_BLOCK_BYTES", h * 75 * 8 * 8)  # 8 rows of the 75-token document
-    assert reference.reference_bwd_block_rows(h, 75, 8) == 8
-    assert all(reference.reference_bwd_block_rows(h, n, 8) < n for n in (40, 75))  # several blocks each
+    monkeypatch.setattr(reference, "REF_BLOCK_BYTES", h * 75 * 8 * 8)  # 8 rows of the 75-token document
+    assert reference.reference_block_rows(h, 75, 8) == 8
+    assert all(reference.reference_block_rows(h, n, 8) < n for n in (40, 75))  # several blocks each
     q, k, v, cu = _inputs(lengths, h=h, hkv=hkv, d=d, pad=pad, dtype=torch.float64, seed=3)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     o, lse = varlen_attention(*xs, cu, 75, causal=causal, return_lse=True)
@@ -260,13 +260,13 @@ def test_fallback_bwd_query_blocks_match_autograd(monkeypatch, causal):
 
 
 def test_fallback_bwd_memory_bound(monkeypatch):
-    """Per-block score matrices stay under ``reference.REF_BWD_BLOCK_BYTES`` even for L=100,000 and H=16, and one
+    """Per-block score matrices stay under ``reference.REF_BLOCK_BYTES`` even for L=100,000 and H=16, and one
     12,000-token document (H=1, D=8) runs forward+backward with every backward P block under the bound
     (the unblocked backward built 12,000^2 float32 matrices, 576 MB each)."""
-    bound = reference.REF_BWD_BLOCK_BYTES
+    bound = reference.REF_BLOCK_BYTES
     assert bound <= 256 * 2 ** 20
     for H, L, itemsize in ((16, 100_000, 4), (16, 100_000, 8), (1, 100_000, 4), (64, 10 ** 7, 8)):
-        rows = reference.reference_bwd_block_rows(H, L, itemsize)
+        rows = reference.reference_block_rows(H, L, itemsize)
         assert 1 <= rows <= L
         assert rows == 1 or H * rows * L * itemsize <= bound
     L = 12_000

@@ -75,7 +75,7 @@ def test_blocked_reference_gradients_equal_autograd(monkeypatch, causal):
     row-end padding with zero gradients)."""
     from flamia_pack.kernels import reference
 
-    monkeypatch.setattr(reference, "REF_BWD_BLOCK_BYTES", 4 * 50 * 8 * 7)  # 7 rows of the 50-token document
+    monkeypatch.setattr(reference, "REF_BLOCK_BYTES", 4 * 50 * 8 * 7)  # 7 rows of the 50-token document
     g = torch.Generator().manual_seed(11)
     lengths, pad, H, Hkv, D = [50, 3, 1, 29], 4, 4, 2, 16
     T = sum(lengths) + pad
@@ -95,7 +95,7 @@ def test_blocked_reference_gradients_equal_autograd(monkeypatch, causal):
 
 
 def test_reference_forward_blocks_bounded_by_bytes(monkeypatch):
-    """The forward's query blocks shrink so a block's (H, rows, L) scores stay under REF_BWD_BLOCK_BYTES;
+    """The forward's query blocks shrink so a block's (H, rows, L) scores stay under REF_BLOCK_BYTES;
     rows are independent, so any blocking gives the same values (up to BLAS summation order)."""
     from flamia_pack.kernels import reference
 
@@ -104,8 +104,8 @@ def test_reference_forward_blocks_bounded_by_bytes(monkeypatch):
     q, k, v = (torch.randn(T, H, D, generator=g) for _ in range(3))
     cu = torch.tensor([0, 260, 300], dtype=torch.int32)
     o1, l1 = packed_attention_reference(q, k, v, cu, return_lse=True)
-    assert reference.reference_bwd_block_rows(H, 260, 4) == 260  # default: one block per document
-    monkeypatch.setattr(reference, "REF_BWD_BLOCK_BYTES", H * 260 * 4 * 16)  # 16 rows per block
+    assert reference.reference_block_rows(H, 260, 4) == 260  # default: one block per document
+    monkeypatch.setattr(reference, "REF_BLOCK_BYTES", H * 260 * 4 * 16)  # 16 rows per block
     calls = []
     real = torch.matmul
 

@@ -30,6 +30,20 @@ def _chunks(cu: list[int], target: int) -> list[tuple[int, int]]:
     return out
 
 
+REF_BLOCK_BYTES = 64 * 1024 * 1024
+"""Bytes of one ``(H, rows, L)`` score-sized matrix per query block of :func:`packed_attention_reference`
+and :func:`packed_attention_reference_bwd`; the scores / P, dP and dS of a block are each at most this
+big, so a document costs O(H * L * D) memory plus this, not O(H * L^2)."""
+
+
+def reference_block_rows(H: int, L: int, itemsize: int) -> int:
+    """Query rows per block of the forward and backward reference for a document of ``L`` tokens and
+    ``H`` query heads: the largest count with ``H * rows * L * itemsize <= REF_BLOCK_BYTES`` (at
+    least 1, at most L)."""
+    per_row = max(1, H * L * itemsize)
+    return max(1, min(L, REF_BLOCK_BYTES // per_row))
+
+
 def packed_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -53,7 +67,7 @@ def packed_attention_reference(
         compute_dtype: float32 (default) or float64.
         return_lse: also return the natural-log LSE, ``(H_q, T)`` float32-or-compute_dtype.
         block_q: at most this many query rows per block; fewer when a block's ``(H, rows, doc_len)``
-            scores would pass ``REF_BWD_BLOCK_BYTES`` (64 MiB), so memory stays O(H * doc_len * D).
+            scores would pass ``REF_BLOCK_BYTES`` (64 MiB), so memory stays O(H * doc_len * D).
 
     Returns:
         ``o`` of shape ``(T, H_q, D)`` in ``compute_dtype`` (and ``lse`` if requested).
@@ -88,8 +102,8 @@ def packed_attention_reference(
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
     for c0, c1 in _chunks(cu, block_q):
         # at most block_q rows, and few enough that a block's (H, rows, chunk) scores stay under
-        # REF_BWD_BLOCK_BYTES (a 100,000-token document: 41 rows at H = 16 instead of 1,024)
-        rows = min(block_q, reference_bwd_block_rows(Hq, c1 - c0, itemsize))
+        # REF_BLOCK_BYTES (a 100,000-token document: 41 rows at H = 16 instead of 1,024)
+        rows = min(block_q, reference_block_rows(Hq, c1 - c0, itemsize))
         for q0 in range(c0, c1, rows):
             q1 = min(q0 + rows, c1)
             k1 = q1 if causal else c1
@@ -112,20 +126,6 @@ def packed_attention_reference(
     return o
 
 
-REF_BWD_BLOCK_BYTES = 64 * 1024 * 1024
-"""Bytes of one ``(H, rows, L)`` score-sized matrix per query block of
-:func:`packed_attention_reference_bwd`; P, dP and dS of a block are each at most this big, so a
-document's backward is O(H * L * D) memory plus this, not O(H * L^2)."""
-
-
-def reference_bwd_block_rows(H: int, L: int, itemsize: int) -> int:
-    """Query rows per block of :func:`packed_attention_reference_bwd` for a document of ``L`` tokens and
-    ``H`` query heads: the largest count with ``H * rows * L * itemsize <= REF_BWD_BLOCK_BYTES`` (at
-    least 1, at most L)."""
-    per_row = max(1, H * L * itemsize)
-    return max(1, min(L, REF_BWD_BLOCK_BYTES // per_row))
-
-
 def packed_attention_reference_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -145,8 +145,8 @@ def packed_attention_reference_bwd(
     FlashAttention-2 (Dao, 2023) Algorithm 2's formulas, as the kernels (``flash_bwd.py``) use them:
     ``P = exp(S * scale - lse)``, ``Delta = rowsum(dO * O) - dLSE``, ``dS = P * (dO V^T - Delta)``,
     ``dQ = scale * dS K``, ``dK = scale * dS^T Q``, ``dV = P^T dO``. Each document is walked in query
-    blocks (:func:`reference_bwd_block_rows`): a block's P, dP and dS are ``(H, rows, L)`` with
-    ``H * rows * L * itemsize <= REF_BWD_BLOCK_BYTES`` (64 MiB; causal blocks only see keys up to
+    blocks (:func:`reference_block_rows`): a block's P, dP and dS are ``(H, rows, L)`` with
+    ``H * rows * L * itemsize <= REF_BLOCK_BYTES`` (64 MiB; causal blocks only see keys up to
     their last row), dK / dV accumulate over the blocks, so memory is O(H * L * D + 64 MiB) per
     document instead of O(H * L^2). GQA: each kv head gets the sum over its query-head group.
 
@@ -181,7 +181,7 @@ def packed_attention_reference_bwd(
         vs = v[s:e].to(f32).repeat_interleave(g, dim=1).transpose(0, 1)
         dks = torch.zeros((H, L, D), dtype=f32, device=q.device)  # per query head; summed over the group below
         dvs = torch.zeros((H, L, D), dtype=f32, device=q.device)
-        rows = reference_bwd_block_rows(H, L, itemsize)
+        rows = reference_block_rows(H, L, itemsize)
         for q0 in range(s, e, rows):
             q1 = min(q0 + rows, e)
             n = (q1 if causal else e) - s  # keys this block can see (causal: up to its last row)
@@ -238,7 +238,7 @@ def packed_attention_reference_blocked(
     Autograd through :func:`packed_attention_reference` keeps every query block's scores and
     probabilities for the backward (O(H * L^2) per document: a 100,000-token document needs tens of
     GB); this autograd function saves only q, k, v, o and LSE and computes the gradients with
-    :func:`packed_attention_reference_bwd` (query blocks of at most ``REF_BWD_BLOCK_BYTES``). Same
+    :func:`packed_attention_reference_bwd` (query blocks of at most ``REF_BLOCK_BYTES``). Same
     arguments, shapes and errors as :func:`packed_attention_reference` (``return_lse`` not offered);
     gradients flow to q, k and v only.
     """
