@@ -588,3 +588,70 @@ def test_policy_schedule_under_torch_compile_dynamic_shapes():
     assert r.returncode == 0, r.stderr[-3000:]
     diffs = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("DIFF ")]
     assert [d[1] for d in diffs] == ["40", "48"] and all(float(d[2]) == 0.0 for d in diffs), r.stdout
+
+
+_LEFTOVER_SCRIPT = r"""
+import json
+import torch
+from flamia_pack.kernels.attention import build_attention_work_list
+from flamia_pack.kernels.config import AttentionKernelConfig
+from flamia_pack.kernels.flash_fwd import LOG2E, _fwd_kernel
+from flamia_pack.kernels.interpret import patch_triton_interpreter
+patch_triton_interpreter()
+torch.manual_seed(0)
+# merged items (runs of short documents), one-token documents and longer ones, GQA, unaligned end padding
+lengths = [40, 1, 3, 2, 1, 1, 25, 5, 1, 33, 4, 4, 1]
+T, H, HKV, D = sum(lengths) + 3, 4, 2, 64
+cfg = AttentionKernelConfig(wl_block_m=32, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16,
+                            bwd_block_m2=32, bwd_block_n2=16)
+cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+q, k, v = (torch.randn(T, h, D).to(torch.bfloat16) for h in (H, HKV, HKV))
+wl = build_attention_work_list(cu, T, causal=True, config=cfg)
+def run(sel, hpp):
+    o = torch.full((T, H, D), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((H, T), float("nan"))
+    n_entries = wl.items.shape[0] * H
+    _fwd_kernel[(n_entries // hpp,)](q, k, v, o, lse, wl.items, wl.num_items, cu, wl.num_items, len(lengths),
+        wl.items.shape[0], H, H // HKV, sel, wl.items, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), o.stride(0), o.stride(1), lse.stride(0), D ** -0.5 * LOG2E,
+        HEAD_DIM=D, BLOCK_M=32, BLOCK_N=16, F=1, WL_BM=32, CAUSAL=True, PERSISTENT=False, HEAD_MAJOR=True,
+        DOC_MAJOR=False, STATIC=False, HEADS_PER_PROGRAM=hpp)
+    return o.float(), lse
+full_o, full_lse = run(0, 1)
+out = {}
+for hpp in (1, 2, 4):
+    o, lse = run(-1, hpp)
+    done = ~torch.isnan(lse)
+    rows = done.all(0)
+    out[hpp] = dict(rows=rows.nonzero().flatten().tolist(), partial=bool((done.any(0) & ~rows).any()),
+                    o_equal=bool(torch.equal(o[rows], full_o[rows])), lse_equal=bool(torch.equal(lse[:, rows], full_lse[:, rows])),
+                    rest_untouched=bool(torch.isnan(o[~rows]).all()))
+print("RESULTS " + json.dumps(out))
+"""
+
+
+def test_leftover_launch_heads_per_program_interpreter():
+    """The forward's leftover launch behind the Gluon programs (``HEADS_PER_PROGRAM`` > 1: one program per
+    (entry, chunk of heads)) writes exactly the rows of merged items and one-token documents, for every
+    head, bitwise as the one-head-per-program launch and the full launch do, and leaves every other row
+    untouched (NaN-poisoned). Triton interpreter."""
+    if not _triton_installed():
+        pytest.skip("triton is not installed — interpreter tests need it")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _LEFTOVER_SCRIPT], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and line, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    r = json.loads(line[-1][len("RESULTS "):])
+    lengths = [40, 1, 3, 2, 1, 1, 25, 5, 1, 33, 4, 4, 1]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    one_token = {s for s, n in zip(starts, lengths) if n == 1}
+    base = r["1"]
+    assert one_token <= set(base["rows"]), base  # every one-token document's row is written
+    assert not set(range(40)) & set(base["rows"]), base  # the 40-token document is the Gluon programs' work
+    for hpp in ("1", "2", "4"):
+        x = r[hpp]
+        assert x["rows"] == base["rows"] and not x["partial"], (hpp, x)
+        assert x["o_equal"] and x["lse_equal"] and x["rest_untouched"], (hpp, x)

@@ -546,6 +546,9 @@ CANDIDATES: dict[str, dict] = {
     # registers and 66 KB (2 programs per SM by registers); capped at 168, 3 programs per SM
     "small_n32": {**HEAD_MAJOR, **SMALL_TILES, "block_n": 32},
     "small_n32r": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES},
+    # the same in document-major order inside each head (W7 forward: ncu reads 1.006 GB from DRAM vs the
+    # 0.805 GB of Q, K, V, as cuDNN does: the cost order re-reads K / V of a head's 256 documents past L2)
+    "small_n32r_doc": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "doc_major": True},
     # four forward programs per SM (128 registers): 64 x 16 tiles (wgmma), or 32 x 32 (mma.sync); unmeasured
     "small_n16r": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "block_n": 16, "fwd_maxnreg": 128},
     "small_m32r": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "block_m": 32, "fwd_maxnreg": 128},
@@ -554,6 +557,9 @@ CANDIDATES: dict[str, dict] = {
     # the two launches of small_n32r_dqd with the preprocess kept (to tell the two effects apart)
     "small_n32r_split": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "bwd_fused": False},
     "small_fwd_pers": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True},
+    # the same with the Gluon programs (and the Triton backward) in document-major order
+    "small_fwd_pers_doc": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
+                           "doc_major": True},
     # forward: documents of <= 512 tokens in a second launch with SHORT_FWD_TILES (rows mixing long and
     # short documents: W2, W6; CPU-checked only)
     "fwd_split512": {**HEAD_MAJOR, "fwd_short_len": 512},

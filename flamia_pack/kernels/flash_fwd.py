@@ -23,6 +23,9 @@ kv head 1, ...: the programs in flight share one head's K/V in L2, FlexAttention
 ``fwd_gluon`` (with ``fwd_gluon_persistent``: the head_dim 128 default) runs the programs as the warp-specialized Gluon
 kernel of ``gluon_attention.py`` where it applies, this file's kernel only for merged items and 1-token
 documents (``sel = -1``; with ``fwd_short_len = L``, documents of at most L tokens, ``sel = -L``).
+Without ``fwd_short_len`` that leftover launch runs one program per (entry, chunk of 8 / 4 / 2 heads)
+(``HEADS_PER_PROGRAM``): most of its programs find nothing to do, and at one 8-warp program per SM the
+12,288 programs of W7's rows took 42 us; 8 heads per program measured 11.9 us (H200, 2026-11-30).
 """
 from __future__ import annotations
 
@@ -114,10 +117,22 @@ def _fwd_kernel(
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     F: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, PERSISTENT: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr, DOC_MAJOR: tl.constexpr, STATIC: tl.constexpr = False,
+    HEAD_MAJOR: tl.constexpr, DOC_MAJOR: tl.constexpr, STATIC: tl.constexpr = False, HEADS_PER_PROGRAM: tl.constexpr = 1,
 ):
     total = tl.load(num_items_ptr) * F * num_heads
-    if STATIC:
+    if HEADS_PER_PROGRAM > 1:
+        # the leftover launch behind the Gluon forward (few selected entries, most rows none): one program
+        # per (entry, chunk of HEADS_PER_PROGRAM heads), so the launch is HEADS_PER_PROGRAM x fewer
+        # programs that find nothing to do (W7: 12,288 of them took 42 us at one program per SM)
+        tile = tl.program_id(0)
+        chunks = num_heads // HEADS_PER_PROGRAM
+        e = tile // chunks
+        if e < tl.load(num_items_ptr) * F:
+            for hh in tl.static_range(HEADS_PER_PROGRAM):
+                _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, (tile % chunks) * HEADS_PER_PROGRAM + hh, group,
+                          sel, order_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                          stride_oh, stride_lh, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL, DOC_MAJOR)
+    elif STATIC:
         # static snake (DESIGN.md §6; seed 001 Algorithm 2 line 06): unit k of round r = k // P goes to
         # program k % P in even rounds and P - 1 - k % P in odd ones; each program walks its units in
         # increasing k (scheduler.worklist.static_assignment deals the same way)
@@ -289,10 +304,17 @@ def flash_fwd(
         # SHORT_FWD_TILES for the short documents: three programs per SM where the Gluon programs'
         # 128 x 128 tiles run one)
         skip_len = max(1, config.fwd_short_len)
-        gluon_attention.gluon_fwd(q, k, v, cu_seqlens, items, num_items, softmax_scale, causal=causal,
+        # doc_major: the Gluon programs take the list's rows in document order (a gathered copy)
+        g_items = items.index_select(0, order) if config.doc_major else items
+        gluon_attention.gluon_fwd(q, k, v, cu_seqlens, g_items, num_items, softmax_scale, causal=causal,
                                   wl_block_m=config.wl_block_m, skip_len=skip_len, o=o, lse=lse,
                                   persistent=config.fwd_gluon_persistent, parts=config.fwd_gluon_parts)
         parts = [(parts[-1][0] if config.fwd_short_len else config, -skip_len)]
+        # only merged items and the shortest documents are left: a few heads per program (fewer programs
+        # that exit at once), unless the short-document launch of fwd_short_len has real work per head
+        hpp = 1 if config.fwd_short_len else next(c for c in (8, 4, 2, 1) if H % c == 0)
+    else:
+        hpp = 1
     for cfg, sel in parts:
         f = cfg.wl_block_m // cfg.block_m
         n_entries = items.shape[0] * f * H
@@ -303,7 +325,8 @@ def flash_fwd(
         persistent = cfg.schedule == "persistent" or static
         # the atomic counter only for the dynamic schedule (the static snake deals units by program id)
         counter = torch.zeros((1,), dtype=torch.int32, device=q.device) if persistent and not static else num_items
-        grid = (max(1, min(n_entries, 2 * _num_sms(q.device))),) if persistent else (max(1, n_entries),)
+        hpp = hpp if not persistent else 1
+        grid = (max(1, min(n_entries, 2 * _num_sms(q.device))),) if persistent else (max(1, n_entries // hpp),)
         if n_entries > 0:
             _fwd_kernel[grid](
                 q, k, v, o, lse, items, num_items, cu_seqlens, counter, n_docs, items.shape[0] * f, H, H // Hkv, sel, order,
@@ -312,7 +335,7 @@ def flash_fwd(
                 float(softmax_scale) * LOG2E,
                 HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, F=f, WL_BM=cfg.wl_block_m,
                 CAUSAL=bool(causal), PERSISTENT=persistent, HEAD_MAJOR=cfg.schedule == "grid_head_major",
-                DOC_MAJOR=bool(cfg.doc_major), STATIC=static,
+                DOC_MAJOR=bool(cfg.doc_major), STATIC=static, HEADS_PER_PROGRAM=hpp,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.fwd_maxnreg} if cfg.fwd_maxnreg else {}),
             )
     fill_tail(o, cu_seqlens, 0.0, token_dim=0)

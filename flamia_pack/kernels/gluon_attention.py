@@ -45,6 +45,8 @@ slot release; the software pipelining alone measured 1.00x). benchmarks/RESULTS.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -1051,10 +1053,17 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
             ], [4, 1], [240, 24])
 
 
+@functools.cache
+def _smem_layout(block_rows: int, head_dim: int, fp32: bool):
+    """The NVMMA shared layout of a ``block_rows x head_dim`` TMA block (built once per shape: it is
+    an immutable value, and building it cost ~50 us of host time per attention call)."""
+    return gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], gl.float32 if fp32 else gl.bfloat16)
+
+
 def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     """TMA descriptor over ``x`` (T, H, D) bf16 or float32 viewed as (T, H * D), blocks of ``block_rows`` tokens x D."""
     T, H, D = x.shape
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, D], gl.float32 if x.dtype == torch.float32 else gl.bfloat16)
+    layout = _smem_layout(block_rows, D, x.dtype == torch.float32)
     return TensorDescriptor(x.view(T, H * D), [T, H * D], [H * D, 1], [block_rows, D], layout)
 
 
