@@ -310,6 +310,12 @@ class WorkList:
         total_tokens: T of the row the list was built for (``varlen_attention`` rejects a list
             built for another T: its items would address rows past the call's tensors); None for a
             list made by hand (not checked).
+        min_seqlen: the shortest document of the ``cu_seqlens`` the list was built from, known when
+            it was built with ``validate=True`` (which copies ``cu_seqlens`` to the host anyway);
+            None otherwise (``validate=False``, :class:`WorkListBuilder`, by hand). With it,
+            ``varlen_attention`` skips the kernels' leftover launches for short documents on rows
+            that have none (``attention.leftover_bits``). Like the items, it describes that
+            ``cu_seqlens`` only.
     """
 
     items: torch.Tensor
@@ -317,6 +323,7 @@ class WorkList:
     max_items: int
     config: TileConfig = field(default_factory=TileConfig)
     total_tokens: int | None = None
+    min_seqlen: int | None = None
 
     def to_numpy(self) -> np.ndarray:
         """Valid rows as a ``(num_items, 4)`` int32 numpy array (syncs; for tests and tools)."""
@@ -427,7 +434,9 @@ def _expand_torch(cu: torch.Tensor, m: int, config: TileConfig):
     return d, qs, qe, cost, valid, total
 
 
-def _validate_device_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
+def _validate_device_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> int | None:
+    """Host check of ``cu_seqlens`` against ``total_tokens`` (one copy to the host); returns the
+    shortest document's length (None for zero documents)."""
     arr = validate_cu_seqlens(cu_seqlens)
     if int(arr[-1]) > int(total_tokens):
         raise MetadataError(
@@ -436,6 +445,7 @@ def _validate_device_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
         )
     if int(total_tokens) >= 2**31:
         raise MetadataError(f"total_tokens={int(total_tokens)} does not fit the int32 item table")
+    return int((arr[1:] - arr[:-1]).min()) if len(arr) > 1 else None
 
 
 def build_work_list(
@@ -485,8 +495,7 @@ def build_work_list(
         raise MetadataError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise MetadataError(f"cu_seqlens must be 1-D of shape (n_docs + 1,), got shape {tuple(cu_seqlens.shape)}")
-    if validate:
-        _validate_device_cu(cu_seqlens, total_tokens)
+    shortest = _validate_device_cu(cu_seqlens, total_tokens) if validate else None
     device = cu_seqlens.device
     n = cu_seqlens.numel() - 1
     m = max_work_items(total_tokens, n, config) if max_items is None else int(max_items)
@@ -498,6 +507,7 @@ def build_work_list(
         out.config = config
         out.max_items = m
         out.total_tokens = int(total_tokens)
+        out.min_seqlen = shortest  # None without validate: a reused buffer never keeps another row's hint
         wl = out
     else:
         wl = WorkList(
@@ -506,6 +516,7 @@ def build_work_list(
             max_items=m,
             config=config,
             total_tokens=int(total_tokens),
+            min_seqlen=shortest,
         )
     if n == 0 or m == 0:
         wl.items.fill_(-1)
