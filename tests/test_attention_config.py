@@ -419,6 +419,19 @@ def test_leftover_bits_are_sound_and_skip_long_document_rows():
             checked += 1
             skipped += (bits & LEFTOVER_FWD == 0) + (bits & LEFTOVER_BWD == 0)
     assert checked == 2400 and skipped > 500  # the skip is exercised, not just the safe default
+    # exactly at the thresholds (a document of skip_len tokens is the Triton launch's; merging needs one
+    # shorter than wl_block_m)
+    c300 = rep(kernel_config(128), fwd_short_len=300)
+    for cfg, lengths, fwd, bwd in ((c300, [300, 1000], True, True), (c300, [301, 1000], False, True),
+                                   (kernel_config(128), [512, 1000], False, True),
+                                   (kernel_config(128), [513, 1000], False, False),
+                                   (kernel_config(128), [127, 1000], True, True),
+                                   (kernel_config(128), [128, 1000], False, True)):
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        bits = leftover_bits(cfg, min(lengths))
+        assert bool(bits & LEFTOVER_FWD) == fwd and bool(bits & LEFTOVER_BWD) == bwd, (lengths, bits)
+        assert (_leftover_rows(cu, cfg, max(1, cfg.fwd_short_len)) > 0) == fwd or lengths[0] == 127, lengths
+        assert (_leftover_rows(cu, cfg, cfg.bwd_gluon_min_len) > 0) == bwd or lengths[0] == 127, lengths
     assert leftover_bits(kernel_config(128), None) == LEFTOVER_FWD | LEFTOVER_BWD  # unknown: launch both
     for name in ("W1", "W3", "W4", "W5", "W8", "W9"):
         assert leftover_bits(kernel_config(128), int(workload_lengths(name).min())) == 0, name
@@ -452,3 +465,25 @@ def test_work_list_min_seqlen_only_when_validated():
     assert again is wl and wl.min_seqlen is None
     assert build_work_list(short, 3010, TileConfig(), out=wl, max_items=wl.max_items).min_seqlen == 5
     assert build_work_list(torch.tensor([0], dtype=torch.int32), 8, TileConfig()).min_seqlen is None
+
+
+def test_work_list_hint_is_dropped_when_the_buffers_are_rewritten():
+    """A validated list later refilled in place for another row (``copy_`` into its static buffers)
+    must not keep the first row's hint: ``work_list_hint`` compares the buffers' version counters."""
+    import torch
+
+    from flamia_pack.scheduler.worklist import TileConfig, build_work_list, work_list_hint
+
+    long_cu = torch.tensor([0, 600, 1300, 2048], dtype=torch.int32)
+    short_cu = torch.tensor([0, 5, 20, 2048], dtype=torch.int32)
+    wl = build_work_list(long_cu, 2048, TileConfig())
+    other = build_work_list(short_cu, 2048, TileConfig(), max_items=wl.max_items)
+    assert work_list_hint(wl) == 600 and work_list_hint(other) == 5
+    wl.items.copy_(other.items)
+    assert wl.min_seqlen == 600 and work_list_hint(wl) is None
+    fresh = build_work_list(long_cu, 2048, TileConfig())
+    fresh.num_items.copy_(other.num_items)
+    assert work_list_hint(fresh) is None
+    hand = build_work_list(long_cu, 2048, TileConfig(), validate=False)
+    hand.min_seqlen = 600  # set by hand without _stamp_hint: not trusted
+    assert work_list_hint(hand) is None

@@ -350,7 +350,7 @@ def to_device(
         else:
             out[k] = v
     if work_list_config is not None:
-        from flamia_pack.scheduler.worklist import build_work_list
+        from flamia_pack.scheduler.worklist import _stamp_hint, build_work_list
 
         total = int(out["input_ids"].numel())
         wl = build_work_list(out["cu_seqlens"], total, work_list_config, validate=False)
@@ -362,6 +362,7 @@ def to_device(
             lengths = host_cu[1:] - host_cu[:-1]
             lengths = lengths[lengths > 0]
             wl.min_seqlen = int(lengths.min()) if lengths.numel() else None
+            _stamp_hint(wl)
         out["work_list"] = wl
     if scale_groups is not None:
         sg = _scale_groups(out["cu_seqlens"], int(out["input_ids"].numel()), scale_groups)

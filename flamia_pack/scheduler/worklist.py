@@ -315,7 +315,8 @@ class WorkList:
             None otherwise (``validate=False``, :class:`WorkListBuilder`, by hand). With it,
             ``varlen_attention`` skips the kernels' leftover launches for short documents on rows
             that have none (``attention.leftover_bits``). Like the items, it describes that
-            ``cu_seqlens`` only.
+            ``cu_seqlens`` only; it is read through :func:`work_list_hint`, which drops it once the
+            buffers were written in place since the build (a list refreshed for another row).
     """
 
     items: torch.Tensor
@@ -523,7 +524,7 @@ def build_work_list(
         wl.num_items.zero_()
         if validate and n > 0 and m == 0:
             raise MetadataError(f"work list does not fit max_items={m}")
-        return wl
+        return _stamp_hint(wl)
     if backend not in ("auto", "torch", "triton"):
         raise FlamiaError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     use_triton = backend == "triton" or (backend == "auto" and device.type == "cuda" and _triton_available())
@@ -547,7 +548,32 @@ def build_work_list(
         count = int(wl.num_items.to("cpu")[0])
         if count > m:
             raise MetadataError(f"work list has {count} items but max_items={m}; use max_work_items()")
+    return _stamp_hint(wl)
+
+
+def _stamp_hint(wl: WorkList) -> WorkList:
+    """Record the version counters of ``wl``'s buffers next to its ``min_seqlen`` hint, once they are
+    written: :func:`work_list_hint` trusts the hint only while no in-place write (``copy_``, slice
+    assignment) has changed them since -- a list refreshed on the device for another row keeps no
+    stale hint."""
+    wl._hint_versions = (wl.items._version, wl.num_items._version) if wl.min_seqlen is not None else None
     return wl
+
+
+def work_list_hint(wl) -> int | None:
+    """``wl.min_seqlen`` if it still describes the buffers (see :func:`_stamp_hint`), else None.
+
+    A hint set by hand needs ``_stamp_hint(wl)`` after it (as ``loaders.collate.to_device`` does).
+    CUDA-graph replays and raw kernel writes do not move version counters: a list refilled that way
+    must be rebuilt through :func:`build_work_list` (``validate=False`` clears the hint), as
+    :class:`WorkListBuilder` does; ``varlen_attention`` also ignores hints while a CUDA graph is being
+    captured or under ``torch.compile``, so a captured step never bakes one in.
+    """
+    ms = getattr(wl, "min_seqlen", None)
+    items, num = getattr(wl, "items", None), getattr(wl, "num_items", None)
+    if ms is None or not isinstance(items, torch.Tensor) or not isinstance(num, torch.Tensor):
+        return None
+    return ms if getattr(wl, "_hint_versions", None) == (items._version, num._version) else None
 
 
 def _build_torch_into(cu_seqlens: torch.Tensor, total_tokens: int, config: TileConfig, wl: WorkList) -> None:
