@@ -584,13 +584,14 @@ def varlen_attention(
     min_seqlen = None
     if work_list is None or (not use_kernels and not torch.compiler.is_compiling()):
         min_seqlen = _check_cu_values(cu_seqlens, T, max_seqlen)
-    if work_list is not None and min_seqlen is None:
+    # a captured / compiled step must not bake in one row's launch decision (and dynamo cannot guard
+    # on the buffers' version counters): no hint there
+    if torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        min_seqlen = None
+    elif work_list is not None and min_seqlen is None:
         from flamia_pack.scheduler.worklist import work_list_hint
 
         min_seqlen = work_list_hint(work_list)  # known if it was built with validate=True, and still current
-    if min_seqlen is not None and (torch.compiler.is_compiling()
-                                   or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-        min_seqlen = None  # a captured / compiled step must not bake in one row's launch decision
     cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     if not cu32.is_contiguous():
         cu32 = cu32.contiguous()
