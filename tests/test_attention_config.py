@@ -485,5 +485,7 @@ def test_work_list_hint_is_dropped_when_the_buffers_are_rewritten():
     fresh.num_items.copy_(other.num_items)
     assert work_list_hint(fresh) is None
     hand = build_work_list(long_cu, 2048, TileConfig(), validate=False)
-    hand.min_seqlen = 600  # set by hand without _stamp_hint: not trusted
+    hand.min_seqlen = 600  # set by hand on the object: not trusted
     assert work_list_hint(hand) is None
+    given = build_work_list(long_cu, 2048, TileConfig(), validate=False, min_seqlen=600)  # a caller's host copy
+    assert work_list_hint(given) == 600

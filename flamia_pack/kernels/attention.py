@@ -346,9 +346,8 @@ def _op_config_ints(cfg: AttentionKernelConfig, bits: int) -> list[int]:
 
 def _op_config(vals) -> tuple[AttentionKernelConfig, int]:
     """Inverse of :func:`_op_config_ints` (a list without the mask, as older callers pass: both bits)."""
-    vals = [int(x) for x in vals]
-    bits = vals[_N_CONFIG_FIELDS] if len(vals) > _N_CONFIG_FIELDS else LEFTOVER_FWD | LEFTOVER_BWD
-    return _config_from_tuple(tuple(vals[:_N_CONFIG_FIELDS])), bits
+    bits = int(vals[_N_CONFIG_FIELDS]) if len(vals) > _N_CONFIG_FIELDS else LEFTOVER_FWD | LEFTOVER_BWD
+    return _config_from_ints(vals[:_N_CONFIG_FIELDS]), bits
 
 
 @host_cache

@@ -350,10 +350,10 @@ def to_device(
         else:
             out[k] = v
     if work_list_config is not None:
-        from flamia_pack.scheduler.worklist import _stamp_hint, build_work_list
+        from flamia_pack.scheduler.worklist import build_work_list
 
         total = int(out["input_ids"].numel())
-        wl = build_work_list(out["cu_seqlens"], total, work_list_config, validate=False)
+        shortest = None
         host_cu = batch.get("cu_seqlens")
         if isinstance(host_cu, torch.Tensor) and host_cu.device.type == "cpu" and host_cu.numel() > 1:
             # the shortest document, from the host copy the batch still has (no sync): lets the
@@ -361,9 +361,9 @@ def to_device(
             # empty segments make no work item and do not count
             lengths = host_cu[1:] - host_cu[:-1]
             lengths = lengths[lengths > 0]
-            wl.min_seqlen = int(lengths.min()) if lengths.numel() else None
-            _stamp_hint(wl)
-        out["work_list"] = wl
+            shortest = int(lengths.min()) if lengths.numel() else None
+        out["work_list"] = build_work_list(out["cu_seqlens"], total, work_list_config, validate=False,
+                                           min_seqlen=shortest)
     if scale_groups is not None:
         sg = _scale_groups(out["cu_seqlens"], int(out["input_ids"].numel()), scale_groups)
         if sg is None:

@@ -458,6 +458,7 @@ def build_work_list(
     validate: bool = True,
     out: WorkList | None = None,
     backend: str = "auto",
+    min_seqlen: int | None = None,
 ) -> WorkList:
     """Build the sorted work list on ``cu_seqlens.device`` (DESIGN.md §6, seed 001 Algorithm 2).
 
@@ -482,6 +483,9 @@ def build_work_list(
         out: optional preallocated :class:`WorkList` (same device, ``max_items`` rows) to fill.
         backend: ``"torch"`` (any device), ``"triton"`` (CUDA; fused expansion kernel) or
             ``"auto"`` (triton on CUDA when available, else torch).
+        min_seqlen: with ``validate=False``, the shortest non-empty document of ``cu_seqlens`` if the
+            caller knows it from a host copy (``loaders.collate.to_device``); it becomes the list's
+            ``min_seqlen`` hint. With ``validate=True`` the hint is computed from the check instead.
 
     Returns:
         :class:`WorkList` (``items`` (max_items, 4) int32, ``num_items`` (1,) int32).
@@ -496,7 +500,7 @@ def build_work_list(
         raise MetadataError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise MetadataError(f"cu_seqlens must be 1-D of shape (n_docs + 1,), got shape {tuple(cu_seqlens.shape)}")
-    shortest = _validate_device_cu(cu_seqlens, total_tokens) if validate else None
+    shortest = _validate_device_cu(cu_seqlens, total_tokens) if validate else min_seqlen
     device = cu_seqlens.device
     n = cu_seqlens.numel() - 1
     m = max_work_items(total_tokens, n, config) if max_items is None else int(max_items)
@@ -508,7 +512,7 @@ def build_work_list(
         out.config = config
         out.max_items = m
         out.total_tokens = int(total_tokens)
-        out.min_seqlen = shortest  # None without validate: a reused buffer never keeps another row's hint
+        out.min_seqlen = shortest  # None unless known: a reused buffer never keeps another row's hint
         wl = out
     else:
         wl = WorkList(
@@ -563,8 +567,8 @@ def _stamp_hint(wl: WorkList) -> WorkList:
 def work_list_hint(wl) -> int | None:
     """``wl.min_seqlen`` if it still describes the buffers (see :func:`_stamp_hint`), else None.
 
-    A hint set by hand needs ``_stamp_hint(wl)`` after it (as ``loaders.collate.to_device`` does).
-    CUDA-graph replays and raw kernel writes do not move version counters: a list refilled that way
+    A hint set by hand on the object is not trusted; pass it to :func:`build_work_list`
+    (``min_seqlen=``) instead. CUDA-graph replays and raw kernel writes do not move version counters: a list refilled that way
     must be rebuilt through :func:`build_work_list` (``validate=False`` clears the hint), as
     :class:`WorkListBuilder` does; ``varlen_attention`` also ignores hints while a CUDA graph is being
     captured or under ``torch.compile``, so a captured step never bakes one in.
