@@ -42,13 +42,19 @@ def test_env_var_selects_candidate(monkeypatch):
 
 
 def test_small_tiles_for_rows_of_short_documents(monkeypatch):
-    from flamia_pack.kernels.config import SMALL_BWD_MAX_SEQLEN, SMALL_MAX_SEQLEN
+    from flamia_pack.kernels.config import SMALL_BWD_MAX_SEQLEN, SMALL_FWD_GLUON_MIN_SEQLEN, SMALL_MAX_SEQLEN
 
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     small = candidate_config("small")
     assert small.block_m == 64 and small.bwd_block_n1 == 64 and small.bwd_num_warps == 4
     # <= 512: the small set with the 64 x 32 forward capped at 168 registers
-    assert kernel_config(128, max_seqlen=SMALL_BWD_MAX_SEQLEN) == candidate_config("small_n32r")
+    # <= 512 with a document of >= 128 tokens: the persistent Gluon forward, the small Triton backward
+    assert kernel_config(128, max_seqlen=SMALL_BWD_MAX_SEQLEN) == candidate_config("small_fwd_pers")
+    assert kernel_config(128, max_seqlen=SMALL_FWD_GLUON_MIN_SEQLEN) == candidate_config("small_fwd_pers")
+    pers = candidate_config("small_fwd_pers")
+    assert pers.fwd_gluon and pers.fwd_gluon_persistent and not pers.bwd_gluon
+    # every document shorter than a 128-row entry: no Gluon entry to run, the Triton forward
+    assert kernel_config(128, max_seqlen=SMALL_FWD_GLUON_MIN_SEQLEN - 1) == candidate_config("small_n32r")
     assert kernel_config(128, max_seqlen=1) == candidate_config("small_n32r")
     assert candidate_config("small_n32r") == dataclasses.replace(small, block_n=32, fwd_maxnreg=168)
     # 513..1024: the persistent Gluon forward, dK/dV and dQ programs

@@ -226,7 +226,9 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
     ("dkdv", {"persistent": True, "head_dim": 64}, True, 0),
     ("dq", {"persistent": True, "stages": 2}, True, 0),  # persistent dQ: two Q/dO slots + 2-deep K/V ring
     ("dq", {"persistent": True, "stages": 2, "group": 4}, True, 0),
-    ("fwd", {"persistent": True}, True, 0),        # fwd_gluon_persistent: two Q slots + 2-deep K/V ring
+    # fwd_gluon_persistent: two Q slots + 2-deep K/V ring; since the one-compare masks (2026-11-30) ptxas
+    # keeps two per-thread row offsets on the stack: 8 B stored once, reloaded once per entry (not per tile)
+    ("fwd", {"persistent": True}, True, 8),
     ("fwd", {"persistent": True, "causal": False}, True, 0),
     ("fwd", {"persistent": True, "parts": 1}, True, 0),  # one 8-warp consumer (candidate fwd_parts1)
     ("fwd", {"persistent": True, "block_n": 64, "stages": 4}, True, 0),  # candidates fwd_n64s4 (197 KB)

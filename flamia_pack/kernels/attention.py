@@ -522,7 +522,8 @@ def varlen_attention(
         config: tile/launch configuration, an ``AttentionKernelConfig`` (by name:
             ``candidate_config(name)``; default :func:`flamia_pack.kernels.config.kernel_config`
             for ``head_dim``, ``causal``, ``max_seqlen`` and the GQA group, at ``D == 128``: MHA rows
-            with ``max_seqlen <= 512`` the small tile set's ``small_n32r``, 513-1,024 the persistent
+            with ``max_seqlen < 128`` the small tile set's ``small_n32r``, 128-512 the persistent Gluon
+            forward with the small set's Triton backward (``small_fwd_pers``), 513-1,024 the persistent
             Gluon kernels ``all_pers_dqp``; GQA rows with ``max_seqlen <= 1024`` ``small_m16``;
             longer rows the persistent Gluon forward and the Gluon backward). On the CPU fallback
             the config is validated but does not change the (reference) computation.

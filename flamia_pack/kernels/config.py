@@ -23,7 +23,8 @@ from dataclasses import astuple, dataclass, replace
 from flamia_pack.errors import FlamiaError
 
 __all__ = ["AttentionKernelConfig", "kernel_config", "work_list_tile_config", "SCHEDULES", "CANDIDATES",
-           "CONFIG_ENV", "candidate_config", "env_candidate", "SMALL_MAX_SEQLEN", "SMALL_BWD_MAX_SEQLEN", "SMALL_TILES",
+           "CONFIG_ENV", "candidate_config", "env_candidate", "SMALL_MAX_SEQLEN", "SMALL_BWD_MAX_SEQLEN",
+           "SMALL_FWD_GLUON_MIN_SEQLEN", "SMALL_TILES",
            "SHORT_FWD_TILES"]
 
 SMALL_MAX_SEQLEN = 1024
@@ -42,7 +43,16 @@ default (Gluon) backward (``fwd_small``): on W3 (1,024-token documents) 1.019x a
 small set once the Gluon backward was asynchronous (RESULTS "Session of 2026-11-29 (day)" runs 3-4),
 while 512-token documents (U512) and W7 keep the whole small set (1.15x / 1.32x the default), since
 2026-11-29 evening with its forward on 64 x 32 tiles capped at 168 registers (``small_n32r``: three
-programs per SM instead of two; W7 forward 1.195x, training call 1.045x over ``small``, three passes)."""
+programs per SM instead of two; W7 forward 1.195x, training call 1.045x over ``small``, three passes).
+Since 2026-11-30 (third session) rows of this band whose longest document has at least
+:data:`SMALL_FWD_GLUON_MIN_SEQLEN` tokens run the persistent Gluon forward with the small set's
+Triton backward (``small_fwd_pers``): with the forward's coalesced O epilogue and one-compare masks
+its W7 kernel is 335 us vs the Triton forward's 432 us (ncu), training call 1.809 vs 1.899 ms."""
+
+SMALL_FWD_GLUON_MIN_SEQLEN = 128
+"""Band-0 rows (``max_seqlen <= SMALL_BWD_MAX_SEQLEN``) with ``max_seqlen`` below this keep the Triton
+forward (``small_n32r``): every document is shorter than the work list's 128-row entries, so the
+Gluon forward would have no entry to run and only the Triton leftover launch would work (S1)."""
 
 CONFIG_ENV = "FLAMIA_ATTN_CONFIG"
 """Environment variable naming a :data:`CANDIDATES` entry that :func:`kernel_config` applies on top
@@ -676,8 +686,9 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
     programs: MHA rows of ``SMALL_BWD_MAX_SEQLEN < max_seqlen <= SMALL_MAX_SEQLEN`` the persistent
     Gluon forward, dK/dV and dQ programs (``all_pers_dqp``, :data:`SMALL_BWD_MAX_SEQLEN`); GQA rows
     and MHA rows of ``max_seqlen <= SMALL_BWD_MAX_SEQLEN`` the ``small`` tile set (MHA: its
-    ``small_n32r`` variant, a 64 x 32 forward capped at
-    168 registers for three programs per SM): 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
+    ``small_n32r`` variant, a 64 x 32 forward capped at 168 registers for three programs per SM; MHA
+    rows of ``SMALL_FWD_GLUON_MIN_SEQLEN <= max_seqlen <= SMALL_BWD_MAX_SEQLEN`` keep its backward
+    but run the persistent Gluon forward, ``small_fwd_pers``): 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
     programs with 4 warps, two programs per SM, so one program's prologue and epilogue (which
     dominate when each program walks only a few tiles) overlap another's tiles. GQA calls
     (``num_kv_groups > 1``) get its 16-query dK/dV step (``small_m16``): with the group loop the
@@ -709,7 +720,8 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
         raise FlamiaError(f"num_kv_groups must be an int >= 1 (num_heads // num_kv_heads), got {num_kv_groups!r}")
     name = env_candidate()
     band = None if max_seqlen is None else (
-        0 if max_seqlen <= SMALL_BWD_MAX_SEQLEN else 1 if max_seqlen <= SMALL_MAX_SEQLEN else 2)
+        -1 if max_seqlen < SMALL_FWD_GLUON_MIN_SEQLEN else 0 if max_seqlen <= SMALL_BWD_MAX_SEQLEN
+        else 1 if max_seqlen <= SMALL_MAX_SEQLEN else 2)
     if type(head_dim) is int and type(causal) is bool and type(precision) is str:
         # per-call host cost ~10 us -> ~1 us (configs are frozen: one shared object per key is safe)
         return _kernel_config_cached(name, head_dim, causal, precision, band, num_kv_groups > 1)
@@ -722,7 +734,8 @@ def _kernel_config_uncached(name: str, head_dim, causal, precision, band: int | 
     if band is not None and band < 2 and head_dim == 128:
         if gqa:
             return candidate_config("small_m16", head_dim, causal, precision)
-        return candidate_config("small_n32r" if band == 0 else "all_pers_dqp", head_dim, causal, precision)
+        name = {-1: "small_n32r", 0: "small_fwd_pers", 1: "all_pers_dqp"}[band]
+        return candidate_config(name, head_dim, causal, precision)
     return _default_config(head_dim, causal, precision)
 
 

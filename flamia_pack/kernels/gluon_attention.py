@@ -767,26 +767,28 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
 # Forward programs: own BLOCK_M queries of one query head, walk the visible key tiles, online softmax.
 
 @gluon.jit
-def _fwd_softmax(st, m_i, l_i, q_pos, o_lo, o_hi, j, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                 BLOCK_N: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
-    """Base-2 online softmax of walked tile ``j``'s scores: ``(P as the bf16 A operand, m, l, alpha)``."""
-    st = st * qk_scale
+def _fwd_softmax(st, m_i, l_i, lim, j, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
+                 s_layout: gl.constexpr, op_layout: gl.constexpr):
+    """Base-2 online softmax of walked tile ``j``'s raw scores ``st``: ``(P as the bf16 A operand, m, l,
+    alpha)``, ``m`` in the scaled (base-2) domain. ``lim`` (per row): the last visible key of the row
+    relative to the entry's first key (``min(q_pos, o_hi - 1) - o_lo``, causal; ``o_hi - 1 - o_lo``
+    otherwise), so a masked tile costs one compare and one select a score; masked scores are
+    ``-inf`` (exp2 -> 0; a row's first tile always holds its document's first key, so ``m`` stays
+    finite). The scale is applied inside the exponent (``st * qk_scale - m``: one FFMA, as
+    FlashAttention's ``exp2f(x * scale - max_scaled)``): the row max commutes with a positive scale."""
     if MASKED:
-        k_pos = o_lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        vis = k_pos[None, :] < o_hi
-        if CAUSAL:
-            vis = vis & (k_pos[None, :] <= q_pos[:, None])
-        st = gl.where(vis, st, -1.0e6)
-    m_ij = gl.maximum(m_i, gl.max(st, 1))
-    p = gl.exp2(st - m_ij[:, None])
+        k_rel = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        st = gl.where(k_rel[None, :] <= (lim - j * BLOCK_N)[:, None], st, float("-inf"))
+    m_ij = gl.maximum(m_i, gl.max(st, 1) * qk_scale)
+    p = gl.exp2(st * qk_scale - m_ij[:, None])
     alpha = gl.exp2(m_i - m_ij)
     l_i = l_i * alpha + gl.sum(p, 1)
     return gl.convert_layout(p.to(gl.bfloat16), op_layout), m_ij, l_i, alpha
 
 
 @gluon.jit
-def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc, p_prev, m_i, l_i, qk_scale,
-              MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p_prev, m_i, l_i, qk_scale,
+              MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               s_layout: gl.constexpr, op_layout: gl.constexpr, acc_layout: gl.constexpr):
     """Walked tile ``j >= 1``, software-pipelined as FlashAttention-3's forward (Shah et al. 2024, §3.2
     "intra-warpgroup overlapping"): ``S_j = Q K_j^T`` and the previous tile's ``O += P_{j-1} V_{j-1}``
@@ -805,8 +807,7 @@ def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc
     acc = warpgroup_mma(p_prev, v_bufs.index(sp), acc, is_async=True)
     st = warpgroup_mma_wait(1, deps=(st,))  # groups retire in order: S_j done, P V may still run
     mbarrier.arrive(empty.index(s), count=1)
-    p, m_ij, l_i, alpha = _fwd_softmax(st, m_i, l_i, q_pos, o_lo, o_hi, j, qk_scale, MASKED, CAUSAL, BLOCK_N,
-                                       s_layout, op_layout)
+    p, m_ij, l_i, alpha = _fwd_softmax(st, m_i, l_i, lim, j, qk_scale, MASKED, BLOCK_N, s_layout, op_layout)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(empty.index(STAGES + sp), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout))[:, None]
@@ -833,6 +834,10 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
     q_part = q_smem.slice(WG * PART_M, PART_M, dim=0)
     r0 = rs + WG * PART_M
     q_pos = r0 + gl.arange(0, PART_M, layout=gl.SliceLayout(1, s_layout))
+    if CAUSAL:
+        lim = gl.minimum(q_pos, o_hi - 1) - o_lo  # _fwd_softmax: the row's last visible key
+    else:
+        lim = gl.zeros_like(q_pos) + (o_hi - 1 - o_lo)
     m_i = gl.full([PART_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.full([PART_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, acc_layout)  # carried as a plain tensor (rescaled each step)
@@ -844,17 +849,15 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
     st = warpgroup_mma_wait(0, deps=(st,))
     mbarrier.arrive(empty.index(s0), count=1)
     if u1 > 0:
-        p, m_i, l_i, _alpha = _fwd_softmax(st, m_i, l_i, q_pos, o_lo, o_hi, 0, qk_scale, False, CAUSAL, BLOCK_N,
-                                           s_layout, op_layout)
+        p, m_i, l_i, _alpha = _fwd_softmax(st, m_i, l_i, lim, 0, qk_scale, False, BLOCK_N, s_layout, op_layout)
     else:
-        p, m_i, l_i, _alpha = _fwd_softmax(st, m_i, l_i, q_pos, o_lo, o_hi, 0, qk_scale, True, CAUSAL, BLOCK_N,
-                                           s_layout, op_layout)
+        p, m_i, l_i, _alpha = _fwd_softmax(st, m_i, l_i, lim, 0, qk_scale, True, BLOCK_N, s_layout, op_layout)
     for j in range(1, u1):
-        acc, p, m_i, l_i = _fwd_step(q_part, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc, p, m_i,
-                                     l_i, qk_scale, False, CAUSAL, PART_M, BLOCK_N, s_layout, op_layout, acc_layout)
+        acc, p, m_i, l_i = _fwd_step(q_part, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p, m_i, l_i, qk_scale,
+                                     False, PART_M, BLOCK_N, s_layout, op_layout, acc_layout)
     for j in range(gl.maximum(u1, 1), n_steps):
-        acc, p, m_i, l_i = _fwd_step(q_part, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, j, c, acc, p, m_i,
-                                     l_i, qk_scale, True, CAUSAL, PART_M, BLOCK_N, s_layout, op_layout, acc_layout)
+        acc, p, m_i, l_i = _fwd_step(q_part, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p, m_i, l_i, qk_scale,
+                                     True, PART_M, BLOCK_N, s_layout, op_layout, acc_layout)
     r = c + n_steps - 1
     sl = r % STAGES
     mbarrier.wait(ready.index(STAGES + sl), (r // STAGES) & 1)
@@ -863,13 +866,24 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
     acc = warpgroup_mma(p, v_bufs.index(sl), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(empty.index(STAGES + sl), count=1)
-    if RELEASE_Q:
-        mbarrier.arrive(q_empty, count=1)  # Q read by every product: the next entry's may load
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc_layout))[:, None]
-    rows = r0 + gl.arange(0, PART_M, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    gl.store(O + rows.to(gl.int64)[:, None] * stride_ot + h * HEAD_DIM + cols[None, :], out.to(gl.bfloat16),
+    out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc_layout))[:, None]).to(gl.bfloat16)
+    # O goes out through the partition's own Q rows (every product that read them has retired): the
+    # wgmma layout's 4-byte pieces are half sectors (ncu, W7 2026-11-30: 8.4M excessive L2 sectors, 2x
+    # the write requests, the STG the top stall at 12% of the samples); read back row-contiguous they
+    # are 16-byte stores of whole sectors. No TMA store: waiting for its read of the slot before the
+    # release cost long rows 5% (next/fwd-tma-epilogue, 2026-11-30 RESULTS).
+    q_part.store(out)
+    gl.thread_barrier()  # the partition's rows written before its warps read other warps' rows
+    o_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [NW, 1], [1, 0])
+    out = q_part.load(o_layout)
+    if RELEASE_Q:
+        gl.thread_barrier()  # every warp's read of the Q rows done before the one-thread arrive
+        fence_async_shared()  # generic-proxy reads ordered before the next TMA write of the slot
+        mbarrier.arrive(q_empty, count=1)  # the next entry's Q may load
+    rows = r0 + gl.arange(0, PART_M, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(O + rows.to(gl.int64)[:, None] * stride_ot + h * HEAD_DIM + cols[None, :], out,
              mask=(rows < re)[:, None])
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
     gl.store(LSE + h * stride_lh + q_pos, lse, mask=q_pos < re)
