@@ -65,20 +65,13 @@ def time_ms(fn, grad_to_none=None, rep=200, warmup=50) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
 
 
-def host_probe(fn, bench_fn=None, grad_to_none=None, rep: int = 100, calls: int = 100) -> dict:
-    """Is ``fn`` GPU-bound or host-bound? (benchmarks/fwd_host_probe.py, train_host_probe.py)
-
-    Returns ``bench`` (ms, :func:`time_ms` of ``bench_fn``, default ``fn``), ``graph`` (ms of ``fn``
-    captured in a CUDA graph and replayed: no host work; a string if capture failed), ``host_us``
-    (host microseconds per call enqueueing ``calls`` calls without a sync) and ``loop_ms`` (wall ms per
-    call of those calls including the final sync: near ``graph`` when GPU-bound, near ``host_us``
-    when host-bound). ``fn`` must be capturable (no host syncs, no gradient accumulation)."""
+def graph_ms(fn, rep: int = 100) -> float | str:
+    """Median milliseconds of ``fn`` captured in a CUDA graph and replayed (``triton.testing.do_bench``
+    of the replay: L2 flushed before each, no host work inside the timing -- the GPU time of the call
+    even where the eager call is host-bound). ``fn`` must be capturable (no host syncs). Returns a
+    string ``"capture failed (...)"`` instead of raising: a probe reports, it does not stop."""
     import triton
 
-    bench_fn = fn if bench_fn is None else bench_fn
-    bench_fn()
-    torch.cuda.synchronize()
-    bench = time_ms(bench_fn, grad_to_none=grad_to_none, rep=rep)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -90,11 +83,27 @@ def host_probe(fn, bench_fn=None, grad_to_none=None, rep: int = 100, calls: int 
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
-        graph = float(triton.testing.do_bench(g.replay, warmup=20, rep=rep, return_mode="median"))
+        out = float(triton.testing.do_bench(g.replay, warmup=20, rep=rep, return_mode="median"))
         del g
     except Exception as exc:  # noqa: BLE001 - a probe reports, it does not stop
-        graph = f"capture failed ({type(exc).__name__})"
+        out = f"capture failed ({type(exc).__name__})"
     torch.cuda.synchronize()
+    return out
+
+
+def host_probe(fn, bench_fn=None, grad_to_none=None, rep: int = 100, calls: int = 100) -> dict:
+    """Is ``fn`` GPU-bound or host-bound? (benchmarks/fwd_host_probe.py, train_host_probe.py)
+
+    Returns ``bench`` (ms, :func:`time_ms` of ``bench_fn``, default ``fn``), ``graph`` (ms of ``fn``
+    captured in a CUDA graph and replayed: no host work; a string if capture failed), ``host_us``
+    (host microseconds per call enqueueing ``calls`` calls without a sync) and ``loop_ms`` (wall ms per
+    call of those calls including the final sync: near ``graph`` when GPU-bound, near ``host_us``
+    when host-bound). ``fn`` must be capturable (no host syncs, no gradient accumulation)."""
+    bench_fn = fn if bench_fn is None else bench_fn
+    bench_fn()
+    torch.cuda.synchronize()
+    bench = time_ms(bench_fn, grad_to_none=grad_to_none, rep=rep)
+    graph = graph_ms(fn, rep=rep)
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()

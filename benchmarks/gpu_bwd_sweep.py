@@ -1,7 +1,7 @@
 """One-call H200 sweep of the attention config candidates (issue 5: the backward gap to FlexAttention).
 
     PYTHONPATH=. python3 benchmarks/gpu_bwd_sweep.py [--candidates a,b,...] [--workloads W1,W4,W6,W7] [--noncausal]
-        [--rep MS] [--passes N] [--budget S] [--dry-run]
+        [--rep MS] [--passes N] [--budget S] [--graph] [--dry-run]
 
 For each candidate of ``flamia_pack.kernels.config.CANDIDATES`` (``default`` first):
 
@@ -13,6 +13,9 @@ For each candidate of ``flamia_pack.kernels.config.CANDIDATES`` (``default`` fir
    (T = 65,536, H = 16, D = 128, causal; work list built once per row). Candidates are timed
    side by side on the same inputs, in ``--passes`` passes of alternating order (the mean of the
    passes' medians is reported).
+
+With ``--graph`` each forward is also timed as a CUDA-graph replay (``bench_attention.graph_ms``: the
+GPU time without the host's, which the eager forward of short-document rows does not always hide).
 
 Prints a table with ratios vs the default (> 1: faster) and writes ``$OUT/bwd_sweep.json`` with
 every number, the fastest correct candidate (geometric mean of the training-call ratios over the
@@ -38,7 +41,8 @@ T0 = time.time()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 FWD_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "schedule", "wl_block_m", "merge_short", "fwd_gluon",
-              "fwd_maxnreg", "fwd_short_len", "fwd_gluon_persistent")
+              "fwd_maxnreg", "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts", "fwd_gluon_block_n",
+              "fwd_gluon_stages")
 
 
 def log(msg: str) -> None:
@@ -87,9 +91,11 @@ def summarize(res: dict, names: list, workloads: list) -> tuple[str, dict]:
     the training-call ratios over all ``workloads`` (a candidate missing a workload is not ranked).
     """
     d = res[names[0]]
+    graph = any(res[n].get("fwd_graph_ms") for n in names)
+    gw = workloads if graph else []
     lines = ["| candidate | correct | " + " | ".join(f"train {w} ms (x)" for w in workloads) + " | geo x | "
-             + " | ".join(f"fwd {w} ms (x)" for w in workloads) + " |",
-             "|---|---|" + "---|" * (2 * len(workloads) + 1)]
+             + " | ".join(f"fwd {w} ms (x)" for w in workloads) + "".join(f" | fwd graph {w} ms (x)" for w in gw) + " |",
+             "|---|---|" + "---|" * (2 * len(workloads) + 1 + len(gw))]
     best, best_geo = None, 0.0
     for n in names:
         r = res[n]
@@ -106,6 +112,9 @@ def summarize(res: dict, names: list, workloads: list) -> tuple[str, dict]:
         fcells = []
         for w in workloads:
             fm, dm = r.get("fwd_ms", {}).get(w), d.get("fwd_ms", {}).get(w)
+            fcells.append(f"{fm:.3f} ({dm / fm:.3f})" if fm and dm else "-")
+        for w in gw:
+            fm, dm = r.get("fwd_graph_ms", {}).get(w), d.get("fwd_graph_ms", {}).get(w)
             fcells.append(f"{fm:.3f} ({dm / fm:.3f})" if fm and dm else "-")
         lines.append(f"| {n} | {r.get('correct')} | " + " | ".join(cells) + f" | {'-' if geo is None else f'{geo:.3f}'} | "
                      + " | ".join(fcells) + " |")
@@ -126,6 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=2, help="timing passes (alternating candidate order)")
     ap.add_argument("--budget", type=float, default=130.0, help="seconds after which no new cell is timed")
     ap.add_argument("--dry-run", action="store_true", help="CPU: build configs and work lists only")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time each forward as a CUDA-graph replay (GPU time without the host: the eager "
+                         "forward of short-document rows is host-bound for some configs)")
     ap.add_argument("--noncausal", action="store_true",
                     help="time and check the non-causal call (e.g. the Triton forward's static / policy schedules)")
     a = ap.parse_args(argv)
@@ -172,7 +184,7 @@ def main(argv=None) -> int:
     log(f"GPU {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
         f"candidates {names}; workloads {workloads}; {'causal' if causal else 'NON-causal'}")
     res: dict = {n: {"config": dataclasses.asdict(c), "fwd_changed": changes_forward(c, base), "train_ms": {}, "fwd_ms": {},
-                     "train_runs": {}, "fwd_runs": {}} for n, c in cfgs.items()}
+                     "train_runs": {}, "fwd_runs": {}, "fwd_graph_ms": {}, "fwd_graph_runs": {}} for n, c in cfgs.items()}
 
     # 1. correctness (also compiles the kernels of each candidate)
     for n, c in cfgs.items():
@@ -219,8 +231,14 @@ def main(argv=None) -> int:
                 res[n]["train_runs"].setdefault(w, []).append(B.time_ms(t, grad_to_none=leaves, rep=a.rep, warmup=20))
                 if n == "default" or res[n]["fwd_changed"]:
                     res[n]["fwd_runs"].setdefault(w, []).append(B.time_ms(f, rep=a.rep, warmup=20))
+                    if a.graph:
+                        g = B.graph_ms(f, rep=a.rep)
+                        if isinstance(g, float):
+                            res[n]["fwd_graph_runs"].setdefault(w, []).append(g)
+                        else:
+                            res[n].setdefault("errors", {})[f"{w} graph"] = g
             for n in fns:
-                for key in ("train", "fwd"):
+                for key in ("train", "fwd", "fwd_graph"):
                     runs = res[n][f"{key}_runs"].get(w)
                     if runs:
                         res[n][f"{key}_ms"][w] = float(np.mean(runs))

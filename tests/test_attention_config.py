@@ -211,6 +211,27 @@ def test_sweep_summary_ranks_only_correct_complete_candidates():
     del res["a"]
     _, s = G.summarize(res, ["default", "b", "c", "d"], ["W1", "W7"])
     assert s["fastest"] == "d" and not s["beats_default_by_5pct"] and s["recommended"] == "default"
+    assert "fwd graph" not in text  # no --graph: no graph columns
+
+
+def test_sweep_summary_graph_columns():
+    """``gpu_bwd_sweep.py --graph``: the forward's CUDA-graph times get their own columns and ratios vs
+    the default; a candidate without them shows '-'; the ranking stays on the training call."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import gpu_bwd_sweep as G
+
+    res = {
+        "default": {"correct": True, "train_ms": {"W7": 2.0}, "fwd_ms": {"W7": 0.6}, "fwd_graph_ms": {"W7": 0.42}},
+        "a": {"correct": True, "train_ms": {"W7": 1.9}, "fwd_ms": {"W7": 0.7}, "fwd_graph_ms": {"W7": 0.35}},
+        "b": {"correct": True, "train_ms": {"W7": 2.1}},
+    }
+    text, s = G.summarize(res, ["default", "a", "b"], ["W7"])
+    head, rule, row_d, row_a, row_b = text.splitlines()
+    assert head.endswith("| fwd W7 ms (x) | fwd graph W7 ms (x) |")
+    assert rule.count("---") == head.count("|") - 1
+    assert row_a.endswith("| 0.700 (0.857) | 0.350 (1.200) |")  # eager slower, graph faster: both shown
+    assert row_b.endswith("| - | - |")
+    assert s["fastest"] == "a"
 
 
 def test_hybrid_launch_parts_and_validation():

@@ -229,6 +229,8 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
     ("fwd", {"persistent": True}, True, 0),        # fwd_gluon_persistent: two Q slots + 2-deep K/V ring
     ("fwd", {"persistent": True, "causal": False}, True, 0),
     ("fwd", {"persistent": True, "parts": 1}, True, 0),  # one 8-warp consumer (candidate fwd_parts1)
+    ("fwd", {"persistent": True, "block_n": 64, "stages": 4}, True, 0),  # candidates fwd_n64s4 (197 KB)
+    ("fwd", {"persistent": True, "block_n": 64, "stages": 5}, True, 0),  # fwd_n64s5 (230 KB)
     ("fwd", {"persistent": True, "group": 4, "head_dim": 64}, True, 0),
     ("dq", {}, True, 0),                           # 4 stages (197 KB)
     ("dq", {"stages": 3}, True, 0),
@@ -370,6 +372,31 @@ def test_forward_parts_are_validated():
     for bad in (0, 3, 4, True, 2.0, "2"):
         with pytest.raises(FlamiaError, match="fwd_gluon_parts must be 1 or 2"):
             AttentionKernelConfig(fwd_gluon_parts=bad)
+
+
+def test_forward_ring_fields_are_validated():
+    """``fwd_gluon_block_n`` (64 / 128) and ``fwd_gluon_stages`` (2-5) of the Gluon forward, and their
+    product within an sm_90 program's shared memory next to the two 128-row Q slots."""
+    from flamia_pack.errors import FlamiaError
+    from flamia_pack.kernels.config import AttentionKernelConfig, candidate_config
+
+    c = AttentionKernelConfig()
+    assert (c.fwd_gluon_block_n, c.fwd_gluon_stages) == (128, 2)
+    for bn, st in ((64, 4), (64, 5), (64, 2), (128, 2)):
+        AttentionKernelConfig(fwd_gluon_block_n=bn, fwd_gluon_stages=st)
+    for bad in (32, 256, 0, True, 64.0, "64"):
+        with pytest.raises(FlamiaError, match="fwd_gluon_block_n must be 64 or 128"):
+            AttentionKernelConfig(fwd_gluon_block_n=bad)
+    for bad in (1, 6, 0, True, 2.0):
+        with pytest.raises(FlamiaError, match=r"fwd_gluon_stages must be an int in \[2, 5\]"):
+            AttentionKernelConfig(fwd_gluon_stages=bad)
+    for st in (3, 4, 5):  # 128-key tiles: only two slots fit
+        with pytest.raises(FlamiaError, match="do not fit in an sm_90 program's shared memory"):
+            AttentionKernelConfig(fwd_gluon_block_n=128, fwd_gluon_stages=st)
+    n = candidate_config("fwd_n64s4", head_dim=128)
+    assert (n.fwd_gluon_block_n, n.fwd_gluon_stages, n.fwd_gluon, n.fwd_gluon_persistent) == (64, 4, True, True)
+    w = candidate_config("small_fwd_pers_n64s4", head_dim=128)
+    assert (w.fwd_gluon_block_n, w.fwd_gluon_stages, w.bwd_gluon, w.block_n) == (64, 4, False, 32)
 
 
 def test_gluon_fwd_rejects_bad_partitions_before_touching_the_gpu():

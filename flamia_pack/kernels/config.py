@@ -222,6 +222,20 @@ class AttentionKernelConfig:
     forward 1.14x / 1.17x / 1.07x on W1 / W8 / W3, training call 1.04x / 1.05x / 1.02x (H200,
     2026-11-29 night, RESULTS run 7). The default since then."""
 
+    fwd_gluon_block_n: int = 128
+    """With ``fwd_gluon``: key rows per K / V tile of the Gluon forward's ring (64 or 128;
+    ``gluon_fwd(block_n=)``)."""
+
+    fwd_gluon_stages: int = 2
+    """With ``fwd_gluon``: K / V ring slots of the Gluon forward (2-5, within the 227 KB of an sm_90
+    program; ``gluon_fwd(stages=)``). The persistent program's ring fills one entry ahead: with
+    128-key tiles and 2 slots, the last V tile of a two-step entry is issued only when the previous
+    entry's last product releases its slot, about one step before it is read -- on rows of 256-token
+    documents (W7) that is shorter than a load from DRAM. 64-key tiles with 4 slots (197 KB) or 5
+    (230 KB) keep the same bytes in flight, issued 3-4 half-steps ahead (CPU screen 2026-11-30:
+    spill-free, async wgmma, 168 registers). Candidates ``fwd_n64s4`` / ``fwd_n64s5`` and
+    ``small_fwd_pers_n64s4`` (the W7 band); unmeasured."""
+
     bwd_gluon_retire_first: bool = True
     """With ``bwd_gluon``: the dK/dV consumer retires the previous step's dV / dK products before
     issuing the next step's (``gluon_attention.gluon_dkdv(retire_first=...)``). Without it ptxas
@@ -359,6 +373,14 @@ class AttentionKernelConfig:
                               f"got {self.bwd_dq_reduce_max_bytes!r}")
         if not _is_int(self.fwd_gluon_parts) or self.fwd_gluon_parts not in (1, 2):
             raise FlamiaError(f"AttentionKernelConfig.fwd_gluon_parts must be 1 or 2, got {self.fwd_gluon_parts!r}")
+        if not _is_int(self.fwd_gluon_block_n) or self.fwd_gluon_block_n not in (64, 128):
+            raise FlamiaError(f"AttentionKernelConfig.fwd_gluon_block_n must be 64 or 128, got {self.fwd_gluon_block_n!r}")
+        if not _is_int(self.fwd_gluon_stages) or not 2 <= self.fwd_gluon_stages <= 5:
+            raise FlamiaError(f"AttentionKernelConfig.fwd_gluon_stages must be an int in [2, 5], got {self.fwd_gluon_stages!r}")
+        if (2 * 128 + 2 * self.fwd_gluon_stages * self.fwd_gluon_block_n) * 256 > 232448:
+            raise FlamiaError(f"AttentionKernelConfig: fwd_gluon_block_n={self.fwd_gluon_block_n} x "
+                              f"fwd_gluon_stages={self.fwd_gluon_stages} K / V slots do not fit in an sm_90 program's "
+                              f"shared memory next to two 128-row Q slots (head_dim 128); 64 x <= 5 or 128 x 2 do")
         if not _is_int(self.bwd_gluon_min_len) or self.bwd_gluon_min_len < 1:
             raise FlamiaError(f"AttentionKernelConfig.bwd_gluon_min_len must be an int >= 1, got {self.bwd_gluon_min_len!r}")
         if self.schedule not in SCHEDULES:
@@ -445,6 +467,9 @@ CANDIDATES: dict[str, dict] = {
     "gluon_fwd_pers": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True},
     # the persistent Gluon forward with one 8-warp consumer partition (the default until 2026-11-29 night)
     "fwd_parts1": {**HEAD_MAJOR, "fwd_gluon_parts": 1},
+    # the Gluon forward's ring in 64-key tiles, 4 or 5 slots (the same bytes in flight, issued further ahead)
+    "fwd_n64s4": {**HEAD_MAJOR, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 4},
+    "fwd_n64s5": {**HEAD_MAJOR, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5},
     "all_pers": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
                  "bwd_gluon_persistent": True},
     "all_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
@@ -558,6 +583,8 @@ CANDIDATES: dict[str, dict] = {
     "small_n32r_split": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "bwd_fused": False},
     "small_fwd_pers": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True},
     # the same with the Gluon programs (and the Triton backward) in document-major order
+    "small_fwd_pers_n64s4": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
+                             "fwd_gluon_block_n": 64, "fwd_gluon_stages": 4},
     "small_fwd_pers_doc": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
                            "doc_major": True},
     # forward: documents of <= 512 tokens in a second launch with SHORT_FWD_TILES (rows mixing long and
@@ -579,7 +606,7 @@ the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
 ``benchmarks/gpu_bwd_sweep.py`` (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)").
 Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
 _FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon", "fwd_maxnreg",
-             "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts"}
+             "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts", "fwd_gluon_block_n", "fwd_gluon_stages"}
 _TRITON_FWD = {"block_m", "block_n", "num_warps", "num_stages", "fwd_maxnreg", "fwd_short_len", "schedule", "doc_major",
                "hybrid_short_len"}
 for _name, _ov in CANDIDATES.items():

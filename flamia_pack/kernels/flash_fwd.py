@@ -361,7 +361,8 @@ def flash_fwd(
         g_items = items.index_select(0, order) if config.doc_major else items
         gluon_attention.gluon_fwd(q, k, v, cu_seqlens, g_items, num_items, softmax_scale, causal=causal,
                                   wl_block_m=config.wl_block_m, skip_len=skip_len, o=o, lse=lse,
-                                  persistent=config.fwd_gluon_persistent, parts=config.fwd_gluon_parts)
+                                  persistent=config.fwd_gluon_persistent, parts=config.fwd_gluon_parts,
+                                  block_n=config.fwd_gluon_block_n, stages=config.fwd_gluon_stages)
         parts = [(parts[-1][0] if config.fwd_short_len else config, -skip_len)]
         # only merged items and the shortest documents are left: a few heads per program (fewer programs
         # that exit at once), unless the short-document launch of fwd_short_len has real work per head
