@@ -373,3 +373,117 @@ def test_ab_kernel_file_helpers(tmp_path, capsys):
         assert A.main(["--file", str(target), "--variant", f"v={f}"]) == 0
         assert "needs a CUDA GPU" in capsys.readouterr().out
         assert target.read_text() == "y = 2\n"
+
+
+def _leftover_rows(cu, cfg, skip: int) -> int:
+    """Brute force: rows of the host work list that the Gluon paths leave to their Triton launch
+    (merged items and documents of at most ``skip`` tokens: ``gluon_attention._item_span``)."""
+    from flamia_pack.scheduler.worklist import build_work_list_host
+    from flamia_pack.scheduler.worklist import TileConfig
+
+    items = build_work_list_host(cu, TileConfig(block_m=cfg.wl_block_m, block_n=64, causal=True,
+                                                merge_short=cfg.merge_short))
+    n = 0
+    for doc, qs, qe, _ in items:
+        ds, de = int(cu[doc]), int(cu[doc + 1])
+        n += int(qe > de or de - ds <= skip)
+    return n
+
+
+def test_leftover_bits_are_sound_and_skip_long_document_rows():
+    """``attention.leftover_bits``: a launch is marked skippable only if the row really has no row for
+    it (brute force over the host work list, random rows of short and long documents, several
+    configs), and the long-document workloads skip both launches."""
+    from flamia_pack.kernels.attention import LEFTOVER_BWD, LEFTOVER_FWD, leftover_bits
+    from flamia_pack.scheduler.workloads import workload_lengths
+
+    import numpy as np
+
+    rep = dataclasses.replace
+    cfgs = [kernel_config(128), kernel_config(128, max_seqlen=1024), rep(kernel_config(128), fwd_short_len=300),
+            rep(kernel_config(128), bwd_gluon_min_len=64), rep(kernel_config(128), merge_short=False),
+            rep(kernel_config(128), wl_block_m=256)]
+    rng = np.random.default_rng(0)
+    checked = skipped = 0
+    for trial in range(400):
+        hi = int(rng.choice([3, 130, 600, 3000]))
+        lo = int(rng.integers(1, hi))
+        lengths = rng.integers(lo, hi + 1, size=int(rng.integers(1, 12)))
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        for cfg in cfgs:
+            bits = leftover_bits(cfg, int(lengths.min()))
+            fwd_rows = _leftover_rows(cu, cfg, max(1, cfg.fwd_short_len))
+            bwd_rows = _leftover_rows(cu, cfg, cfg.bwd_gluon_min_len)
+            assert fwd_rows == 0 or bits & LEFTOVER_FWD, (lengths.tolist(), cfg.wl_block_m, bits)
+            assert bwd_rows == 0 or bits & LEFTOVER_BWD, (lengths.tolist(), cfg.wl_block_m, bits)
+            checked += 1
+            skipped += (bits & LEFTOVER_FWD == 0) + (bits & LEFTOVER_BWD == 0)
+    assert checked == 2400 and skipped > 500  # the skip is exercised, not just the safe default
+    # exactly at the thresholds (a document of skip_len tokens is the Triton launch's; merging needs one
+    # shorter than wl_block_m)
+    c300 = rep(kernel_config(128), fwd_short_len=300)
+    for cfg, lengths, fwd, bwd in ((c300, [300, 1000], True, True), (c300, [301, 1000], False, True),
+                                   (kernel_config(128), [512, 1000], False, True),
+                                   (kernel_config(128), [513, 1000], False, False),
+                                   (kernel_config(128), [127, 1000], True, True),
+                                   (kernel_config(128), [128, 1000], False, True)):
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        bits = leftover_bits(cfg, min(lengths))
+        assert bool(bits & LEFTOVER_FWD) == fwd and bool(bits & LEFTOVER_BWD) == bwd, (lengths, bits)
+        assert (_leftover_rows(cu, cfg, max(1, cfg.fwd_short_len)) > 0) == fwd or lengths[0] == 127, lengths
+        assert (_leftover_rows(cu, cfg, cfg.bwd_gluon_min_len) > 0) == bwd or lengths[0] == 127, lengths
+    assert leftover_bits(kernel_config(128), None) == LEFTOVER_FWD | LEFTOVER_BWD  # unknown: launch both
+    for name in ("W1", "W3", "W4", "W5", "W8", "W9"):
+        assert leftover_bits(kernel_config(128), int(workload_lengths(name).min())) == 0, name
+    assert leftover_bits(kernel_config(128), 256) == LEFTOVER_BWD  # W2's shortest: the forward skips
+    assert leftover_bits(kernel_config(128), 1) == LEFTOVER_FWD | LEFTOVER_BWD
+
+
+def test_op_config_carries_the_leftover_bits():
+    from flamia_pack.kernels.attention import _op_config, _op_config_ints
+
+    cfg = kernel_config(128)
+    for bits in range(4):
+        assert _op_config(_op_config_ints(cfg, bits)) == (cfg, bits)
+    assert _op_config(_config_to_ints(cfg)) == (cfg, 3)  # no mask: both launches, as before
+
+
+def test_work_list_min_seqlen_only_when_validated():
+    """``WorkList.min_seqlen`` (the hint behind the skipped launches) is known only from a validated
+    build, and a buffer rebuilt without validation never keeps another row's value."""
+    import torch
+
+    from flamia_pack.scheduler.worklist import build_work_list
+    from flamia_pack.scheduler.worklist import TileConfig
+
+    cu = torch.tensor([0, 700, 1300, 3000], dtype=torch.int32)
+    wl = build_work_list(cu, 3010, TileConfig())
+    assert wl.min_seqlen == 600
+    assert build_work_list(cu, 3010, TileConfig(), validate=False).min_seqlen is None
+    short = torch.tensor([0, 5, 1300, 3000], dtype=torch.int32)
+    again = build_work_list(short, 3010, TileConfig(), out=wl, max_items=wl.max_items, validate=False)
+    assert again is wl and wl.min_seqlen is None
+    assert build_work_list(short, 3010, TileConfig(), out=wl, max_items=wl.max_items).min_seqlen == 5
+    assert build_work_list(torch.tensor([0], dtype=torch.int32), 8, TileConfig()).min_seqlen is None
+
+
+def test_work_list_hint_is_dropped_when_the_buffers_are_rewritten():
+    """A validated list later refilled in place for another row (``copy_`` into its static buffers)
+    must not keep the first row's hint: ``work_list_hint`` compares the buffers' version counters."""
+    import torch
+
+    from flamia_pack.scheduler.worklist import TileConfig, build_work_list, work_list_hint
+
+    long_cu = torch.tensor([0, 600, 1300, 2048], dtype=torch.int32)
+    short_cu = torch.tensor([0, 5, 20, 2048], dtype=torch.int32)
+    wl = build_work_list(long_cu, 2048, TileConfig())
+    other = build_work_list(short_cu, 2048, TileConfig(), max_items=wl.max_items)
+    assert work_list_hint(wl) == 600 and work_list_hint(other) == 5
+    wl.items.copy_(other.items)
+    assert wl.min_seqlen == 600 and work_list_hint(wl) is None
+    fresh = build_work_list(long_cu, 2048, TileConfig())
+    fresh.num_items.copy_(other.num_items)
+    assert work_list_hint(fresh) is None
+    hand = build_work_list(long_cu, 2048, TileConfig(), validate=False)
+    hand.min_seqlen = 600  # set by hand without _stamp_hint: not trusted
+    assert work_list_hint(hand) is None

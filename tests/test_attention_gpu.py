@@ -55,6 +55,20 @@ def test_mha_gqa_causal_noncausal_unaligned(causal, d, h, hkv):
     _assert_ok(r, f"h={h}/{hkv} d={d} causal={causal}")
 
 
+@pytest.mark.parametrize("prebuilt", [False, True])
+@pytest.mark.parametrize("lengths,pad", [([600, 1300, 700, 2051], 13), ([513] * 5 + [1500], 0), ([129, 4000, 640], 7)])
+def test_rows_without_short_documents_skip_the_leftover_launches(lengths, pad, prebuilt):
+    """Rows whose shortest document leaves nothing to the Triton launches behind the Gluon forward /
+    backward (``attention.leftover_bits``: the forward's for every row here, the backward's for the
+    first two) skip those launches; results vs the fp32 reference, outputs NaN-poisoned, with the
+    hint from the call's own cu_seqlens check and from a prebuilt (validated) work list. Every row's
+    longest document is > 1,024 tokens, so the GQA call runs the Gluon kernels (default config)."""
+    r = compare_with_reference(lengths, num_heads=8, num_kv_heads=2, head_dim=128, causal=True, pad=pad,
+                               device="cuda", seed=len(lengths) + pad, with_lse_grad=True,
+                               prebuilt_work_list=prebuilt)
+    _assert_ok(r, f"{lengths} prebuilt={prebuilt}")
+
+
 @pytest.mark.parametrize("row", range(6))
 def test_s3_random_rows(row):
     rng = np.random.default_rng(100 + row)

@@ -168,6 +168,12 @@ def test_to_device_cpu_builds_the_work_list():
     want = build_work_list_host(b["cu_seqlens"].numpy(), cfg)
     np.testing.assert_array_equal(wl.to_numpy(), want)
     assert torch.equal(d["input_ids"], b["input_ids"]) and d["max_seqlen"] == b["max_seqlen"]
+    # the shortest segment, from the host cu_seqlens (the kernels' leftover-launch hint)
+    lengths = (b["cu_seqlens"][1:] - b["cu_seqlens"][:-1]).tolist()
+    assert wl.min_seqlen == min(x for x in lengths if x > 0) == 5
+    from flamia_pack.scheduler.worklist import work_list_hint
+
+    assert work_list_hint(wl) == 5  # stamped: the attention call trusts it
 
 
 @pytest.mark.gpu
@@ -187,6 +193,7 @@ def test_to_device_cuda_is_sync_free():
     np.testing.assert_array_equal(d["work_list"].to_numpy(), build_work_list_host(b["cu_seqlens"].numpy(), cfg))
     assert torch.equal(d["labels"].cpu(), b["labels"])
     assert torch.equal(d["scale_group_id"].cpu(), PackedCollator(scale_groups="block")(rows)["scale_group_id"])
+    assert d["work_list"].min_seqlen == 5  # from the host copy, inside the sync-free region
 
 
 def test_collate_rejects_values_it_used_to_cast_silently():

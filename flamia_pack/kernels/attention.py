@@ -180,17 +180,52 @@ def check_attention_inputs(
 
 
 @torch.compiler.disable
-def _check_cu_values(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> None:
-    """Host check of the values of cu_seqlens (one device-to-host copy)."""
+def _check_cu_values(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> int | None:
+    """Host check of the values of cu_seqlens (one device-to-host copy); returns the shortest
+    document's length (None for zero documents), which :func:`leftover_bits` uses."""
     from flamia_pack.varlen import validate_cu_seqlens
 
     arr = validate_cu_seqlens(cu_seqlens)
     if int(arr[-1]) > T:
         raise MetadataError(f"cu_seqlens[-1]={int(arr[-1])} exceeds the number of tokens T={T}")
     if len(arr) > 1:
-        longest = int((arr[1:] - arr[:-1]).max())
+        lengths = arr[1:] - arr[:-1]
+        longest = int(lengths.max())
         if max_seqlen < longest:
             raise MetadataError(f"max_seqlen={max_seqlen} is smaller than the longest document ({longest})")
+        return int(lengths.min())
+    return None
+
+
+LEFTOVER_FWD = 1
+""":func:`leftover_bits`: the forward's Triton launch behind the Gluon programs may have work."""
+LEFTOVER_BWD = 2
+""":func:`leftover_bits`: the backward's Triton launch behind the Gluon programs may have work."""
+
+
+def leftover_bits(cfg: AttentionKernelConfig, min_seqlen: int | None) -> int:
+    """Which of the Gluon paths' leftover Triton launches can have work on a row whose shortest
+    document has ``min_seqlen`` tokens (None: unknown -> both): a bit mask of :data:`LEFTOVER_FWD`
+    and :data:`LEFTOVER_BWD`.
+
+    The Gluon forward leaves merged items and documents of at most ``max(1, fwd_short_len)`` tokens
+    to a Triton launch, the Gluon backward merged items and documents of at most
+    ``bwd_gluon_min_len`` tokens (``gluon_attention._item_span``; ``tiles_triton.program_geometry``
+    selects the same rows with ``sel < 0``). A merged item holds >= 2 whole documents inside one
+    aligned window of ``wl_block_m`` tokens (``scheduler.worklist.build_work_list_host``), so it needs
+    a document shorter than ``wl_block_m``. Without such documents every program of the launch
+    exits at once: W1's backward spent ~60 us and the forward 32-42 us on them (RESULTS.md). Pure
+    host arithmetic, no sync; the soundness check against the work list is a CPU test.
+    """
+    if min_seqlen is None:
+        return LEFTOVER_FWD | LEFTOVER_BWD
+    merged_possible = min_seqlen < cfg.wl_block_m
+    bits = 0
+    if merged_possible or min_seqlen <= max(1, cfg.fwd_short_len):
+        bits |= LEFTOVER_FWD
+    if merged_possible or min_seqlen <= cfg.bwd_gluon_min_len:
+        bits |= LEFTOVER_BWD
+    return bits
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,6 +336,21 @@ def _config_from_ints(vals) -> AttentionKernelConfig:
     return _config_from_tuple(tuple(int(x) for x in vals))
 
 
+_N_CONFIG_FIELDS = len(AttentionKernelConfig.__dataclass_fields__)
+
+
+def _op_config_ints(cfg: AttentionKernelConfig, bits: int) -> list[int]:
+    """The custom ops' ``config`` argument: the config's ints, then the :func:`leftover_bits` mask."""
+    return _config_to_ints(cfg) + [int(bits)]
+
+
+def _op_config(vals) -> tuple[AttentionKernelConfig, int]:
+    """Inverse of :func:`_op_config_ints` (a list without the mask, as older callers pass: both bits)."""
+    vals = [int(x) for x in vals]
+    bits = vals[_N_CONFIG_FIELDS] if len(vals) > _N_CONFIG_FIELDS else LEFTOVER_FWD | LEFTOVER_BWD
+    return _config_from_tuple(tuple(vals[:_N_CONFIG_FIELDS])), bits
+
+
 @host_cache
 def _config_from_tuple(vals: tuple[int, ...]) -> AttentionKernelConfig:
     names = list(AttentionKernelConfig.__dataclass_fields__)
@@ -360,8 +410,9 @@ def _varlen_attn_fwd(
             patch_triton_interpreter()
         from flamia_pack.kernels.flash_fwd import flash_fwd
 
+        cfg, bits = _op_config(config)
         return flash_fwd(q, k, v, cu_seqlens, items, num_items, causal=causal, softmax_scale=softmax_scale,
-                         config=_config_from_ints(config))
+                         config=cfg, leftover=bool(bits & LEFTOVER_FWD))
     return _reference_fwd(q, k, v, cu_seqlens, causal, softmax_scale)
 
 
@@ -384,8 +435,9 @@ def _varlen_attn_bwd(
             patch_triton_interpreter()
         from flamia_pack.kernels.flash_bwd import flash_bwd
 
+        cfg, bits = _op_config(config)
         return flash_bwd(do, q, k, v, o, lse, cu_seqlens, items, num_items, causal=causal,
-                         softmax_scale=softmax_scale, config=_config_from_ints(config), dlse=dlse)
+                         softmax_scale=softmax_scale, config=cfg, dlse=dlse, leftover=bool(bits & LEFTOVER_BWD))
     return _reference_bwd(do, dlse, q, k, v, o, lse, cu_seqlens, causal, softmax_scale)
 
 
@@ -529,8 +581,17 @@ def varlen_attention(
     # cu_seqlens values, checked once and as given (int64 before the int32 cast below, which would wrap
     # 2**32 + n to n) whenever no work list is given; the CPU fallback also with one (the reference
     # reads cu_seqlens itself and has no device sync to save), except while torch.compile traces
+    min_seqlen = None
     if work_list is None or (not use_kernels and not torch.compiler.is_compiling()):
-        _check_cu_values(cu_seqlens, T, max_seqlen)
+        min_seqlen = _check_cu_values(cu_seqlens, T, max_seqlen)
+    # a captured / compiled step must not bake in one row's launch decision (and dynamo cannot guard
+    # on the buffers' version counters): no hint there
+    if torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        min_seqlen = None
+    elif work_list is not None and min_seqlen is None:
+        from flamia_pack.scheduler.worklist import work_list_hint
+
+        min_seqlen = work_list_hint(work_list)  # known if it was built with validate=True, and still current
     cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     if not cu32.is_contiguous():
         cu32 = cu32.contiguous()
@@ -545,7 +606,7 @@ def varlen_attention(
             items, num_items = _default_work_list(cu32, T, max_seqlen, causal, cfg)
         else:
             items, num_items = _check_work_list(work_list, causal, cfg, q.device, T)
-        cfg_ints = _config_to_ints(cfg)
+        cfg_ints = _op_config_ints(cfg, leftover_bits(cfg, min_seqlen))
     else:
         cfg = config if config is not None else AttentionKernelConfig()
         if work_list is not None:  # checked for the same mistakes as on the GPU, then unused by the reference

@@ -59,6 +59,7 @@ def compare_with_reference(
     backward: bool = True,
     with_lse_grad: bool = False,
     atol: float = 1e-3,
+    prebuilt_work_list: bool = False,
 ) -> dict:
     """Run ``varlen_attention`` (forward and, optionally, backward) and the two references.
 
@@ -71,6 +72,9 @@ def compare_with_reference(
         backward: also compare dQ, dK, dV.
         with_lse_grad: also return the LSE and give it a random upstream gradient.
         atol: absolute slack added to the 2x-baseline bound.
+        prebuilt_work_list: pass a work list built beforehand (``build_attention_work_list``, validated:
+            it carries the row's shortest document, ``WorkList.min_seqlen``) instead of letting the
+            call build one.
 
     Returns:
         dict: per quantity ``err_<x>`` (kernel vs fp32 max abs error), ``base_<x>`` (bf16 torch
@@ -107,10 +111,16 @@ def compare_with_reference(
     def ref_fn(dtype):
         return lambda a, b, c: packed_attention_reference(a, b, c, cu, causal=causal, compute_dtype=dtype, return_lse=True)
 
+    wl = None
+    if prebuilt_work_list:
+        from flamia_pack.kernels.attention import build_attention_work_list
+
+        wl = build_attention_work_list(cu, T, causal=causal, head_dim=head_dim, config=config)
     with _poisoned(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         o, lse, (dq, dk, dv) = grads_of(
-            lambda a, b, c: varlen_attention(a, b, c, cu, max_len, causal=causal, return_lse=True, config=config),
+            lambda a, b, c: varlen_attention(a, b, c, cu, max_len, causal=causal, return_lse=True, config=config,
+                                             work_list=wl),
             torch.bfloat16)
     o32, lse32, (dq32, dk32, dv32) = grads_of(ref_fn(torch.float32), torch.float32)
     o16, _, (dq16, dk16, dv16) = grads_of(ref_fn(torch.bfloat16), torch.bfloat16)

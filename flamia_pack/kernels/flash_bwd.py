@@ -461,7 +461,7 @@ def leftover_ranks(items: torch.Tensor, num_items: torch.Tensor, cu_seqlens: tor
 def flash_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor, *, causal: bool,
-    softmax_scale: float, config: AttentionKernelConfig, dlse: torch.Tensor | None = None,
+    softmax_scale: float, config: AttentionKernelConfig, dlse: torch.Tensor | None = None, leftover: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward (no host sync). Shapes as :func:`flash_fwd.flash_fwd`.
 
@@ -470,6 +470,9 @@ def flash_bwd(
         q, k, v, o, lse: the forward's inputs and outputs.
         cu_seqlens, items, num_items: as the forward.
         dlse: optional ``(H_q, T)`` float32 gradient of the LSE output.
+        leftover: False when the row is known to hold no merged item and no document of at most
+            ``bwd_gluon_min_len`` tokens (``attention.leftover_bits``): the Triton launch behind the
+            Gluon programs is skipped.
 
     Returns:
         ``(dq, dk, dv)`` in q/k/v's dtype and shapes; zero on padding rows.
@@ -540,7 +543,9 @@ def flash_bwd(
                                      persistent=config.bwd_gluon_persistent)
         # merged items and documents of <= bwd_gluon_min_len tokens (skipped by the Gluon programs)
         left = replace(config, **SMALL_TILES) if config.bwd_gluon_leftover_small else config
-        if config.bwd_leftover_compact:
+        if not leftover:  # no merged item and no document of <= skip tokens (attention.leftover_bits)
+            parts = []
+        elif config.bwd_leftover_compact:
             left_order, left_count, left_ranks = leftover_ranks(items, num_items, cu_seqlens, skip, config.wl_block_m)
             parts = [(replace(left, doc_major=True, bwd_head_major=False), -skip, left_order, left_count, left_ranks)]
         else:

@@ -328,7 +328,7 @@ def gluon_applies(enabled: bool, config: AttentionKernelConfig, q: torch.Tensor,
 def flash_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
     items: torch.Tensor, num_items: torch.Tensor, *, causal: bool, softmax_scale: float,
-    config: AttentionKernelConfig,
+    config: AttentionKernelConfig, leftover: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward (inputs already validated by ``attention.py``; no host sync).
 
@@ -339,6 +339,8 @@ def flash_fwd(
             ``TileConfig(block_m=config.wl_block_m, causal=causal)``.
         causal, softmax_scale: as in ``varlen_attention``.
         config: tile/launch configuration.
+        leftover: False when the row is known to hold no merged item and no document the Gluon
+            programs leave to the Triton launch (``attention.leftover_bits``): that launch is skipped.
 
     Returns:
         ``(o, lse)``: ``(T, H_q, D)`` in q's dtype and ``(H_q, T)`` float32 (natural log).
@@ -363,7 +365,7 @@ def flash_fwd(
                                   wl_block_m=config.wl_block_m, skip_len=skip_len, o=o, lse=lse,
                                   persistent=config.fwd_gluon_persistent, parts=config.fwd_gluon_parts,
                                   block_n=config.fwd_gluon_block_n, stages=config.fwd_gluon_stages)
-        parts = [(parts[-1][0] if config.fwd_short_len else config, -skip_len)]
+        parts = [(parts[-1][0] if config.fwd_short_len else config, -skip_len)] if leftover else []
         # only merged items and the shortest documents are left: a few heads per program (fewer programs
         # that exit at once), unless the short-document launch of fwd_short_len has real work per head
         hpp = 1 if config.fwd_short_len else next(c for c in (8, 4, 2, 1) if H % c == 0)

@@ -291,7 +291,8 @@ def to_device(
     ``work_list_config`` (a :class:`flamia_pack.scheduler.worklist.TileConfig`) the attention work
     list is built right after the copy, on the device, from the copied ``cu_seqlens`` for
     ``T = input_ids.numel()`` tokens (``build_work_list(..., validate=False)``: fixed sizes, no
-    host sync; DESIGN.md §6) and stored under ``"work_list"``, so a step can call
+    host sync; DESIGN.md §6; its ``min_seqlen`` hint comes from the batch's host ``cu_seqlens``) and
+    stored under ``"work_list"``, so a step can call
     ``varlen_attention(q, k, v, batch["cu_seqlens"], batch["max_seqlen"], work_list=batch["work_list"])``
     directly. For the default kernel tiles use
     ``work_list_tile_config(kernel_config(head_dim, causal), causal)`` from
@@ -349,10 +350,20 @@ def to_device(
         else:
             out[k] = v
     if work_list_config is not None:
-        from flamia_pack.scheduler.worklist import build_work_list
+        from flamia_pack.scheduler.worklist import _stamp_hint, build_work_list
 
         total = int(out["input_ids"].numel())
-        out["work_list"] = build_work_list(out["cu_seqlens"], total, work_list_config, validate=False)
+        wl = build_work_list(out["cu_seqlens"], total, work_list_config, validate=False)
+        host_cu = batch.get("cu_seqlens")
+        if isinstance(host_cu, torch.Tensor) and host_cu.device.type == "cpu" and host_cu.numel() > 1:
+            # the shortest document, from the host copy the batch still has (no sync): lets the
+            # kernels skip their launches for short documents on rows without any (WorkList.min_seqlen);
+            # empty segments make no work item and do not count
+            lengths = host_cu[1:] - host_cu[:-1]
+            lengths = lengths[lengths > 0]
+            wl.min_seqlen = int(lengths.min()) if lengths.numel() else None
+            _stamp_hint(wl)
+        out["work_list"] = wl
     if scale_groups is not None:
         sg = _scale_groups(out["cu_seqlens"], int(out["input_ids"].numel()), scale_groups)
         if sg is None:

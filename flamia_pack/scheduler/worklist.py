@@ -310,6 +310,13 @@ class WorkList:
         total_tokens: T of the row the list was built for (``varlen_attention`` rejects a list
             built for another T: its items would address rows past the call's tensors); None for a
             list made by hand (not checked).
+        min_seqlen: the shortest document of the ``cu_seqlens`` the list was built from, known when
+            it was built with ``validate=True`` (which copies ``cu_seqlens`` to the host anyway);
+            None otherwise (``validate=False``, :class:`WorkListBuilder`, by hand). With it,
+            ``varlen_attention`` skips the kernels' leftover launches for short documents on rows
+            that have none (``attention.leftover_bits``). Like the items, it describes that
+            ``cu_seqlens`` only; it is read through :func:`work_list_hint`, which drops it once the
+            buffers were written in place since the build (a list refreshed for another row).
     """
 
     items: torch.Tensor
@@ -317,6 +324,7 @@ class WorkList:
     max_items: int
     config: TileConfig = field(default_factory=TileConfig)
     total_tokens: int | None = None
+    min_seqlen: int | None = None
 
     def to_numpy(self) -> np.ndarray:
         """Valid rows as a ``(num_items, 4)`` int32 numpy array (syncs; for tests and tools)."""
@@ -427,7 +435,9 @@ def _expand_torch(cu: torch.Tensor, m: int, config: TileConfig):
     return d, qs, qe, cost, valid, total
 
 
-def _validate_device_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
+def _validate_device_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> int | None:
+    """Host check of ``cu_seqlens`` against ``total_tokens`` (one copy to the host); returns the
+    shortest document's length (None for zero documents)."""
     arr = validate_cu_seqlens(cu_seqlens)
     if int(arr[-1]) > int(total_tokens):
         raise MetadataError(
@@ -436,6 +446,7 @@ def _validate_device_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> None:
         )
     if int(total_tokens) >= 2**31:
         raise MetadataError(f"total_tokens={int(total_tokens)} does not fit the int32 item table")
+    return int((arr[1:] - arr[:-1]).min()) if len(arr) > 1 else None
 
 
 def build_work_list(
@@ -485,8 +496,7 @@ def build_work_list(
         raise MetadataError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise MetadataError(f"cu_seqlens must be 1-D of shape (n_docs + 1,), got shape {tuple(cu_seqlens.shape)}")
-    if validate:
-        _validate_device_cu(cu_seqlens, total_tokens)
+    shortest = _validate_device_cu(cu_seqlens, total_tokens) if validate else None
     device = cu_seqlens.device
     n = cu_seqlens.numel() - 1
     m = max_work_items(total_tokens, n, config) if max_items is None else int(max_items)
@@ -498,6 +508,7 @@ def build_work_list(
         out.config = config
         out.max_items = m
         out.total_tokens = int(total_tokens)
+        out.min_seqlen = shortest  # None without validate: a reused buffer never keeps another row's hint
         wl = out
     else:
         wl = WorkList(
@@ -506,13 +517,14 @@ def build_work_list(
             max_items=m,
             config=config,
             total_tokens=int(total_tokens),
+            min_seqlen=shortest,
         )
     if n == 0 or m == 0:
         wl.items.fill_(-1)
         wl.num_items.zero_()
         if validate and n > 0 and m == 0:
             raise MetadataError(f"work list does not fit max_items={m}")
-        return wl
+        return _stamp_hint(wl)
     if backend not in ("auto", "torch", "triton"):
         raise FlamiaError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     use_triton = backend == "triton" or (backend == "auto" and device.type == "cuda" and _triton_available())
@@ -536,7 +548,32 @@ def build_work_list(
         count = int(wl.num_items.to("cpu")[0])
         if count > m:
             raise MetadataError(f"work list has {count} items but max_items={m}; use max_work_items()")
+    return _stamp_hint(wl)
+
+
+def _stamp_hint(wl: WorkList) -> WorkList:
+    """Record the version counters of ``wl``'s buffers next to its ``min_seqlen`` hint, once they are
+    written: :func:`work_list_hint` trusts the hint only while no in-place write (``copy_``, slice
+    assignment) has changed them since -- a list refreshed on the device for another row keeps no
+    stale hint."""
+    wl._hint_versions = (wl.items._version, wl.num_items._version) if wl.min_seqlen is not None else None
     return wl
+
+
+def work_list_hint(wl) -> int | None:
+    """``wl.min_seqlen`` if it still describes the buffers (see :func:`_stamp_hint`), else None.
+
+    A hint set by hand needs ``_stamp_hint(wl)`` after it (as ``loaders.collate.to_device`` does).
+    CUDA-graph replays and raw kernel writes do not move version counters: a list refilled that way
+    must be rebuilt through :func:`build_work_list` (``validate=False`` clears the hint), as
+    :class:`WorkListBuilder` does; ``varlen_attention`` also ignores hints while a CUDA graph is being
+    captured or under ``torch.compile``, so a captured step never bakes one in.
+    """
+    ms = getattr(wl, "min_seqlen", None)
+    items, num = getattr(wl, "items", None), getattr(wl, "num_items", None)
+    if ms is None or not isinstance(items, torch.Tensor) or not isinstance(num, torch.Tensor):
+        return None
+    return ms if getattr(wl, "_hint_versions", None) == (items._version, num._version) else None
 
 
 def _build_torch_into(cu_seqlens: torch.Tensor, total_tokens: int, config: TileConfig, wl: WorkList) -> None:
