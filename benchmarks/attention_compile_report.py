@@ -75,4 +75,5 @@ if cfgs.get("misc", True):
                dict(HAS_DLSE=False, BLOCK=64, HEAD_DIM=D, ZERO_DQ=zero), 4, 1)
     report("dq_reduce_cast", B._dq_reduce_cast, {**ptr, "DQ_ACC": "*fp32", "CU": "*i32", "sm_scale": "fp32"},
            dict(BLOCK=64, HEAD_DIM=D, ZERO_AFTER=True), 4, 1)
-    report("fill_tail", F._fill_tail_kernel, ptr, dict(BLOCK_R=64, BLOCK_C=256), 4, 1)
+    report("fill_tails (o, lse)", F._fill_tails_kernel, {**ptr, "X0": "*bf16", "X1": "*fp32", "X2": "*bf16",
+           **{f"value{i}": "fp32" for i in range(3)}}, dict(NUM=2, BLOCK_R=64, BLOCK_C0=256, BLOCK_C1=32, BLOCK_C2=256), 4, 1)

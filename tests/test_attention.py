@@ -655,3 +655,119 @@ def test_leftover_launch_heads_per_program_interpreter():
         x = r[hpp]
         assert x["rows"] == base["rows"] and not x["partial"], (hpp, x)
         assert x["o_equal"] and x["lse_equal"] and x["rest_untouched"], (hpp, x)
+
+
+_FILL_TAILS_SCRIPT = r"""
+import json, math
+import torch
+from flamia_pack.errors import FlamiaError
+from flamia_pack.kernels import flash_fwd
+from flamia_pack.kernels.interpret import patch_triton_interpreter
+patch_triton_interpreter()
+_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+class Count:  # counts the launches of the fill kernel (fill_tails looks the module global up at call time)
+    def __init__(self, fn):
+        self.fn, self.n = fn, 0
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.fn[grid]
+count = Count(flash_fwd._fill_tails_kernel)
+flash_fwd._fill_tails_kernel = count
+def make(spec):
+    # spec: (shape, dtype, token_dim, value, strided): a NaN-poisoned tensor; strided (H, T) = a column slice
+    shape, dtype, token_dim, value, strided = spec
+    dtype = getattr(torch, dtype)
+    if strided:
+        x = torch.full((shape[0], shape[1] + 9), float("nan"), dtype=dtype)[:, 3:3 + shape[1]]
+    else:
+        x = torch.full(shape, float("nan"), dtype=dtype)
+    return x, value, token_dim
+def check(x, value, token_dim, end, before):
+    # bitwise: the padding rows (token index >= end) hold value in x's dtype, everything else its old bits
+    want = before.clone()
+    if token_dim == 0:
+        want[end:] = value
+    else:
+        want[:, end:] = value
+    return bool(torch.equal(x.view(_INT[x.dtype]), want.view(_INT[x.dtype])))
+out = {}
+cases = {
+    # one target: (H, T) fp32 lse with +inf, T not a multiple of the 64-row block, ends inside the last block
+    "one_lse": ([((3, 70), "float32", 1, math.inf, False)], 50),
+    # two: the forward's pair (bf16 (T, H, D) with 0, fp32 (H, T) with +inf), padding across two blocks
+    "two_fwd": ([((130, 4, 80), "bfloat16", 0, 0.0, False), ((4, 130), "float32", 1, math.inf, False)], 61),
+    # three, mixed dtypes / token dims / values / T (the grid covers the largest T), strided (H, T)
+    "three_mixed": ([((70, 2, 16), "float16", 0, 0.0, False), ((5, 200), "float32", 1, math.inf, True),
+                     ((150, 3, 48), "bfloat16", 0, -2.5, False)], 33),
+    # the backward's three (bf16, 0.0), no padding at all: nothing changes
+    "three_no_pad": ([((96, 2, 32), "bfloat16", 0, 0.0, False)] * 3, 96),
+    # the backward's three, cu_seqlens[-1] == 0: every row is padding
+    "three_all_pad": ([((65, 2, 32), "bfloat16", 0, 0.0, False), ((65, 2, 32), "float16", 0, 0.0, False),
+                       ((65, 2, 32), "float32", 0, 0.0, False)], 0),
+    # a skipped tensor (T == 0) between two others: the later ones still filled
+    "skip_empty": ([((80, 4), "float32", 0, 1.0, False), ((0, 2, 8), "bfloat16", 0, 0.0, False),
+                    ((2, 80), "bfloat16", 1, math.inf, False)], 17),
+}
+for name, (specs, end) in cases.items():
+    targets = [make(s) for s in specs]
+    befores = [x.clone() for x, _, _ in targets]
+    T = max(x.shape[d] for x, _, d in targets)
+    cu = torch.tensor([0, end // 2, end], dtype=torch.int32)
+    n0 = count.n
+    flash_fwd.fill_tails(targets, cu)
+    out[name] = dict(ok=[check(x, v, d, end, b) for (x, v, d), b in zip(targets, befores)], launches=count.n - n0)
+# the thin wrapper and a call with nothing to fill (no launch)
+x = torch.full((70, 3), float("nan"), dtype=torch.bfloat16)
+b = x.clone()
+n0 = count.n
+flash_fwd.fill_tail(x, torch.tensor([0, 40], dtype=torch.int32), 0.0)
+flash_fwd.fill_tails([(torch.empty(0, 4), 0.0, 0), (torch.empty(4, 0), math.inf, 1)], torch.tensor([0, 0], dtype=torch.int32))
+out["wrapper"] = dict(ok=[check(x, 0.0, 0, 40, b)], launches=count.n - n0)
+try:
+    flash_fwd.fill_tails([(x, 0.0, 0)] * 4, torch.tensor([0, 40], dtype=torch.int32))
+    out["four_raises"] = False
+except FlamiaError:
+    out["four_raises"] = True
+# one fill launch per forward and one per backward (with and without the atomic dQ path)
+from flamia_pack.kernels import varlen_attention
+from flamia_pack.kernels.config import AttentionKernelConfig
+small = dict(wl_block_m=32, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16, bwd_block_m2=32, bwd_block_n2=16)
+for atomic in (False, True):
+    torch.manual_seed(0)
+    T, end = 45, 38
+    q, k, v = (torch.randn(T, 2, 64).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 20, end], dtype=torch.int32)
+    cfg = AttentionKernelConfig(**small, bwd_dq_atomic=atomic)
+    n0 = count.n
+    o = varlen_attention(q, k, v, cu, 20, causal=True, config=cfg)
+    n1 = count.n
+    o.float().sum().backward()
+    pad_ok = bool((o[end:] == 0).all()) and all(bool((g[end:] == 0).all()) for g in (q.grad, k.grad, v.grad))
+    out[f"attention_atomic{int(atomic)}"] = dict(fwd=n1 - n0, bwd=count.n - n1, pad_ok=pad_ok)
+print("RESULTS " + json.dumps(out))
+"""
+
+
+def test_fill_tails_one_launch_interpreter():
+    """``fill_tails`` fills, in ONE launch, exactly the row-end padding rows (``>= cu_seqlens[-1]``) of 1-3
+    NaN-poisoned tensors of mixed dtypes (bf16 / fp16 / fp32), token dims ((T, ...) and (H, T), strided),
+    values (0, +inf, others) and lengths, bitwise, and leaves every other element NaN; no padding changes
+    nothing; skipped (empty) tensors launch nothing; 4 targets raise. The forward and the backward (atomic
+    dQ or not) each launch the fill kernel once. Triton interpreter."""
+    if not _triton_installed():
+        pytest.skip("triton is not installed — interpreter tests need it")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _FILL_TAILS_SCRIPT], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and line, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    r = json.loads(line[-1][len("RESULTS "):])
+    for name, n in (("one_lse", 1), ("two_fwd", 2), ("three_mixed", 3), ("three_no_pad", 3), ("three_all_pad", 3),
+                    ("skip_empty", 3)):
+        assert r[name]["ok"] == [True] * n and r[name]["launches"] == 1, (name, r[name])
+    assert r["wrapper"] == dict(ok=[True], launches=1), r["wrapper"]
+    assert r["four_raises"] is True
+    for atomic in (0, 1):
+        assert r[f"attention_atomic{atomic}"] == dict(fwd=1, bwd=1, pad_ok=True), (atomic, r[f"attention_atomic{atomic}"])

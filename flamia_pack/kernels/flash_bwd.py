@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from flamia_pack.kernels.config import SMALL_TILES, AttentionKernelConfig
-from flamia_pack.kernels.flash_fwd import LOG2E, doc_major_order, fill_tail, gluon_applies
+from flamia_pack.kernels.flash_fwd import LOG2E, doc_major_order, fill_tails, gluon_applies
 from flamia_pack.kernels.tiles_triton import masked_tile_index, program_geometry, relative_doc, tile_visible
 
 
@@ -587,8 +587,5 @@ def flash_bwd(
         )
     if atomic:
         dq.copy_(dq_acc)  # padding rows are zero in the accumulator
-    else:
-        fill_tail(dq, cu_seqlens, 0.0)
-    fill_tail(dk, cu_seqlens, 0.0)
-    fill_tail(dv, cu_seqlens, 0.0)
+    fill_tails(([] if atomic else [(dq, 0.0, 0)]) + [(dk, 0.0, 0), (dv, 0.0, 0)], cu_seqlens)
     return dq, dk, dv
