@@ -744,6 +744,28 @@ for atomic in (False, True):
     o.float().sum().backward()
     pad_ok = bool((o[end:] == 0).all()) and all(bool((g[end:] == 0).all()) for g in (q.grad, k.grad, v.grad))
     out[f"attention_atomic{int(atomic)}"] = dict(fwd=n1 - n0, bwd=count.n - n1, pad_ok=pad_ok)
+# a row without row-end padding (cu_seqlens[-1] == T): the call's own cu_seqlens check knows it and no fill
+# launches; a work list built without validation carries no hint, so the fills run (and write nothing):
+# bitwise the same results
+from flamia_pack.kernels.config import work_list_tile_config
+from flamia_pack.scheduler.worklist import build_work_list
+cfg = AttentionKernelConfig(**small)
+torch.manual_seed(1)
+T = 38
+xs = [torch.randn(T, 2, 64).to(torch.bfloat16) for _ in range(3)]
+cu = torch.tensor([0, 20, T], dtype=torch.int32)
+res = {}
+for how in ("hint", "no_hint", "validated_list"):
+    leaves = [x.clone().requires_grad_() for x in xs]
+    wl = None if how == "hint" else build_work_list(cu, T, work_list_tile_config(cfg, True), validate=how != "no_hint")
+    n0 = count.n
+    o = varlen_attention(*leaves, cu, 20, causal=True, config=cfg, work_list=wl)
+    n1 = count.n
+    o.float().sum().backward()
+    res[how] = dict(launches=[n1 - n0, count.n - n1], t=[o] + [x.grad for x in leaves])
+out["no_tail"] = {h: r["launches"] for h, r in res.items()}
+out["no_tail_same"] = all(torch.equal(a, b) for h in ("no_hint", "validated_list")
+                          for a, b in zip(res["hint"]["t"], res[h]["t"]))
 print("RESULTS " + json.dumps(out))
 """
 
@@ -753,7 +775,8 @@ def test_fill_tails_one_launch_interpreter():
     NaN-poisoned tensors of mixed dtypes (bf16 / fp16 / fp32), token dims ((T, ...) and (H, T), strided),
     values (0, +inf, others) and lengths, bitwise, and leaves every other element NaN; no padding changes
     nothing; skipped (empty) tensors launch nothing; 4 targets raise. The forward and the backward (atomic
-    dQ or not) each launch the fill kernel once. Triton interpreter."""
+    dQ or not) each launch the fill kernel once, and not at all on a row the host knows has no padding
+    (``attention.PAD_TAIL``). Triton interpreter."""
     if not _triton_installed():
         pytest.skip("triton is not installed — interpreter tests need it")
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -771,3 +794,7 @@ def test_fill_tails_one_launch_interpreter():
     assert r["four_raises"] is True
     for atomic in (0, 1):
         assert r[f"attention_atomic{atomic}"] == dict(fwd=1, bwd=1, pad_ok=True), (atomic, r[f"attention_atomic{atomic}"])
+    # no row-end padding, known on the host (the call's cu_seqlens check, or a validated work list): no fill
+    # launch; unknown (a list built without validation): the fills run; the results are bitwise the same
+    assert r["no_tail"] == {"hint": [0, 0], "no_hint": [1, 1], "validated_list": [0, 0]}, r["no_tail"]
+    assert r["no_tail_same"] is True

@@ -449,9 +449,50 @@ def test_op_config_carries_the_leftover_bits():
     from flamia_pack.kernels.attention import _op_config, _op_config_ints
 
     cfg = kernel_config(128)
-    for bits in range(4):
+    for bits in range(8):
         assert _op_config(_op_config_ints(cfg, bits)) == (cfg, bits)
-    assert _op_config(_config_to_ints(cfg)) == (cfg, 3)  # no mask: both launches, as before
+    assert _op_config(_config_to_ints(cfg)) == (cfg, 7)  # no mask: every launch, as before
+
+
+def test_launch_bits_fill_the_tail_unless_the_row_is_known_to_have_none():
+    """``attention.launch_bits``: PAD_TAIL (the padding fills) is cleared only when the host knows
+    ``cu_seqlens[-1] == T``; the leftover bits are :func:`leftover_bits`' unchanged."""
+    from flamia_pack.kernels.attention import PAD_TAIL, launch_bits, leftover_bits
+
+    cfg = kernel_config(128)
+    for ms in (None, 1, 100, 300, 4096):
+        lb = leftover_bits(cfg, ms)
+        assert launch_bits(cfg, ms, 65536, 65536) == lb
+        assert launch_bits(cfg, ms, 65535, 65536) == lb | PAD_TAIL
+        assert launch_bits(cfg, ms, 0, 65536) == lb | PAD_TAIL
+        assert launch_bits(cfg, ms, None, 65536) == lb | PAD_TAIL  # unknown: fill
+
+
+def test_work_list_doc_tokens_hint():
+    """``WorkList.doc_tokens`` (``cu_seqlens[-1]``): from a validated build or given by the caller,
+    trusted as ``min_seqlen`` is (dropped once the buffers are rewritten), and checked."""
+    import torch
+
+    from flamia_pack.errors import MetadataError
+    from flamia_pack.scheduler.worklist import TileConfig, build_work_list, work_list_hints
+
+    full = torch.tensor([0, 600, 1300, 2048], dtype=torch.int32)
+    padded = torch.tensor([0, 5, 20, 2000], dtype=torch.int32)
+    wl = build_work_list(full, 2048, TileConfig())
+    assert (wl.doc_tokens, work_list_hints(wl)) == (2048, (600, 2048))
+    other = build_work_list(padded, 2048, TileConfig(), max_items=wl.max_items)
+    assert work_list_hints(other) == (5, 2000)
+    wl.items.copy_(other.items)
+    assert work_list_hints(wl) == (None, None)  # refilled in place: neither hint is trusted
+    assert work_list_hints(build_work_list(full, 2048, TileConfig(), validate=False)) == (None, None)
+    given = build_work_list(full, 2048, TileConfig(), validate=False, doc_tokens=2048)  # a caller's host copy
+    assert work_list_hints(given) == (None, 2048)
+    hand = build_work_list(full, 2048, TileConfig(), validate=False)
+    hand.doc_tokens = 2048  # set by hand on the object: not trusted
+    assert work_list_hints(hand) == (None, None)
+    for bad in (2049, -1, 3.0):
+        with pytest.raises(MetadataError, match="doc_tokens"):
+            build_work_list(full, 2048, TileConfig(), validate=False, doc_tokens=bad)
 
 
 def test_work_list_min_seqlen_only_when_validated():

@@ -171,9 +171,10 @@ def test_to_device_cpu_builds_the_work_list():
     # the shortest segment, from the host cu_seqlens (the kernels' leftover-launch hint)
     lengths = (b["cu_seqlens"][1:] - b["cu_seqlens"][:-1]).tolist()
     assert wl.min_seqlen == min(x for x in lengths if x > 0) == 5
-    from flamia_pack.scheduler.worklist import work_list_hint
+    from flamia_pack.scheduler.worklist import work_list_hints
 
-    assert work_list_hint(wl) == 5  # stamped: the attention call trusts it
+    # stamped: the attention call trusts both; cu_seqlens[-1] == T tells it the row has no padding tail
+    assert work_list_hints(wl) == (5, int(b["cu_seqlens"][-1]))
 
 
 @pytest.mark.gpu

@@ -180,9 +180,10 @@ def check_attention_inputs(
 
 
 @torch.compiler.disable
-def _check_cu_values(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> int | None:
+def _check_cu_values(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> tuple[int | None, int]:
     """Host check of the values of cu_seqlens (one device-to-host copy); returns the shortest
-    document's length (None for zero documents), which :func:`leftover_bits` uses."""
+    document's length (None for zero documents), which :func:`leftover_bits` uses, and
+    ``cu_seqlens[-1]`` (the tokens in documents), which :func:`launch_bits` uses."""
     from flamia_pack.varlen import validate_cu_seqlens
 
     arr = validate_cu_seqlens(cu_seqlens)
@@ -193,14 +194,17 @@ def _check_cu_values(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> int |
         longest = int(lengths.max())
         if max_seqlen < longest:
             raise MetadataError(f"max_seqlen={max_seqlen} is smaller than the longest document ({longest})")
-        return int(lengths.min())
-    return None
+        return int(lengths.min()), int(arr[-1])
+    return None, int(arr[-1])
 
 
 LEFTOVER_FWD = 1
 """:func:`leftover_bits`: the forward's Triton launch behind the Gluon programs may have work."""
 LEFTOVER_BWD = 2
 """:func:`leftover_bits`: the backward's Triton launch behind the Gluon programs may have work."""
+PAD_TAIL = 4
+""":func:`launch_bits`: the row may have row-end padding (tokens past ``cu_seqlens[-1]``), so the
+forward fills O / LSE there and the backward zeroes dQ / dK / dV there (one launch each)."""
 
 
 def leftover_bits(cfg: AttentionKernelConfig, min_seqlen: int | None) -> int:
@@ -339,14 +343,26 @@ def _config_from_ints(vals) -> AttentionKernelConfig:
 _N_CONFIG_FIELDS = len(AttentionKernelConfig.__dataclass_fields__)
 
 
+def launch_bits(cfg: AttentionKernelConfig, min_seqlen: int | None, doc_tokens: int | None, T: int) -> int:
+    """The launches a row may need beyond the main kernels, from host knowledge only (no sync): the
+    :func:`leftover_bits` of its shortest document, plus :data:`PAD_TAIL` unless ``doc_tokens``
+    (``cu_seqlens[-1]``) is known to equal ``T`` -- a row without row-end padding has no padding
+    rows to fill, and each fill is a launch of ``T / 64`` programs and ~65 us of host time per call
+    (RESULTS.md 2026-11-30 (third), run 6's profile). ``None``: unknown (the launch runs)."""
+    bits = leftover_bits(cfg, min_seqlen)
+    if doc_tokens is None or int(doc_tokens) != int(T):
+        bits |= PAD_TAIL
+    return bits
+
+
 def _op_config_ints(cfg: AttentionKernelConfig, bits: int) -> list[int]:
-    """The custom ops' ``config`` argument: the config's ints, then the :func:`leftover_bits` mask."""
+    """The custom ops' ``config`` argument: the config's ints, then the :func:`launch_bits` mask."""
     return _config_to_ints(cfg) + [int(bits)]
 
 
 def _op_config(vals) -> tuple[AttentionKernelConfig, int]:
-    """Inverse of :func:`_op_config_ints` (a list without the mask, as older callers pass: both bits)."""
-    bits = int(vals[_N_CONFIG_FIELDS]) if len(vals) > _N_CONFIG_FIELDS else LEFTOVER_FWD | LEFTOVER_BWD
+    """Inverse of :func:`_op_config_ints` (a list without the mask, as older callers pass: every bit)."""
+    bits = int(vals[_N_CONFIG_FIELDS]) if len(vals) > _N_CONFIG_FIELDS else LEFTOVER_FWD | LEFTOVER_BWD | PAD_TAIL
     return _config_from_ints(vals[:_N_CONFIG_FIELDS]), bits
 
 
@@ -411,7 +427,7 @@ def _varlen_attn_fwd(
 
         cfg, bits = _op_config(config)
         return flash_fwd(q, k, v, cu_seqlens, items, num_items, causal=causal, softmax_scale=softmax_scale,
-                         config=cfg, leftover=bool(bits & LEFTOVER_FWD))
+                         config=cfg, leftover=bool(bits & LEFTOVER_FWD), tail=bool(bits & PAD_TAIL))
     return _reference_fwd(q, k, v, cu_seqlens, causal, softmax_scale)
 
 
@@ -436,7 +452,8 @@ def _varlen_attn_bwd(
 
         cfg, bits = _op_config(config)
         return flash_bwd(do, q, k, v, o, lse, cu_seqlens, items, num_items, causal=causal,
-                         softmax_scale=softmax_scale, config=cfg, dlse=dlse, leftover=bool(bits & LEFTOVER_BWD))
+                         softmax_scale=softmax_scale, config=cfg, dlse=dlse, leftover=bool(bits & LEFTOVER_BWD),
+                         tail=bool(bits & PAD_TAIL))
     return _reference_bwd(do, dlse, q, k, v, o, lse, cu_seqlens, causal, softmax_scale)
 
 
@@ -581,17 +598,18 @@ def varlen_attention(
     # cu_seqlens values, checked once and as given (int64 before the int32 cast below, which would wrap
     # 2**32 + n to n) whenever no work list is given; the CPU fallback also with one (the reference
     # reads cu_seqlens itself and has no device sync to save), except while torch.compile traces
-    min_seqlen = None
+    min_seqlen = doc_tokens = None
     if work_list is None or (not use_kernels and not torch.compiler.is_compiling()):
-        min_seqlen = _check_cu_values(cu_seqlens, T, max_seqlen)
+        min_seqlen, doc_tokens = _check_cu_values(cu_seqlens, T, max_seqlen)
     # a captured / compiled step must not bake in one row's launch decision (and dynamo cannot guard
     # on the buffers' version counters): no hint there
     if torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        min_seqlen = None
+        min_seqlen = doc_tokens = None
     elif work_list is not None and min_seqlen is None:
-        from flamia_pack.scheduler.worklist import work_list_hint
+        from flamia_pack.scheduler.worklist import work_list_hints
 
-        min_seqlen = work_list_hint(work_list)  # known if it was built with validate=True, and still current
+        # known if it was built with validate=True (or given the host values), and still current
+        min_seqlen, doc_tokens = work_list_hints(work_list)
     cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     if not cu32.is_contiguous():
         cu32 = cu32.contiguous()
@@ -606,7 +624,7 @@ def varlen_attention(
             items, num_items = _default_work_list(cu32, T, max_seqlen, causal, cfg)
         else:
             items, num_items = _check_work_list(work_list, causal, cfg, q.device, T)
-        cfg_ints = _op_config_ints(cfg, leftover_bits(cfg, min_seqlen))
+        cfg_ints = _op_config_ints(cfg, launch_bits(cfg, min_seqlen, doc_tokens, T))
     else:
         cfg = config if config is not None else AttentionKernelConfig()
         if work_list is not None:  # checked for the same mistakes as on the GPU, then unused by the reference

@@ -462,6 +462,7 @@ def flash_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor, *, causal: bool,
     softmax_scale: float, config: AttentionKernelConfig, dlse: torch.Tensor | None = None, leftover: bool = True,
+    tail: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward (no host sync). Shapes as :func:`flash_fwd.flash_fwd`.
 
@@ -473,6 +474,8 @@ def flash_bwd(
         leftover: False when the row is known to hold no merged item and no document of at most
             ``bwd_gluon_min_len`` tokens (``attention.leftover_bits``): the Triton launch behind the
             Gluon programs is skipped.
+        tail: False when the row is known to have no row-end padding (``cu_seqlens[-1] == T``,
+            ``attention.PAD_TAIL``): the launch that zeroes the padding rows of dq / dk / dv is skipped.
 
     Returns:
         ``(dq, dk, dv)`` in q/k/v's dtype and shapes; zero on padding rows.
@@ -587,5 +590,6 @@ def flash_bwd(
         )
     if atomic:
         dq.copy_(dq_acc)  # padding rows are zero in the accumulator
-    fill_tails(([] if atomic else [(dq, 0.0, 0)]) + [(dk, 0.0, 0), (dv, 0.0, 0)], cu_seqlens)
+    if tail:
+        fill_tails(([] if atomic else [(dq, 0.0, 0)]) + [(dk, 0.0, 0), (dv, 0.0, 0)], cu_seqlens)
     return dq, dk, dv

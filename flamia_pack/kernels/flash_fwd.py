@@ -328,7 +328,7 @@ def gluon_applies(enabled: bool, config: AttentionKernelConfig, q: torch.Tensor,
 def flash_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
     items: torch.Tensor, num_items: torch.Tensor, *, causal: bool, softmax_scale: float,
-    config: AttentionKernelConfig, leftover: bool = True,
+    config: AttentionKernelConfig, leftover: bool = True, tail: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward (inputs already validated by ``attention.py``; no host sync).
 
@@ -341,6 +341,9 @@ def flash_fwd(
         config: tile/launch configuration.
         leftover: False when the row is known to hold no merged item and no document the Gluon
             programs leave to the Triton launch (``attention.leftover_bits``): that launch is skipped.
+        tail: False when the row is known to have no row-end padding (``cu_seqlens[-1] == T``,
+            ``attention.PAD_TAIL``): the launch that fills the padding rows of ``o`` / ``lse`` is
+            skipped (it would write nothing).
 
     Returns:
         ``(o, lse)``: ``(T, H_q, D)`` in q's dtype and ``(H_q, T)`` float32 (natural log).
@@ -394,5 +397,6 @@ def flash_fwd(
                 DOC_MAJOR=bool(cfg.doc_major), STATIC=static, HEADS_PER_PROGRAM=hpp,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.fwd_maxnreg} if cfg.fwd_maxnreg else {}),
             )
-    fill_tails([(o, 0.0, 0), (lse, math.inf, 1)], cu_seqlens)
+    if tail:
+        fill_tails([(o, 0.0, 0), (lse, math.inf, 1)], cu_seqlens)
     return o, lse

@@ -353,7 +353,7 @@ def to_device(
         from flamia_pack.scheduler.worklist import build_work_list
 
         total = int(out["input_ids"].numel())
-        shortest = None
+        shortest = covered = None
         host_cu = batch.get("cu_seqlens")
         if isinstance(host_cu, torch.Tensor) and host_cu.device.type == "cpu" and host_cu.numel() > 1:
             # the shortest document, from the host copy the batch still has (no sync): lets the
@@ -362,8 +362,9 @@ def to_device(
             lengths = host_cu[1:] - host_cu[:-1]
             lengths = lengths[lengths > 0]
             shortest = int(lengths.min()) if lengths.numel() else None
+            covered = int(host_cu[-1])  # == total on rows without row-end padding: no padding fills
         out["work_list"] = build_work_list(out["cu_seqlens"], total, work_list_config, validate=False,
-                                           min_seqlen=shortest)
+                                           min_seqlen=shortest, doc_tokens=covered)
     if scale_groups is not None:
         sg = _scale_groups(out["cu_seqlens"], int(out["input_ids"].numel()), scale_groups)
         if sg is None:

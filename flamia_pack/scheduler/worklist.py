@@ -317,6 +317,9 @@ class WorkList:
             that have none (``attention.leftover_bits``). Like the items, it describes that
             ``cu_seqlens`` only; it is read through :func:`work_list_hint`, which drops it once the
             buffers were written in place since the build (a list refreshed for another row).
+        doc_tokens: ``cu_seqlens[-1]`` of the build (the tokens in documents), known and trusted as
+            ``min_seqlen``; equal to ``total_tokens`` on rows without row-end padding, where
+            ``varlen_attention`` skips its padding fills (``attention.launch_bits``).
     """
 
     items: torch.Tensor
@@ -325,6 +328,7 @@ class WorkList:
     config: TileConfig = field(default_factory=TileConfig)
     total_tokens: int | None = None
     min_seqlen: int | None = None
+    doc_tokens: int | None = None
 
     def to_numpy(self) -> np.ndarray:
         """Valid rows as a ``(num_items, 4)`` int32 numpy array (syncs; for tests and tools)."""
@@ -437,7 +441,7 @@ def _expand_torch(cu: torch.Tensor, m: int, config: TileConfig):
 
 def _validate_device_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> int | None:
     """Host check of ``cu_seqlens`` against ``total_tokens`` (one copy to the host); returns the
-    shortest document's length (None for zero documents)."""
+    shortest document's length (None for zero documents) and ``cu_seqlens[-1]``."""
     arr = validate_cu_seqlens(cu_seqlens)
     if int(arr[-1]) > int(total_tokens):
         raise MetadataError(
@@ -446,7 +450,7 @@ def _validate_device_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> int | No
         )
     if int(total_tokens) >= 2**31:
         raise MetadataError(f"total_tokens={int(total_tokens)} does not fit the int32 item table")
-    return int((arr[1:] - arr[:-1]).min()) if len(arr) > 1 else None
+    return (int((arr[1:] - arr[:-1]).min()) if len(arr) > 1 else None), int(arr[-1])
 
 
 def build_work_list(
@@ -459,6 +463,7 @@ def build_work_list(
     out: WorkList | None = None,
     backend: str = "auto",
     min_seqlen: int | None = None,
+    doc_tokens: int | None = None,
 ) -> WorkList:
     """Build the sorted work list on ``cu_seqlens.device`` (DESIGN.md §6, seed 001 Algorithm 2).
 
@@ -486,6 +491,8 @@ def build_work_list(
         min_seqlen: with ``validate=False``, the shortest non-empty document of ``cu_seqlens`` if the
             caller knows it from a host copy (``loaders.collate.to_device``); it becomes the list's
             ``min_seqlen`` hint. With ``validate=True`` the hint is computed from the check instead.
+        doc_tokens: likewise, ``cu_seqlens[-1]`` from the caller's host copy (the list's
+            ``doc_tokens`` hint); with ``validate=True`` taken from the check.
 
     Returns:
         :class:`WorkList` (``items`` (max_items, 4) int32, ``num_items`` (1,) int32).
@@ -500,7 +507,9 @@ def build_work_list(
         raise MetadataError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise MetadataError(f"cu_seqlens must be 1-D of shape (n_docs + 1,), got shape {tuple(cu_seqlens.shape)}")
-    shortest = _validate_device_cu(cu_seqlens, total_tokens) if validate else min_seqlen
+    shortest, covered = _validate_device_cu(cu_seqlens, total_tokens) if validate else (min_seqlen, doc_tokens)
+    if covered is not None and not (isinstance(covered, int) and 0 <= covered <= int(total_tokens)):
+        raise MetadataError(f"doc_tokens must be an int in [0, total_tokens={int(total_tokens)}], got {covered!r}")
     device = cu_seqlens.device
     n = cu_seqlens.numel() - 1
     m = max_work_items(total_tokens, n, config) if max_items is None else int(max_items)
@@ -513,6 +522,7 @@ def build_work_list(
         out.max_items = m
         out.total_tokens = int(total_tokens)
         out.min_seqlen = shortest  # None unless known: a reused buffer never keeps another row's hint
+        out.doc_tokens = covered
         wl = out
     else:
         wl = WorkList(
@@ -522,6 +532,7 @@ def build_work_list(
             config=config,
             total_tokens=int(total_tokens),
             min_seqlen=shortest,
+            doc_tokens=covered,
         )
     if n == 0 or m == 0:
         wl.items.fill_(-1)
@@ -560,24 +571,33 @@ def _stamp_hint(wl: WorkList) -> WorkList:
     written: :func:`work_list_hint` trusts the hint only while no in-place write (``copy_``, slice
     assignment) has changed them since -- a list refreshed on the device for another row keeps no
     stale hint."""
-    wl._hint_versions = (wl.items._version, wl.num_items._version) if wl.min_seqlen is not None else None
+    known = wl.min_seqlen is not None or wl.doc_tokens is not None
+    wl._hint_versions = (wl.items._version, wl.num_items._version) if known else None
     return wl
 
 
-def work_list_hint(wl) -> int | None:
-    """``wl.min_seqlen`` if it still describes the buffers (see :func:`_stamp_hint`), else None.
+def work_list_hints(wl) -> tuple[int | None, int | None]:
+    """``(wl.min_seqlen, wl.doc_tokens)`` if they still describe the buffers (see :func:`_stamp_hint`),
+    else ``(None, None)``.
 
-    A hint set by hand on the object is not trusted; pass it to :func:`build_work_list`
-    (``min_seqlen=``) instead. CUDA-graph replays and raw kernel writes do not move version counters: a list refilled that way
-    must be rebuilt through :func:`build_work_list` (``validate=False`` clears the hint), as
-    :class:`WorkListBuilder` does; ``varlen_attention`` also ignores hints while a CUDA graph is being
-    captured or under ``torch.compile``, so a captured step never bakes one in.
+    Hints set by hand on the object are not trusted; pass them to :func:`build_work_list`
+    (``min_seqlen=``, ``doc_tokens=``) instead. CUDA-graph replays and raw kernel writes do not move
+    version counters: a list refilled that way must be rebuilt through :func:`build_work_list`
+    (``validate=False`` clears the hints), as :class:`WorkListBuilder` does; ``varlen_attention`` also
+    ignores hints while a CUDA graph is being captured or under ``torch.compile``, so a captured step
+    never bakes one in.
     """
-    ms = getattr(wl, "min_seqlen", None)
     items, num = getattr(wl, "items", None), getattr(wl, "num_items", None)
-    if ms is None or not isinstance(items, torch.Tensor) or not isinstance(num, torch.Tensor):
-        return None
-    return ms if getattr(wl, "_hint_versions", None) == (items._version, num._version) else None
+    if not isinstance(items, torch.Tensor) or not isinstance(num, torch.Tensor):
+        return None, None
+    if getattr(wl, "_hint_versions", None) != (items._version, num._version):
+        return None, None
+    return getattr(wl, "min_seqlen", None), getattr(wl, "doc_tokens", None)
+
+
+def work_list_hint(wl) -> int | None:
+    """``wl.min_seqlen`` if it still describes the buffers, else None (:func:`work_list_hints`)."""
+    return work_list_hints(wl)[0]
 
 
 def _build_torch_into(cu_seqlens: torch.Tensor, total_tokens: int, config: TileConfig, wl: WorkList) -> None:
