@@ -119,8 +119,24 @@ def host_probe_cells(r: dict) -> str:
     return f"{r['bench']:.3f} | {graph} | {r['host_us']:.0f} | {r['loop_ms']:.3f}"
 
 
-def print_host_profile(fn, calls: int, what: str, top: int) -> None:
-    """cProfile of ``calls`` host calls of ``fn`` (then a sync), the ``top`` entries by own time."""
+def print_host_profile(fn, calls: int, what: str, top: int, mode: str = "cprofile") -> None:
+    """Host profile of ``calls`` calls of ``fn`` (then a sync), the ``top`` entries by own time.
+
+    ``mode="cprofile"``: Python functions (cProfile). ``mode="torch"``: ``torch.profiler`` CPU events
+    -- aten ops and CUDA runtime calls (``cudaLaunchKernel``, ``cudaMemsetAsync``, a blocking
+    ``cudaStreamSynchronize`` / ``cudaMemcpyAsync``), by self CPU time: what cProfile books as the
+    own time of a C-calling frame (RESULTS.md 2026-11-30 (third) run 6: torch's custom-op
+    ``backend_impl``, 455 us per W7 forward call)."""
+    if mode == "torch":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as tprof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        print(f"host profile of {calls} {what} (PROFILE=torch), top {top} by self CPU time:")
+        print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+        return
     import cProfile
     import pstats
 

@@ -18,7 +18,8 @@ choosing the config (``None``: the ``max_seqlen`` rule inside ``varlen_attention
 
 first for the forward timed before any training call (as the benchmark does), then again after
 one training call. No output files; the table goes to stdout. With ``PROFILE=1`` it also prints a
-cProfile of 200 forward calls per row (host time by function).
+cProfile of 200 forward calls per row (host time by function); with ``PROFILE=torch`` a
+``torch.profiler`` table of the same calls' CPU events (aten ops, CUDA runtime calls) by self time.
 """
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def main() -> int:
                 r = B.host_probe(fwd, rep=60, calls=200)
                 print(f"| {name} | {how} | {phase} | {B.host_probe_cells(r)} |", flush=True)
             if os.environ.get("PROFILE") and how == "None":
-                B.print_host_profile(fwd, 200, f"{name} forward calls", 25)
+                B.print_host_profile(fwd, 200, f"{name} forward calls", 25,
+                                     mode="torch" if os.environ["PROFILE"] == "torch" else "cprofile")
     return 0
 
 

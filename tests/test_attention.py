@@ -461,17 +461,8 @@ def _triton_installed() -> bool:
 
 
 @pytest.fixture(scope="module")
-def interp_results():
-    if not _triton_installed():
-        pytest.skip("triton is not installed (pip install triton) — interpreter tests need it")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(_INTERP_CASES)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and line, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(line[-1][len("RESULTS "):])
+def interp_results(run_interpreter):
+    return run_interpreter(_SCRIPT, json.dumps(_INTERP_CASES))
 
 
 @pytest.mark.parametrize("case", sorted(_INTERP_CASES))
@@ -630,21 +621,12 @@ print("RESULTS " + json.dumps(out))
 """
 
 
-def test_leftover_launch_heads_per_program_interpreter():
+def test_leftover_launch_heads_per_program_interpreter(run_interpreter):
     """The forward's leftover launch behind the Gluon programs (``HEADS_PER_PROGRAM`` > 1: one program per
     (entry, chunk of heads)) writes exactly the rows of merged items and one-token documents, for every
     head, bitwise as the one-head-per-program launch and the full launch do, and leaves every other row
     untouched (NaN-poisoned). Triton interpreter."""
-    if not _triton_installed():
-        pytest.skip("triton is not installed — interpreter tests need it")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _LEFTOVER_SCRIPT], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and line, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    r = json.loads(line[-1][len("RESULTS "):])
+    r = run_interpreter(_LEFTOVER_SCRIPT)
     lengths = [40, 1, 3, 2, 1, 1, 25, 5, 1, 33, 4, 4, 1]
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     one_token = {s for s, n in zip(starts, lengths) if n == 1}
@@ -770,23 +752,14 @@ print("RESULTS " + json.dumps(out))
 """
 
 
-def test_fill_tails_one_launch_interpreter():
+def test_fill_tails_one_launch_interpreter(run_interpreter):
     """``fill_tails`` fills, in ONE launch, exactly the row-end padding rows (``>= cu_seqlens[-1]``) of 1-3
     NaN-poisoned tensors of mixed dtypes (bf16 / fp16 / fp32), token dims ((T, ...) and (H, T), strided),
     values (0, +inf, others) and lengths, bitwise, and leaves every other element NaN; no padding changes
     nothing; skipped (empty) tensors launch nothing; 4 targets raise. The forward and the backward (atomic
     dQ or not) each launch the fill kernel once, and not at all on a row the host knows has no padding
     (``attention.PAD_TAIL``). Triton interpreter."""
-    if not _triton_installed():
-        pytest.skip("triton is not installed — interpreter tests need it")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _FILL_TAILS_SCRIPT], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and line, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    r = json.loads(line[-1][len("RESULTS "):])
+    r = run_interpreter(_FILL_TAILS_SCRIPT)
     for name, n in (("one_lse", 1), ("two_fwd", 2), ("three_mixed", 3), ("three_no_pad", 3), ("three_all_pad", 3),
                     ("skip_empty", 3)):
         assert r[name]["ok"] == [True] * n and r[name]["launches"] == 1, (name, r[name])

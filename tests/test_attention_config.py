@@ -4,9 +4,7 @@ the fp32 reference (TMA descriptor loads included)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -172,15 +170,8 @@ print("RESULTS " + json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def interp_results():
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop(CONFIG_ENV, None)
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and line, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(line[-1][len("RESULTS "):])
+def interp_results(run_interpreter):
+    return run_interpreter(_SCRIPT)  # (FLAMIA_ATTN_CONFIG unset: the script's defaults are the shipped ones)
 
 
 _EXTRA_TMA = {"split_head_major_tma_ms1": True, "split_rank_major": False}
@@ -490,6 +481,12 @@ def test_work_list_doc_tokens_hint():
     hand = build_work_list(full, 2048, TileConfig(), validate=False)
     hand.doc_tokens = 2048  # set by hand on the object: not trusted
     assert work_list_hints(hand) == (None, None)
+    edited = build_work_list(padded, 2048, TileConfig())  # validated and stamped, then edited by hand
+    edited.doc_tokens = 2048  # would skip the padding fills of rows 2000-2047
+    assert work_list_hints(edited) == (None, None)
+    edited = build_work_list(padded, 2048, TileConfig())
+    edited.min_seqlen = 600
+    assert work_list_hints(edited) == (None, None)
     for bad in (2049, -1, 3.0):
         with pytest.raises(MetadataError, match="doc_tokens"):
             build_work_list(full, 2048, TileConfig(), validate=False, doc_tokens=bad)

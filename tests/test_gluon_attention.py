@@ -171,17 +171,13 @@ print("RESULTS " + json.dumps(out))
 """
 
 
-def test_leftover_launch_fills_exactly_what_gluon_skips():
+def test_leftover_launch_fills_exactly_what_gluon_skips(run_interpreter):
     """Interpreter run of flash_bwd's Gluon branch with the Gluon kernels replaced by writers of the
     Triton backward's own results for the tokens they own (NaN elsewhere): the Triton launch for the
     rest -- over the whole list (default) or compacted (``bwd_leftover_compact``, ``leftover_ranks``)
     -- must fill merged items and short documents exactly."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    pytest.importorskip("triton")
     cases = {"merged_and_one_token": ([70, 5, 33, 1, 1, 2, 40, 1], 7, 1, 4, 2, True),
              "min_len_40": ([70, 5, 33, 1, 1, 2, 40, 90], 0, 40, 2, 2, True),
              "no_short_docs": ([64, 96, 40], 3, 1, 2, 1, True),
@@ -191,13 +187,7 @@ def test_leftover_launch_fills_exactly_what_gluon_skips():
              "dq_reduce": ([70, 5, 33, 1, 1, 2, 40, 90], 5, 40, 4, 2, False, True, True),
              # accumulator capped at one kv head's (4 * T * 2 * 64 bytes, T = 247): four chunks, one buffer
              "dq_reduce_chunks": ([70, 5, 33, 1, 1, 2, 40, 90], 5, 40, 8, 4, False, True, True, 4 * 247 * 2 * 64)}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _LEFTOVER_SCRIPT, json.dumps(cases)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and line, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    res = json.loads(line[-1][len("RESULTS "):])
+    res = run_interpreter(_LEFTOVER_SCRIPT, json.dumps(cases))
     for name, r in res.items():
         assert r["equal"] and r["fwd_equal"], (name, r)
         assert r["count"] <= r["ranks"] <= r["capacity"], (name, r)
@@ -302,25 +292,13 @@ print("RESULTS " + json.dumps(bad))
 """
 
 
-def test_dq_reduce_cast_writes_exactly_the_gluon_rows():
+def test_dq_reduce_cast_writes_exactly_the_gluon_rows(run_interpreter):
     """Interpreter run of ``flash_bwd._dq_reduce_cast`` (and its ``_gluon_rows`` binary search of
     ``cu_seqlens``) on random rows with empty documents, 1-token documents, lengths at the threshold
     and row padding: it writes ``softmax_scale * acc`` to exactly the rows of documents longer than
     ``skip`` and the padding rows, for the chunk's heads only, zeroes what it read, and leaves every
     other row of dQ and of the accumulator untouched."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT, "7", "25"], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and line, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    assert json.loads(line[-1][len("RESULTS "):]) == []
+    assert run_interpreter(_ROWS_SCRIPT, "7", "25") == []
 
 
 @pytest.mark.parametrize("fn", ["gluon_dkdv", "gluon_dq", "gluon_fwd"])

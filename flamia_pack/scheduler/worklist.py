@@ -572,7 +572,8 @@ def _stamp_hint(wl: WorkList) -> WorkList:
     assignment) has changed them since -- a list refreshed on the device for another row keeps no
     stale hint."""
     known = wl.min_seqlen is not None or wl.doc_tokens is not None
-    wl._hint_versions = (wl.items._version, wl.num_items._version) if known else None
+    # the values too: a hint edited on the object after the build is not trusted either
+    wl._hint_versions = (wl.items._version, wl.num_items._version, wl.min_seqlen, wl.doc_tokens) if known else None
     return wl
 
 
@@ -590,9 +591,10 @@ def work_list_hints(wl) -> tuple[int | None, int | None]:
     items, num = getattr(wl, "items", None), getattr(wl, "num_items", None)
     if not isinstance(items, torch.Tensor) or not isinstance(num, torch.Tensor):
         return None, None
-    if getattr(wl, "_hint_versions", None) != (items._version, num._version):
+    ms, dt = getattr(wl, "min_seqlen", None), getattr(wl, "doc_tokens", None)
+    if getattr(wl, "_hint_versions", None) != (items._version, num._version, ms, dt):
         return None, None
-    return getattr(wl, "min_seqlen", None), getattr(wl, "doc_tokens", None)
+    return ms, dt
 
 
 def work_list_hint(wl) -> int | None:
