@@ -698,11 +698,11 @@ for name, (specs, end) in cases.items():
     n0 = count.n
     flash_fwd.fill_tails(targets, cu)
     out[name] = dict(ok=[check(x, v, d, end, b) for (x, v, d), b in zip(targets, befores)], launches=count.n - n0)
-# the thin wrapper and a call with nothing to fill (no launch)
+# one target, and a call with nothing to fill (no launch)
 x = torch.full((70, 3), float("nan"), dtype=torch.bfloat16)
 b = x.clone()
 n0 = count.n
-flash_fwd.fill_tail(x, torch.tensor([0, 40], dtype=torch.int32), 0.0)
+flash_fwd.fill_tails([(x, 0.0, 0)], torch.tensor([0, 40], dtype=torch.int32))
 flash_fwd.fill_tails([(torch.empty(0, 4), 0.0, 0), (torch.empty(4, 0), math.inf, 1)], torch.tensor([0, 0], dtype=torch.int32))
 out["wrapper"] = dict(ok=[check(x, 0.0, 0, 40, b)], launches=count.n - n0)
 try:

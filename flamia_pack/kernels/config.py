@@ -592,9 +592,10 @@ CANDIDATES: dict[str, dict] = {
     # the two launches of small_n32r_dqd with the preprocess kept (to tell the two effects apart)
     "small_n32r_split": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "bwd_fused": False},
     "small_fwd_pers": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True},
-    # the same with the Gluon programs (and the Triton backward) in document-major order
+    # the same with the Gluon forward's ring in 64-key tiles, 4 slots
     "small_fwd_pers_n64s4": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
                              "fwd_gluon_block_n": 64, "fwd_gluon_stages": 4},
+    # the same with the Gluon programs (and the Triton backward) in document-major order
     "small_fwd_pers_doc": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
                            "doc_major": True},
     # forward: documents of <= 512 tokens in a second launch with SHORT_FWD_TILES (rows mixing long and

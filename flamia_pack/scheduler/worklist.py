@@ -317,7 +317,7 @@ class WorkList:
             None otherwise (``validate=False``, :class:`WorkListBuilder`, by hand). With it,
             ``varlen_attention`` skips the kernels' leftover launches for short documents on rows
             that have none (``attention.leftover_bits``). Like the items, it describes that
-            ``cu_seqlens`` only; it is read through :func:`work_list_hint`, which drops it once the
+            ``cu_seqlens`` only; it is read through :func:`work_list_hints`, which drops it once the
             buffers were written in place since the build (a list refreshed for another row).
         doc_tokens: ``cu_seqlens[-1]`` of the build (the tokens in documents), known and trusted as
             ``min_seqlen``; equal to ``total_tokens`` on rows without row-end padding, where
@@ -455,7 +455,7 @@ def _host_int(name: str, value, lo: int, hi: int | None) -> int:
     return int(v)
 
 
-def _validate_device_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> int | None:
+def _validate_device_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> tuple[int | None, int]:
     """Host check of ``cu_seqlens`` against ``total_tokens`` (one copy to the host); returns the
     shortest document's length (None for zero documents) and ``cu_seqlens[-1]``."""
     arr = validate_cu_seqlens(cu_seqlens)
@@ -600,8 +600,8 @@ def build_work_list(
 
 
 def _stamp_hint(wl: WorkList) -> WorkList:
-    """Record the version counters of ``wl``'s buffers next to its ``min_seqlen`` hint, once they are
-    written: :func:`work_list_hint` trusts the hint only while no in-place write (``copy_``, slice
+    """Record the version counters of ``wl``'s buffers next to its hints, once they are
+    written: :func:`work_list_hints` trusts them only while no in-place write (``copy_``, slice
     assignment) has changed them since -- a list refreshed on the device for another row keeps no
     stale hint."""
     known = wl.min_seqlen is not None or wl.doc_tokens is not None
@@ -628,11 +628,6 @@ def work_list_hints(wl) -> tuple[int | None, int | None]:
     if getattr(wl, "_hint_versions", None) != (items._version, num._version, ms, dt):
         return None, None
     return ms, dt
-
-
-def work_list_hint(wl) -> int | None:
-    """``wl.min_seqlen`` if it still describes the buffers, else None (:func:`work_list_hints`)."""
-    return work_list_hints(wl)[0]
 
 
 def _build_torch_into(cu_seqlens: torch.Tensor, total_tokens: int, config: TileConfig, wl: WorkList) -> None:
