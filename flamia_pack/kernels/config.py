@@ -246,6 +246,14 @@ class AttentionKernelConfig:
     spill-free, async wgmma, 168 registers). Candidates ``fwd_n64s4`` / ``fwd_n64s5`` and
     ``small_fwd_pers_n64s4`` (the W7 band); unmeasured."""
 
+    fwd_gluon_pingpong: bool = False
+    """With ``fwd_gluon`` and two consumer partitions: the partitions take turns issuing their wgmma
+    products (FlashAttention-3's "ping-pong" warpgroup scheduling, Shah et al. 2024 §3.1; its
+    ``warp_scheduler_barrier``), through two shared-memory mbarriers: one partition's softmax and
+    epilogue run while the other's products use the tensor cores, instead of both issuing at once
+    and both computing softmax while the tensor cores idle. Candidates ``fwd_pingpong`` /
+    ``small_fwd_pers_pingpong``; unmeasured (CPU screen 2026-11-30: async, spill as the shipped)."""
+
     bwd_gluon_retire_first: bool = True
     """With ``bwd_gluon``: the dK/dV consumer retires the previous step's dV / dK products before
     issuing the next step's (``gluon_attention.gluon_dkdv(retire_first=...)``). Without it ptxas
@@ -399,7 +407,8 @@ class AttentionKernelConfig:
                               "the snake; 'policy' picks one per call)")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
                      "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small",
-                     "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent", "bwd_dq_delta"):
+                     "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent", "bwd_dq_delta",
+                     "fwd_gluon_pingpong"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -480,6 +489,8 @@ CANDIDATES: dict[str, dict] = {
     # the Gluon forward's ring in 64-key tiles, 4 or 5 slots (the same bytes in flight, issued further ahead)
     "fwd_n64s4": {**HEAD_MAJOR, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 4},
     "fwd_n64s5": {**HEAD_MAJOR, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5},
+    # the two consumer partitions of the Gluon forward taking turns on the tensor cores (unmeasured)
+    "fwd_pingpong": {**HEAD_MAJOR, "fwd_gluon_pingpong": True},
     "all_pers": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
                  "bwd_gluon_persistent": True},
     "all_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
@@ -593,6 +604,8 @@ CANDIDATES: dict[str, dict] = {
     "small_n32r_split": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "bwd_fused": False},
     "small_fwd_pers": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True},
     # the same with the Gluon programs (and the Triton backward) in document-major order
+    "small_fwd_pers_pingpong": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
+                                "fwd_gluon_persistent": True, "fwd_gluon_pingpong": True},
     "small_fwd_pers_n64s4": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
                              "fwd_gluon_block_n": 64, "fwd_gluon_stages": 4},
     "small_fwd_pers_doc": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
@@ -616,7 +629,7 @@ the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
 ``benchmarks/gpu_bwd_sweep.py`` (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)").
 Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
 _FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon", "fwd_maxnreg",
-             "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts", "fwd_gluon_block_n", "fwd_gluon_stages"}
+             "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts", "fwd_gluon_block_n", "fwd_gluon_stages", "fwd_gluon_pingpong"}
 _TRITON_FWD = {"block_m", "block_n", "num_warps", "num_stages", "fwd_maxnreg", "fwd_short_len", "schedule", "doc_major",
                "hybrid_short_len"}
 for _name, _ov in CANDIDATES.items():
