@@ -414,3 +414,33 @@ def test_walked_tiles_are_the_kernels_walk(causal, merge_short):
         aligned = np.concatenate([[0], np.cumsum(lens * 64)])
         it2 = build_work_list_numba(aligned, cfg)
         np.testing.assert_array_equal(walked_tiles(it2, aligned, cfg), it2[:, 3])
+
+
+def test_build_work_list_rejects_bad_arguments_and_hints():
+    """``build_work_list``'s host arguments and the hints the kernels trust (``min_seqlen``,
+    ``doc_tokens``) are checked without a sync: ints in range, numpy ints accepted, bool / float /
+    str / None rejected with the name and the allowed range (a fresh user's report, 2026-11-30)."""
+    import numpy as np
+
+    from flamia_pack.errors import FlamiaError, MetadataError
+    from flamia_pack.scheduler.worklist import TileConfig, build_work_list
+
+    cu = torch.tensor([0, 100, 1000], dtype=torch.int32)
+    bad = [({"min_seqlen": "7"}, "min_seqlen"), ({"min_seqlen": float("nan")}, "min_seqlen"),
+           ({"min_seqlen": 5000}, "min_seqlen"), ({"min_seqlen": 0}, "min_seqlen"), ({"min_seqlen": True}, "min_seqlen"),
+           ({"min_seqlen": 1001, "doc_tokens": 1000}, "min_seqlen"), ({"doc_tokens": True}, "doc_tokens"),
+           ({"doc_tokens": 1025}, "doc_tokens"), ({"max_items": -1}, "max_items"), ({"max_items": 2.5}, "max_items")]
+    for kw, name in bad:
+        with pytest.raises(MetadataError, match=name):
+            build_work_list(cu, 1024, validate=False, **kw)
+    for total in (None, 1024.7, "1024", True, -5):
+        with pytest.raises(MetadataError, match="total_tokens"):
+            build_work_list(cu, total, validate=False)
+    with pytest.raises(FlamiaError, match="TileConfig"):
+        build_work_list(cu, 1024, {"block_m": 128})
+    with pytest.raises(MetadataError, match="meta"):
+        build_work_list(torch.zeros(3, dtype=torch.int32, device="meta"), 8)
+    wl = build_work_list(cu, np.int64(1024), TileConfig(), validate=False, min_seqlen=np.int64(100),
+                         doc_tokens=np.int32(1000))
+    assert (wl.total_tokens, wl.min_seqlen, wl.doc_tokens) == (1024, 100, 1000)
+    assert all(type(x) is int for x in (wl.total_tokens, wl.min_seqlen, wl.doc_tokens))

@@ -56,6 +56,8 @@ Builders
 """
 from __future__ import annotations
 
+import operator
+
 import warnings
 from dataclasses import dataclass, field
 
@@ -439,6 +441,20 @@ def _expand_torch(cu: torch.Tensor, m: int, config: TileConfig):
     return d, qs, qe, cost, valid, total
 
 
+def _host_int(name: str, value, lo: int, hi: int | None) -> int:
+    """``value`` as a Python int in ``[lo, hi]`` (numpy / torch integer scalars accepted; bool, float,
+    str and None rejected), else :class:`MetadataError` naming ``name`` and the allowed range."""
+    ok = not isinstance(value, bool) and not (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+    try:
+        v = operator.index(value) if ok else None
+    except TypeError:
+        v = None
+    if v is None or v < lo or (hi is not None and v > hi):
+        allowed = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+        raise MetadataError(f"{name} must be {allowed}, got {value!r}")
+    return int(v)
+
+
 def _validate_device_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> int | None:
     """Host check of ``cu_seqlens`` against ``total_tokens`` (one copy to the host); returns the
     shortest document's length (None for zero documents) and ``cu_seqlens[-1]``."""
@@ -491,15 +507,22 @@ def build_work_list(
         min_seqlen: with ``validate=False``, the shortest non-empty document of ``cu_seqlens`` if the
             caller knows it from a host copy (``loaders.collate.to_device``); it becomes the list's
             ``min_seqlen`` hint. With ``validate=True`` the hint is computed from the check instead.
+            Checked without a sync: an int in ``[1, doc_tokens or total_tokens]``. The kernels trust
+            it: one larger than the true shortest document skips launches that document needs.
         doc_tokens: likewise, ``cu_seqlens[-1]`` from the caller's host copy (the list's
-            ``doc_tokens`` hint); with ``validate=True`` taken from the check.
+            ``doc_tokens`` hint), an int in ``[0, total_tokens]``; with ``validate=True`` taken from
+            the check. Trusted as ``min_seqlen``: ``doc_tokens == total_tokens`` on a row with padding
+            leaves its padding rows of O / LSE and dQ / dK / dV unwritten.
 
     Returns:
         :class:`WorkList` (``items`` (max_items, 4) int32, ``num_items`` (1,) int32).
 
     Raises:
-        MetadataError: invalid ``cu_seqlens`` (validate=True), or the list exceeds ``max_items``.
-        FlamiaError: unknown backend, or ``out`` of the wrong shape/device.
+        MetadataError: invalid ``cu_seqlens`` (validate=True; its type, shape and the meta device
+            always), the list exceeds ``max_items``, ``total_tokens`` / ``max_items`` / ``min_seqlen``
+            / ``doc_tokens`` not ints in range (bool, float, str, None rejected; numpy ints accepted).
+        FlamiaError: unknown backend, ``config`` not a :class:`TileConfig`, or ``out`` of the wrong
+            shape/device.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise MetadataError(f"cu_seqlens must be a torch.Tensor for build_work_list, got {type(cu_seqlens).__name__}")
@@ -507,9 +530,19 @@ def build_work_list(
         raise MetadataError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise MetadataError(f"cu_seqlens must be 1-D of shape (n_docs + 1,), got shape {tuple(cu_seqlens.shape)}")
-    shortest, covered = _validate_device_cu(cu_seqlens, total_tokens) if validate else (min_seqlen, doc_tokens)
-    if covered is not None and not (isinstance(covered, int) and 0 <= covered <= int(total_tokens)):
-        raise MetadataError(f"doc_tokens must be an int in [0, total_tokens={int(total_tokens)}], got {covered!r}")
+    if cu_seqlens.device.type == "meta":
+        raise MetadataError("cu_seqlens is on the meta device (no values): pass it on the CPU or a GPU")
+    total_tokens = _host_int("total_tokens", total_tokens, 0, 2**31 - 1)
+    if max_items is not None:
+        max_items = _host_int("max_items", max_items, 0, None)
+    if not isinstance(config, TileConfig):
+        raise FlamiaError(f"config must be a TileConfig, got {type(config).__name__}")
+    if validate:
+        shortest, covered = _validate_device_cu(cu_seqlens, total_tokens)
+    else:  # a caller's host-known hints (the kernels trust them: checked here, without a sync)
+        covered = None if doc_tokens is None else _host_int("doc_tokens", doc_tokens, 0, total_tokens)
+        shortest = None if min_seqlen is None else _host_int("min_seqlen", min_seqlen, 1,
+                                                              total_tokens if covered is None else max(covered, 1))
     device = cu_seqlens.device
     n = cu_seqlens.numel() - 1
     m = max_work_items(total_tokens, n, config) if max_items is None else int(max_items)
