@@ -116,7 +116,7 @@ def test_noncausal_falls_back_to_triton():
     assert r["ok"] and r["pad_ok"], r
 
 
-@pytest.mark.parametrize("name", ["gluon_fwd", "fwd_parts1", "fwd_n64s4", "fwd_n64s5"])
+@pytest.mark.parametrize("name", ["gluon_fwd", "fwd_parts1", "fwd_n64s4", "fwd_n64s5", "fwd_pingpong"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("lengths,h,hkv,d,pad", [
     ([2048, 2048], 8, 8, 128, 0),
