@@ -68,6 +68,9 @@ def _bad_calls():
     yield "config type", (q, k, v, cu, 7), {"config": 5}, FlamiaError, "AttentionKernelConfig"
     yield "scale nan", (q, k, v, cu, 7), {"softmax_scale": float("nan")}, FlamiaError, "softmax_scale"
     yield "scale tensor", (q, k, v, cu, 7), {"softmax_scale": torch.tensor(0.5)}, FlamiaError, "softmax_scale"
+    # qk_scale = softmax_scale * log2(e) must be a normal float32 (0 there turned the -inf masks into NaN)
+    yield "scale underflow", (q, k, v, cu, 7), {"softmax_scale": 1e-45}, FlamiaError, "normal float32"
+    yield "scale overflow", (q, k, v, cu, 7), {"softmax_scale": 1e39}, FlamiaError, "normal float32"
     yield "max_seqlen bool", (q, k, v, cu, True), {}, FlamiaError, "max_seqlen"
     # metadata mistakes are MetadataError (the README's promise), not only its FlamiaError base
     yield "max_seqlen None", (q, k, v, cu, None), {}, MetadataError, "max_seqlen"

@@ -393,6 +393,11 @@ def _resolve_policy(cfg: AttentionKernelConfig, causal: bool, max_seqlen: int, T
     return dataclasses.replace(cfg, schedule="static" if policy == "static" else "persistent")
 
 
+# softmax_scale * log2(e) must be a normal float32 (the kernels' qk_scale): 2**-126 <= it <= 2**127
+_MIN_SOFTMAX_SCALE = 2.0 ** -126 / math.log2(math.e)
+_MAX_SOFTMAX_SCALE = 2.0 ** 127 / math.log2(math.e)
+
+
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     """The fallback's compute (and LSE) dtype: float64 for float64 inputs (gradcheck-exact), else float32."""
     return torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -560,7 +565,9 @@ def varlen_attention(
             ``work_list`` is given). It also picks the tiles: a larger bound than needed can only
             select the default tiles where the small ones would be faster.
         causal: key ``j`` visible to query ``i`` only if ``j <= i`` (inside the document).
-        softmax_scale: finite real > 0 (Python or numpy float); default ``D ** -0.5``.
+        softmax_scale: finite real > 0 (Python or numpy float), at least ~8.2e-39 and at most
+            ~1.2e38 (times log2(e) it must be a normal float32, the kernels' ``qk_scale``); default
+            ``D ** -0.5``.
         precision: ``"bf16"``; ``"fp8"`` (token-block scaled, DESIGN.md §4) is not implemented yet.
         work_list: a prebuilt ``WorkList`` (:func:`build_attention_work_list`). Given one, the call
             trusts ``cu_seqlens`` (validated when the list was built) and does no host sync: use it
@@ -629,6 +636,11 @@ def varlen_attention(
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not (
             math.isfinite(softmax_scale) and softmax_scale > 0):
         raise FlamiaError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
+    # the kernels take softmax_scale * log2(e) as a normal float32: a scale that rounds to 0 or a
+    # subnormal there (or to inf) would turn the -inf masks into NaN rather than scale the scores
+    if not _MIN_SOFTMAX_SCALE <= softmax_scale <= _MAX_SOFTMAX_SCALE:
+        raise FlamiaError(f"softmax_scale must lie in [{_MIN_SOFTMAX_SCALE:.3g}, {_MAX_SOFTMAX_SCALE:.3g}] (its "
+                          f"product with log2(e) must be a normal float32), got {softmax_scale!r}")
     max_seqlen = int(max_seqlen)
     if config is not None and not isinstance(config, AttentionKernelConfig):
         hint = (f" (for a named candidate pass config=candidate_config({config!r}) from flamia_pack.kernels.config)"
