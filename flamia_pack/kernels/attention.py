@@ -183,21 +183,13 @@ def check_attention_inputs(
 
 @torch.compiler.disable
 def _check_cu_values(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> tuple[int | None, int]:
-    """Host check of the values of cu_seqlens (one device-to-host copy); returns the shortest
-    document's length (None for zero documents), which :func:`leftover_bits` uses, and
-    ``cu_seqlens[-1]`` (the tokens in documents), which :func:`launch_bits` uses."""
-    from flamia_pack.varlen import validate_cu_seqlens
+    """Host check of the values of cu_seqlens (one device-to-host copy,
+    :func:`flamia_pack.scheduler.worklist.cu_seqlens_summary`); returns the shortest document's
+    length (None for zero documents), which :func:`leftover_bits` uses, and ``cu_seqlens[-1]`` (the
+    tokens in documents), which :func:`launch_bits` uses."""
+    from flamia_pack.scheduler.worklist import cu_seqlens_summary
 
-    arr = validate_cu_seqlens(cu_seqlens)
-    if int(arr[-1]) > T:
-        raise MetadataError(f"cu_seqlens[-1]={int(arr[-1])} exceeds the number of tokens T={T}")
-    if len(arr) > 1:
-        lengths = arr[1:] - arr[:-1]
-        longest = int(lengths.max())
-        if max_seqlen < longest:
-            raise MetadataError(f"max_seqlen={max_seqlen} is smaller than the longest document ({longest})")
-        return int(lengths.min()), int(arr[-1])
-    return None, int(arr[-1])
+    return cu_seqlens_summary(cu_seqlens, T, max_seqlen, name="the number of tokens T")
 
 
 LEFTOVER_FWD = 1
