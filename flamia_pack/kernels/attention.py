@@ -258,13 +258,14 @@ def build_attention_work_list(
 
     Raises:
         FlamiaError: ``head_dim`` without a kernel configuration (not 64 or 128) when no ``config``
-            is given; MetadataError: invalid ``cu_seqlens`` (with ``validate``), as
-            ``build_work_list`` reports it.
+            is given; MetadataError: ``total_tokens`` not an int in ``[0, 2**31 - 1]``, invalid
+            ``cu_seqlens`` (with ``validate``), as ``build_work_list`` reports them.
     """
     from flamia_pack.scheduler.worklist import build_work_list
 
     cfg = config or kernel_config(head_dim, causal)
-    return build_work_list(cu_seqlens, int(total_tokens), work_list_tile_config(cfg, causal),
+    # total_tokens as given: build_work_list checks it (an int in range; 20.7, "20", True are errors)
+    return build_work_list(cu_seqlens, total_tokens, work_list_tile_config(cfg, causal),
                            max_items=max_items, validate=validate)
 
 
