@@ -342,6 +342,11 @@ def test_eager_function_matches_the_custom_op():
         o_nograd = varlen_attention(q, k, v, cu, 10, softmax_scale=0.3)
     assert o_grad.grad_fn is not None and o_grad.grad_fn.name() == "_VarlenAttnFnBackward"
     assert torch.equal(o_grad.detach(), results[0][0]) and torch.equal(o_nograd, results[0][0])
+    # no double backward, as the custom op: an error, never a silently missing second-order term (the
+    # kernels' dq / dk / dv have no graph; a reviewer's report, 2026-11-30)
+    (gq,) = torch.autograd.grad(o_grad.square().sum(), xs[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gq.square().sum().backward()
 
 
 def test_custom_op_opcheck():

@@ -220,7 +220,8 @@ def test_leftover_launch_fills_exactly_what_gluon_skips(run_interpreter):
     # keeps two per-thread row offsets on the stack: 8 B stored once, reloaded once per entry (not per tile)
     ("fwd", {"persistent": True}, True, 8),
     ("fwd", {"persistent": True, "causal": False}, True, 0),
-    # the two partitions taking turns (candidate fwd_pingpong, unmeasured): 12 / 4 B as two row offsets above
+    # the two partitions taking turns (fwd_gluon_pingpong, the long-row default since 2026-11-30 (fourth);
+    # the row above is small_fwd_pers's kernel): 12 / 4 B as two row offsets above
     ("fwd", {"persistent": True, "pingpong": True}, True, 12),
     ("fwd", {"persistent": True, "pingpong": True, "causal": False}, True, 4),
     ("fwd", {"pingpong": True}, True, 0),

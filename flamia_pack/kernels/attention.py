@@ -513,6 +513,7 @@ class _VarlenAttnFn(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # as the custom op: no double backward (raises, never silently 0)
     def backward(ctx, do, dlse):
         q, k, v, o, lse, cu_seqlens, items, num_items = ctx.saved_tensors
         if do is None:

@@ -495,7 +495,7 @@ CANDIDATES: dict[str, dict] = {
     "fwd_n64s4": {**HEAD_MAJOR, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 4},
     "fwd_n64s5": {**HEAD_MAJOR, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5},
     # the two consumer partitions of the Gluon forward taking turns on the tensor cores (the default since
-    # 2026-11-30 (fourth)), and without
+    # 2026-11-30 (fourth): fwd_pingpong is now the default config under another name), and without
     "fwd_pingpong": {**HEAD_MAJOR, "fwd_gluon_pingpong": True},
     "fwd_no_pingpong": {**HEAD_MAJOR, "fwd_gluon_pingpong": False},
     "all_pers": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
@@ -616,10 +616,10 @@ CANDIDATES: dict[str, dict] = {
                                 "fwd_gluon_persistent": True, "fwd_gluon_pingpong": True},
     # the same with the Gluon forward's ring in 64-key tiles, 4 slots
     "small_fwd_pers_n64s4": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
-                             "fwd_gluon_block_n": 64, "fwd_gluon_stages": 4},
+                             "fwd_gluon_pingpong": False, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 4},
     # the same with the Gluon programs (and the Triton backward) in document-major order
     "small_fwd_pers_doc": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
-                           "doc_major": True},
+                           "fwd_gluon_pingpong": False, "doc_major": True},
     # forward: documents of <= 512 tokens in a second launch with SHORT_FWD_TILES (rows mixing long and
     # short documents: W2, W6; CPU-checked only)
     "fwd_split512": {**HEAD_MAJOR, "fwd_short_len": 512},

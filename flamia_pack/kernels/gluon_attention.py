@@ -780,7 +780,8 @@ def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
 @gluon.jit
 def _turn_barriers(unused, PINGPONG: gl.constexpr):
     """The two ping-pong mbarriers (count 1 each), or ``unused`` (any shared-memory handle, never
-    waited on) without ``PINGPONG``: the shipped kernels allocate nothing more."""
+    waited on) without ``PINGPONG``: a kernel without turns (``small_fwd_pers``'s, the dQ kernels)
+    allocates nothing more."""
     if PINGPONG:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
@@ -1371,7 +1372,9 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         kind: ``"dkdv"``, ``"dq"`` or ``"fwd"``; the other arguments default to the shipped tiles of
             ``gluon_dkdv`` / ``gluon_dq`` / ``gluon_fwd``.
         parts: the forward's consumer partitions (``gluon_fwd(parts=)``; ignored for the other kinds).
-        pingpong: the forward's ``gluon_fwd(pingpong=)`` (ignored for the other kinds).
+        pingpong: the forward's ``gluon_fwd(pingpong=)`` (ignored for the other kinds); the default False
+            is ``gluon_fwd``'s default and ``small_fwd_pers``'s kernel, the long-row config runs True
+            (``fwd_gluon_pingpong`` in ``config.PERSISTENT_FWD``).
 
     Returns:
         dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
