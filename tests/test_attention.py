@@ -349,6 +349,28 @@ def test_eager_function_matches_the_custom_op():
         gq.square().sum().backward()
 
 
+def test_dispatch_modes_see_the_custom_op():
+    """Under a torch dispatch mode (FakeTensorMode, make_fx's proxy mode, a logging mode) eager calls go
+    through the custom op, whose fake implementation tracers rely on, not the Function path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v, cu = _inputs([6, 10], h=2, hkv=1, d=16, dtype=torch.float32)
+    ref = varlen_attention(q, k, v, cu, 10)
+    with Seen() as mode:
+        o = varlen_attention(q, k, v, cu, 10)
+    assert any("flamia_pack.varlen_attn_fwd" in op for op in mode.ops), mode.ops
+    assert torch.equal(o, ref)
+
+
 def test_custom_op_opcheck():
     q, k, v, cu = _inputs([6, 10], h=2, hkv=1, d=16, dtype=torch.float32)
     items = torch.empty((0, 4), dtype=torch.int32)

@@ -42,6 +42,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from flamia_pack.errors import FlamiaError, MetadataError
 from flamia_pack.kernels.config import (SCHEDULES, AttentionKernelConfig, env_candidate, host_cache, kernel_config,
@@ -678,7 +679,9 @@ def varlen_attention(
         num_items = torch.zeros((1,), dtype=torch.int32, device=q.device)
         cfg_ints = _config_to_ints(cfg)
     args = (q, k, v, cu32, items, num_items, causal, float(softmax_scale), cfg_ints)
-    if torch.compiler.is_compiling():
+    # the custom op (with its fake implementation) whenever a tracer may be watching: torch.compile /
+    # export, or a dispatch mode such as FakeTensorMode / make_fx's proxy mode outside of them
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         o, lse = torch.ops.flamia_pack.varlen_attn_fwd(*args)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         o, lse = _VarlenAttnFn.apply(*args)
