@@ -48,9 +48,19 @@ SAMPLE = ROOT / "flamia_pack" / "data" / "python-stdlib.parquet"
 VOCAB = 256  # byte-level tokenizer
 
 
+def _rate(tokens_per_s: float) -> str:
+    """Tokens per second with a unit that keeps three significant digits (a CPU run's ~480 tok/s
+    printed as 0.000M)."""
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if tokens_per_s >= scale:
+            return f"{tokens_per_s / scale:.3g}{unit} tok/s"
+    return f"{tokens_per_s:.3g} tok/s"
+
+
 # ---------------------------------------------------------------------------------------------
 # model
 # ---------------------------------------------------------------------------------------------
+
 def rope_tables(position_ids: torch.Tensor, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables ``(T, 1, head_dim // 2)`` float32 for per-token positions ``(T,)``."""
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
@@ -302,7 +312,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 now = time.perf_counter()
                 tps = tok_window / (now - t_window)
                 w = sum(waits[-len(vals):]) / len(vals)
-                info = f"loss {vals[-1]:.3f}  {tps / 1e6:.3f}M tok/s  wait {w * 1e3:.2f} ms/step"
+                info = f"loss {vals[-1]:.3f}  {_rate(tps)}  wait {w * 1e3:.2f} ms/step"
                 progress.update(task, info=info)
                 if args.no_progress or last or (step + 1) % (args.log_every * 5) == 0:
                     console.log(f"step {step + 1:5d}  {info}  h2d {sum(h2ds[-len(vals):]) / len(vals) * 1e3:.2f} ms")
@@ -344,7 +354,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     }
     if isinstance(ds, StreamingPackedDataset) and args.workers == 0:
         summary["packer_fill"] = ds.stats["fill"]
-    console.log(f"done: {summary['tokens_per_s'] / 1e6:.3f}M tok/s, step {summary['step_ms_mean']:.2f} ms, data wait "
+    console.log(f"done: {_rate(summary['tokens_per_s'])}, step {summary['step_ms_mean']:.2f} ms, data wait "
                 f"mean {summary['data_wait_ms_mean']:.3f} ms (p99 {summary['data_wait_ms_p99']:.3f}, max "
                 f"{summary['data_wait_ms_max']:.3f}), loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}")
     if args.json is not None:

@@ -356,7 +356,7 @@ def plan_cmd(
     block_m: int = typer.Option(None, "--block-m", help="BLOCK_M: queries per work item (power of two, 16..256; "
                                 "default: the calibrated kernel's, 128)."),
     block_n: int = typer.Option(None, "--block-n", help="BLOCK_N: keys per cost tile (power of two >= 16; "
-                                "default: the calibration's, 128)."),
+                                "default: the calibration entry's, 64 for the bf16 kernels)."),
     merge_short: bool = typer.Option(None, "--merge-short/--no-merge-short", help="Coalesce whole short documents "
                                      "inside one BLOCK_M window into one item (default: as the calibrated kernel does)."),
     policy: str = typer.Option("auto", "--policy", help="auto (rule: causal -> dynamic; non-causal -> dynamic "
@@ -402,6 +402,15 @@ def plan_cmd(
             fail(f"--block-m must be a power of two in [16, 256] (16, 32, 64, 128 or 256), got {block_m}")
         if block_n is not None and not (block_n >= 16 and block_n & (block_n - 1) == 0):
             fail(f"--block-n must be a power of two >= 16 (16, 32, 64, 128, ...), got {block_n}")
+        if heads < 1:
+            fail(f"--heads must be >= 1 (query heads H_q), got {heads}")
+        if kv_heads is not None and (kv_heads < 1 or heads % kv_heads):
+            fail(f"--kv-heads must be >= 1 and divide --heads={heads} (H_q a multiple of H_kv: GQA / MQA), "
+                 f"got {kv_heads}")
+        from flamia_pack.scheduler.mix import LONG_DOCS
+
+        if long_docs not in LONG_DOCS:  # checked even when nothing gets packed (the value would be ignored)
+            fail(f"--long-docs must be one of {', '.join(LONG_DOCS)}, got {long_docs!r}")
         man_capacity = None
         if use_lognormal:
             mu, sigma, total = lognormal

@@ -513,23 +513,23 @@ def test_work_list_min_seqlen_only_when_validated():
 
 def test_work_list_hint_is_dropped_when_the_buffers_are_rewritten():
     """A validated list later refilled in place for another row (``copy_`` into its static buffers)
-    must not keep the first row's hint: ``work_list_hint`` compares the buffers' version counters."""
+    must not keep the first row's hint: ``work_list_hints`` compares the buffers' version counters."""
     import torch
 
-    from flamia_pack.scheduler.worklist import TileConfig, build_work_list, work_list_hint
+    from flamia_pack.scheduler.worklist import TileConfig, build_work_list, work_list_hints
 
     long_cu = torch.tensor([0, 600, 1300, 2048], dtype=torch.int32)
     short_cu = torch.tensor([0, 5, 20, 2048], dtype=torch.int32)
     wl = build_work_list(long_cu, 2048, TileConfig())
     other = build_work_list(short_cu, 2048, TileConfig(), max_items=wl.max_items)
-    assert work_list_hint(wl) == 600 and work_list_hint(other) == 5
+    assert work_list_hints(wl)[0] == 600 and work_list_hints(other)[0] == 5
     wl.items.copy_(other.items)
-    assert wl.min_seqlen == 600 and work_list_hint(wl) is None
+    assert wl.min_seqlen == 600 and work_list_hints(wl)[0] is None
     fresh = build_work_list(long_cu, 2048, TileConfig())
     fresh.num_items.copy_(other.num_items)
-    assert work_list_hint(fresh) is None
+    assert work_list_hints(fresh)[0] is None
     hand = build_work_list(long_cu, 2048, TileConfig(), validate=False)
     hand.min_seqlen = 600  # set by hand on the object: not trusted
-    assert work_list_hint(hand) is None
+    assert work_list_hints(hand)[0] is None
     given = build_work_list(long_cu, 2048, TileConfig(), validate=False, min_seqlen=600)  # a caller's host copy
-    assert work_list_hint(given) == 600
+    assert work_list_hints(given)[0] == 600

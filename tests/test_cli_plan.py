@@ -118,6 +118,11 @@ def test_packed_directory_reason_counts_rows_per_policy(tmp_path):
         (("LENS", "--head-dim", 96), "no calibration"),
         (("LENS", "--policy", "fast"), "policy"),
         (("LENS", "--kv-heads", 5), "multiple"),
+        # --heads 0 read "num_heads (0) must be a positive multiple of num_kv_heads (0)"; --long-docs foo
+        # passed when nothing got packed (a fresh user's report, 2026-11-30)
+        (("LENS", "--heads", 0), "--heads must be >= 1"),
+        (("LENS", "--kv-heads", 0), "--kv-heads must be >= 1"),
+        (("LENS", "--long-docs", "foo"), "--long-docs must be one of split, truncate, drop, error"),
         (("BAD",), "integer"),
         (("NEG",), ">= 1"),
         (("MISSING",), "No such file"),

@@ -221,6 +221,11 @@ def test_leftover_launch_fills_exactly_what_gluon_skips(run_interpreter):
     # keeps two per-thread row offsets on the stack: 8 B stored once, reloaded once per entry (not per tile)
     ("fwd", {"persistent": True}, True, 8),
     ("fwd", {"persistent": True, "causal": False}, True, 0),
+    # the two partitions taking turns (fwd_gluon_pingpong, the long-row default since 2026-11-30 (fourth);
+    # the row above is small_fwd_pers's kernel): 12 / 4 B as two row offsets above
+    ("fwd", {"persistent": True, "pingpong": True}, True, 12),
+    ("fwd", {"persistent": True, "pingpong": True, "causal": False}, True, 4),
+    ("fwd", {"pingpong": True}, True, 0),
     ("fwd", {"persistent": True, "parts": 1}, True, 0),  # one 8-warp consumer (candidate fwd_parts1)
     ("fwd", {"persistent": True, "block_n": 64, "stages": 4}, True, 0),  # candidates fwd_n64s4 (197 KB)
     ("fwd", {"persistent": True, "block_n": 64, "stages": 5}, True, 0),  # fwd_n64s5 (230 KB)

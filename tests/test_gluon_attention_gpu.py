@@ -116,7 +116,7 @@ def test_noncausal_falls_back_to_triton():
     assert r["ok"] and r["pad_ok"], r
 
 
-@pytest.mark.parametrize("name", ["gluon_fwd", "fwd_parts1", "fwd_n64s4", "fwd_n64s5"])
+@pytest.mark.parametrize("name", ["gluon_fwd", "fwd_parts1", "fwd_n64s4", "fwd_n64s5", "fwd_no_pingpong"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("lengths,h,hkv,d,pad", [
     ([2048, 2048], 8, 8, 128, 0),
@@ -125,10 +125,11 @@ def test_noncausal_falls_back_to_triton():
     ([1500, 65, 2, 700, 1890], 4, 2, 64, 9),
 ])
 def test_gluon_forward_vs_reference(lengths, h, hkv, d, pad, causal, name):
-    """The Gluon forward: one program per entry with two consumer partitions (candidate ``gluon_fwd``),
-    the persistent one with a single 8-warp consumer (``fwd_parts1``) and with 64-key rings of 4 / 5
-    slots (``fwd_n64s4`` / ``fwd_n64s5``); the persistent two-partition default runs in every
-    default-config test."""
+    """The Gluon forward: one program per entry with two consumer partitions taking turns (candidate
+    ``gluon_fwd``), the persistent one with a single 8-warp consumer (``fwd_parts1``), with 64-key rings
+    of 4 / 5 slots (``fwd_n64s4`` / ``fwd_n64s5``) and with the partitions not taking turns
+    (``fwd_no_pingpong``, the kernel of ``small_fwd_pers``); the persistent two-partition ping-pong
+    default runs in every default-config test of rows longer than 512 tokens."""
     if not _HOPPER:
         pytest.skip("sm_90 only")
     r = compare_with_reference(lengths, num_heads=h, num_kv_heads=hkv, head_dim=d, causal=causal, pad=pad,

@@ -433,9 +433,14 @@ def test_build_work_list_rejects_bad_arguments_and_hints():
     for kw, name in bad:
         with pytest.raises(MetadataError, match=name):
             build_work_list(cu, 1024, validate=False, **kw)
-    for total in (None, 1024.7, "1024", True, -5):
+    from flamia_pack.kernels.attention import build_attention_work_list
+
+    for total in (None, 1024.7, "1024", True, -5, "abc"):
         with pytest.raises(MetadataError, match="total_tokens"):
             build_work_list(cu, total, validate=False)
+        # the attention wrapper passes it through unconverted (int() turned 20.7 and "20" into 20)
+        with pytest.raises(MetadataError, match="total_tokens"):
+            build_attention_work_list(cu, total, causal=True, head_dim=128, validate=False)
     with pytest.raises(FlamiaError, match="TileConfig"):
         build_work_list(cu, 1024, {"block_m": 128})
     with pytest.raises(MetadataError, match="meta"):

@@ -25,9 +25,11 @@ Execution paths (chosen per call from the tensors' device):
   With ``TRITON_INTERPRET=1`` set before triton is imported, CPU tensors run the Triton kernels
   in the interpreter instead (tests; see ``interpret.py``).
 
-Both paths go through one ``torch.library`` custom op (``flamia_pack::varlen_attn_fwd`` and its
-backward ``flamia_pack::varlen_attn_bwd``) with fake (meta) implementations, so the op works
-under ``torch.compile`` without graph breaks inside it. With a prebuilt ``work_list`` the GPU path
+Under ``torch.compile`` both paths go through one ``torch.library`` custom op
+(``flamia_pack::varlen_attn_fwd`` and its backward ``flamia_pack::varlen_attn_bwd``) with fake (meta)
+implementations, so the op works without graph breaks inside it. Eager calls run the same bodies
+through a ``torch.autograd.Function`` (or, with nothing to differentiate, the forward body alone):
+the custom-op dispatch cost ~65 us of host time per call. With a prebuilt ``work_list`` the GPU path
 does no host synchronisation and can be captured in a CUDA graph for a fixed T.
 """
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from flamia_pack.errors import FlamiaError, MetadataError
 from flamia_pack.kernels.config import (SCHEDULES, AttentionKernelConfig, env_candidate, host_cache, kernel_config,
@@ -181,21 +184,13 @@ def check_attention_inputs(
 
 @torch.compiler.disable
 def _check_cu_values(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> tuple[int | None, int]:
-    """Host check of the values of cu_seqlens (one device-to-host copy); returns the shortest
-    document's length (None for zero documents), which :func:`leftover_bits` uses, and
-    ``cu_seqlens[-1]`` (the tokens in documents), which :func:`launch_bits` uses."""
-    from flamia_pack.varlen import validate_cu_seqlens
+    """Host check of the values of cu_seqlens (one device-to-host copy,
+    :func:`flamia_pack.scheduler.worklist.cu_seqlens_summary`); returns the shortest document's
+    length (None for zero documents), which :func:`leftover_bits` uses, and ``cu_seqlens[-1]`` (the
+    tokens in documents), which :func:`launch_bits` uses."""
+    from flamia_pack.scheduler.worklist import cu_seqlens_summary
 
-    arr = validate_cu_seqlens(cu_seqlens)
-    if int(arr[-1]) > T:
-        raise MetadataError(f"cu_seqlens[-1]={int(arr[-1])} exceeds the number of tokens T={T}")
-    if len(arr) > 1:
-        lengths = arr[1:] - arr[:-1]
-        longest = int(lengths.max())
-        if max_seqlen < longest:
-            raise MetadataError(f"max_seqlen={max_seqlen} is smaller than the longest document ({longest})")
-        return int(lengths.min()), int(arr[-1])
-    return None, int(arr[-1])
+    return cu_seqlens_summary(cu_seqlens, T, max_seqlen, name="the number of tokens T")
 
 
 LEFTOVER_FWD = 1
@@ -264,13 +259,14 @@ def build_attention_work_list(
 
     Raises:
         FlamiaError: ``head_dim`` without a kernel configuration (not 64 or 128) when no ``config``
-            is given; MetadataError: invalid ``cu_seqlens`` (with ``validate``), as
-            ``build_work_list`` reports it.
+            is given; MetadataError: ``total_tokens`` not an int in ``[0, 2**31 - 1]``, invalid
+            ``cu_seqlens`` (with ``validate``), as ``build_work_list`` reports them.
     """
     from flamia_pack.scheduler.worklist import build_work_list
 
     cfg = config or kernel_config(head_dim, causal)
-    return build_work_list(cu_seqlens, int(total_tokens), work_list_tile_config(cfg, causal),
+    # total_tokens as given: build_work_list checks it (an int in range; 20.7, "20", True are errors)
+    return build_work_list(cu_seqlens, total_tokens, work_list_tile_config(cfg, causal),
                            max_items=max_items, validate=validate)
 
 
@@ -391,6 +387,11 @@ def _resolve_policy(cfg: AttentionKernelConfig, causal: bool, max_seqlen: int, T
     return dataclasses.replace(cfg, schedule="static" if policy == "static" else "persistent")
 
 
+# softmax_scale * log2(e) must be a normal float32 (the kernels' qk_scale): 2**-126 <= it <= 2**127
+_MIN_SOFTMAX_SCALE = 2.0 ** -126 / math.log2(math.e)
+_MAX_SOFTMAX_SCALE = 2.0 ** 127 / math.log2(math.e)
+
+
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     """The fallback's compute (and LSE) dtype: float64 for float64 inputs (gradcheck-exact), else float32."""
     return torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -413,11 +414,9 @@ def _reference_bwd(do, dlse, q, k, v, o, lse, cu, causal, scale):
     return packed_attention_reference_bwd(do, q, k, v, o, lse, cu, causal=causal, softmax_scale=scale, dlse=dlse)
 
 
-@torch.library.custom_op("flamia_pack::varlen_attn_fwd", mutates_args=())
-def _varlen_attn_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor,
-    num_items: torch.Tensor, causal: bool, softmax_scale: float, config: list[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_impl(q, k, v, cu_seqlens, items, num_items, causal, softmax_scale, config):
+    """The forward's launches (or the reference fallback): the body of the custom op
+    ``flamia_pack::varlen_attn_fwd`` and of the eager path's :class:`_VarlenAttnFn`."""
     if kernels_available(q.device):
         if q.device.type == "cpu":
             from flamia_pack.kernels.interpret import patch_triton_interpreter
@@ -431,18 +430,23 @@ def _varlen_attn_fwd(
     return _reference_fwd(q, k, v, cu_seqlens, causal, softmax_scale)
 
 
+@torch.library.custom_op("flamia_pack::varlen_attn_fwd", mutates_args=())
+def _varlen_attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor,
+    num_items: torch.Tensor, causal: bool, softmax_scale: float, config: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_impl(q, k, v, cu_seqlens, items, num_items, causal, softmax_scale, config)
+
+
 @_varlen_attn_fwd.register_fake
 def _varlen_attn_fwd_fake(q, k, v, cu_seqlens, items, num_items, causal, softmax_scale, config):
     T, H, D = q.shape
     return q.new_empty((T, H, D)), q.new_empty((H, T), dtype=_compute_dtype(q))
 
 
-@torch.library.custom_op("flamia_pack::varlen_attn_bwd", mutates_args=())
-def _varlen_attn_bwd(
-    do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    o: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
-    causal: bool, softmax_scale: float, config: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_impl(do, dlse, q, k, v, o, lse, cu_seqlens, items, num_items, causal, softmax_scale, config):
+    """The backward's launches (or the reference gradient): the body of the custom op
+    ``flamia_pack::varlen_attn_bwd`` and of :class:`_VarlenAttnFn`'s backward."""
     if kernels_available(q.device):
         if q.device.type == "cpu":
             from flamia_pack.kernels.interpret import patch_triton_interpreter
@@ -455,6 +459,15 @@ def _varlen_attn_bwd(
                          softmax_scale=softmax_scale, config=cfg, dlse=dlse, leftover=bool(bits & LEFTOVER_BWD),
                          tail=bool(bits & PAD_TAIL))
     return _reference_bwd(do, dlse, q, k, v, o, lse, cu_seqlens, causal, softmax_scale)
+
+
+@torch.library.custom_op("flamia_pack::varlen_attn_bwd", mutates_args=())
+def _varlen_attn_bwd(
+    do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    o: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
+    causal: bool, softmax_scale: float, config: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_impl(do, dlse, q, k, v, o, lse, cu_seqlens, items, num_items, causal, softmax_scale, config)
 
 
 @_varlen_attn_bwd.register_fake
@@ -483,6 +496,32 @@ def _backward(ctx, do, dlse):
 
 
 _varlen_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _VarlenAttnFn(torch.autograd.Function):
+    """The eager path of :func:`varlen_attention`: the same forward / backward bodies as the custom ops
+    without the custom-op dispatch, which cost ~65 us of host time per forward call on the H200's host
+    (RESULTS "Session of 2026-11-30 (fourth)" run 1: 202 us for the op vs 136 us for its body on
+    W7). ``torch.compile`` traces the custom op instead (``varlen_attention`` picks by
+    ``torch.compiler.is_compiling()``); both give the same tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, items, num_items, causal, softmax_scale, config):
+        o, lse = _fwd_impl(q, k, v, cu_seqlens, items, num_items, causal, softmax_scale, config)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, items, num_items)
+        ctx.causal, ctx.softmax_scale, ctx.config = causal, softmax_scale, config
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # as the custom op: no double backward (raises, never silently 0)
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, cu_seqlens, items, num_items = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = _bwd_impl(do.contiguous(), None if dlse is None else dlse.contiguous(), q, k, v, o, lse,
+                               cu_seqlens, items, num_items, ctx.causal, ctx.softmax_scale, ctx.config)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -521,7 +560,9 @@ def varlen_attention(
             ``work_list`` is given). It also picks the tiles: a larger bound than needed can only
             select the default tiles where the small ones would be faster.
         causal: key ``j`` visible to query ``i`` only if ``j <= i`` (inside the document).
-        softmax_scale: finite real > 0 (Python or numpy float); default ``D ** -0.5``.
+        softmax_scale: finite real > 0 (Python or numpy float), at least ~8.2e-39 and at most
+            ~1.2e38 (times log2(e) it must be a normal float32, the kernels' ``qk_scale``); default
+            ``D ** -0.5``.
         precision: ``"bf16"``; ``"fp8"`` (token-block scaled, DESIGN.md §4) is not implemented yet.
         work_list: a prebuilt ``WorkList`` (:func:`build_attention_work_list`). Given one, the call
             trusts ``cu_seqlens`` (validated when the list was built) and does no host sync: use it
@@ -590,6 +631,11 @@ def varlen_attention(
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not (
             math.isfinite(softmax_scale) and softmax_scale > 0):
         raise FlamiaError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
+    # the kernels take softmax_scale * log2(e) as a normal float32: a scale that rounds to 0 or a
+    # subnormal there (or to inf) would turn the -inf masks into NaN rather than scale the scores
+    if not _MIN_SOFTMAX_SCALE <= softmax_scale <= _MAX_SOFTMAX_SCALE:
+        raise FlamiaError(f"softmax_scale must lie in [{_MIN_SOFTMAX_SCALE:.3g}, {_MAX_SOFTMAX_SCALE:.3g}] (its "
+                          f"product with log2(e) must be a normal float32), got {softmax_scale!r}")
     max_seqlen = int(max_seqlen)
     if config is not None and not isinstance(config, AttentionKernelConfig):
         hint = (f" (for a named candidate pass config=candidate_config({config!r}) from flamia_pack.kernels.config)"
@@ -632,5 +678,13 @@ def varlen_attention(
         items = torch.empty((0, 4), dtype=torch.int32, device=q.device)
         num_items = torch.zeros((1,), dtype=torch.int32, device=q.device)
         cfg_ints = _config_to_ints(cfg)
-    o, lse = torch.ops.flamia_pack.varlen_attn_fwd(q, k, v, cu32, items, num_items, causal, float(softmax_scale), cfg_ints)
+    args = (q, k, v, cu32, items, num_items, causal, float(softmax_scale), cfg_ints)
+    # the custom op (with its fake implementation) whenever a tracer may be watching: torch.compile /
+    # export, or a dispatch mode such as FakeTensorMode / make_fx's proxy mode outside of them
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        o, lse = torch.ops.flamia_pack.varlen_attn_fwd(*args)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = _VarlenAttnFn.apply(*args)
+    else:  # no graph to record: the forward's body alone
+        o, lse = _fwd_impl(*args)
     return (o, lse) if return_lse else o

@@ -246,6 +246,17 @@ class AttentionKernelConfig:
     spill-free, async wgmma, 168 registers). Candidates ``fwd_n64s4`` / ``fwd_n64s5`` and
     ``small_fwd_pers_n64s4`` (the W7 band); unmeasured."""
 
+    fwd_gluon_pingpong: bool = False
+    """With ``fwd_gluon`` and two consumer partitions: the partitions take turns issuing their wgmma
+    products (FlashAttention-3's "ping-pong" warpgroup scheduling, Shah et al. 2024 §3.1; its
+    ``warp_scheduler_barrier``), through two shared-memory mbarriers: one partition's softmax and
+    epilogue run while the other's products use the tensor cores, instead of both issuing at once
+    and both computing softmax while the tensor cores idle. On in :data:`PERSISTENT_FWD` (the head_dim
+    128 default) since 2026-11-30 (fourth): Nsight Compute, forward kernel W1 1,919.8 -> 1,838.0 us,
+    W8 13.55 -> 12.83 ms, W3 652.5 -> 646.2 us, W7 340.5 -> 347.3 us (so off in ``small_fwd_pers``;
+    RESULTS "Session of 2026-11-30 (fourth)" run 2). Candidates ``fwd_pingpong`` / ``fwd_no_pingpong``
+    / ``small_fwd_pers_pingpong``."""
+
     bwd_gluon_retire_first: bool = True
     """With ``bwd_gluon``: the dK/dV consumer retires the previous step's dV / dK products before
     issuing the next step's (``gluon_attention.gluon_dkdv(retire_first=...)``). Without it ptxas
@@ -399,7 +410,8 @@ class AttentionKernelConfig:
                               "the snake; 'policy' picks one per call)")
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
                      "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small",
-                     "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent", "bwd_dq_delta"):
+                     "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent", "bwd_dq_delta",
+                     "fwd_gluon_pingpong"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
 
@@ -452,14 +464,16 @@ four per SM, spill-free, but mma.sync instead of wgmma at 32 rows) are the next 
 HEAD_MAJOR: dict = {"schedule": "grid_head_major", "bwd_head_major": True}
 """Head-major program order in the forward and the backward (the default since 2026-11-29)."""
 
-PERSISTENT_FWD: dict = {"fwd_gluon": True, "fwd_gluon_persistent": True}
+PERSISTENT_FWD: dict = {"fwd_gluon": True, "fwd_gluon_persistent": True, "fwd_gluon_pingpong": True}
 """The persistent warp-specialized Gluon forward (``gluon_attention.gluon_fwd(persistent=True)``), the
 head_dim 128 default since 2026-11-29 (late): forward 1.02-1.06x the Triton 128 x 64 forward on W1,
 W2, W4, W6, W8, W9 and 1.10-1.12x on W3, 1.00x on W5 (GQA), in two or three passes each; the
 training call 1.00-1.02x (RESULTS "Session of 2026-11-29 (late)" runs 2-3). Not on rows of
 documents of at most :data:`SMALL_BWD_MAX_SEQLEN` tokens (W7: 0.63x of ``small_n32r``'s forward) nor
 at head_dim 64 (not measured). Since 2026-11-29 (night) with two consumer partitions
-(``fwd_gluon_parts``, forward 1.07-1.17x the one-partition kernel)."""
+(``fwd_gluon_parts``, forward 1.07-1.17x the one-partition kernel). Since 2026-11-30 (fourth) the
+two partitions take turns on the tensor cores (``fwd_gluon_pingpong``: forward kernel 1.045x on W1,
+1.057x on W8, 1.01x on W3 in Nsight Compute; 0.98x on W7, whose ``small_fwd_pers`` keeps it off)."""
 
 CANDIDATES: dict[str, dict] = {
     "default": {},
@@ -480,6 +494,10 @@ CANDIDATES: dict[str, dict] = {
     # the Gluon forward's ring in 64-key tiles, 4 or 5 slots (the same bytes in flight, issued further ahead)
     "fwd_n64s4": {**HEAD_MAJOR, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 4},
     "fwd_n64s5": {**HEAD_MAJOR, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5},
+    # the two consumer partitions of the Gluon forward taking turns on the tensor cores (the default since
+    # 2026-11-30 (fourth): fwd_pingpong is now the default config under another name), and without
+    "fwd_pingpong": {**HEAD_MAJOR, "fwd_gluon_pingpong": True},
+    "fwd_no_pingpong": {**HEAD_MAJOR, "fwd_gluon_pingpong": False},
     "all_pers": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
                  "bwd_gluon_persistent": True},
     "all_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
@@ -591,12 +609,17 @@ CANDIDATES: dict[str, dict] = {
     "small_n32r_dqd": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "bwd_dq_delta": True},
     # the two launches of small_n32r_dqd with the preprocess kept (to tell the two effects apart)
     "small_n32r_split": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "bwd_fused": False},
-    "small_fwd_pers": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True},
-    # the same with the Gluon programs (and the Triton backward) in document-major order
+    "small_fwd_pers": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
+                       "fwd_gluon_pingpong": False},
+    # the same with the two consumer partitions of the Gluon forward taking turns (fwd_gluon_pingpong)
+    "small_fwd_pers_pingpong": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
+                                "fwd_gluon_persistent": True, "fwd_gluon_pingpong": True},
+    # the same with the Gluon forward's ring in 64-key tiles, 4 slots
     "small_fwd_pers_n64s4": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
-                             "fwd_gluon_block_n": 64, "fwd_gluon_stages": 4},
+                             "fwd_gluon_pingpong": False, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 4},
+    # the same with the Gluon programs (and the Triton backward) in document-major order
     "small_fwd_pers_doc": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
-                           "doc_major": True},
+                           "fwd_gluon_pingpong": False, "doc_major": True},
     # forward: documents of <= 512 tokens in a second launch with SHORT_FWD_TILES (rows mixing long and
     # short documents: W2, W6; CPU-checked only)
     "fwd_split512": {**HEAD_MAJOR, "fwd_short_len": 512},
@@ -616,7 +639,7 @@ the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
 ``benchmarks/gpu_bwd_sweep.py`` (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)").
 Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
 _FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon", "fwd_maxnreg",
-             "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts", "fwd_gluon_block_n", "fwd_gluon_stages"}
+             "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts", "fwd_gluon_block_n", "fwd_gluon_stages", "fwd_gluon_pingpong"}
 _TRITON_FWD = {"block_m", "block_n", "num_warps", "num_stages", "fwd_maxnreg", "fwd_short_len", "schedule", "doc_major",
                "hybrid_short_len"}
 for _name, _ov in CANDIDATES.items():

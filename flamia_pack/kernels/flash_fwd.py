@@ -212,7 +212,7 @@ def fill_tails(targets: list[tuple[torch.Tensor, float, int]], cu_seqlens: torch
     Args:
         targets: a sequence of at most 3 ``(x, value, token_dim)``. ``x`` is ``(T, ...)`` (``token_dim=0``,
             trailing dims flattened, must be contiguous in them) or ``(H, T)`` (``token_dim=1``; any value
-            other than 0 is read as 1, as ``fill_tail`` always did), bf16 / fp16 / fp32 (any dtype a Triton
+            other than 0 is read as 1), bf16 / fp16 / fp32 (any dtype a Triton
             store takes); each tensor has its own ``T``, dtype and ``value`` (a float, cast to ``x``'s dtype
             in the kernel: ``0.0`` and ``+inf`` are exact). Tensors with ``T == 0`` or no columns are skipped.
         cu_seqlens: ``(n_docs + 1,)`` int32 / int64 on ``x``'s device; only ``cu_seqlens[-1]`` is read, on
@@ -220,7 +220,7 @@ def fill_tails(targets: list[tuple[torch.Tensor, float, int]], cu_seqlens: torch
 
     One Triton launch of ``cdiv(max T, 64)`` programs (none if every tensor is skipped) for the
     forward's ``o`` / ``lse`` and for the backward's ``dq`` / ``dk`` / ``dv``, which took one launch
-    each: every launch costs host time (RESULTS.md, 2026-11-30: ``fill_tail`` x 2 0.155 ms per forward
+    each: every launch costs host time (RESULTS.md, 2026-11-30: the two fills 0.155 ms per forward
     call under the profiler, H200 machine).
 
     Raises:
@@ -254,16 +254,6 @@ def fill_tails(targets: list[tuple[torch.Tensor, float, int]], cu_seqlens: torch
     _fill_tails_kernel[grid](
         cu_seqlens, cu_seqlens.numel() - 1, *args,
         NUM=num, BLOCK_R=block_r, BLOCK_C0=slots[0][6], BLOCK_C1=slots[1][6], BLOCK_C2=slots[2][6], num_warps=4)
-
-
-def fill_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, value: float, *, token_dim: int = 0) -> None:
-    """Fill the row-end padding tokens (``>= cu_seqlens[-1]``) of ``x`` with ``value`` in place.
-
-    ``x`` is ``(T, ...)`` (``token_dim=0``, trailing dims flattened, must be contiguous in them) or
-    ``(H, T)`` (``token_dim=1``). No host sync: the kernel reads ``cu_seqlens[-1]`` on the device.
-    Same as ``fill_tails([(x, value, token_dim)], cu_seqlens)`` (one launch; none if ``T == 0`` or no columns).
-    """
-    fill_tails([(x, value, token_dim)], cu_seqlens)
 
 
 def doc_major_order(items: torch.Tensor) -> torch.Tensor:
@@ -367,7 +357,8 @@ def flash_fwd(
         gluon_attention.gluon_fwd(q, k, v, cu_seqlens, g_items, num_items, softmax_scale, causal=causal,
                                   wl_block_m=config.wl_block_m, skip_len=skip_len, o=o, lse=lse,
                                   persistent=config.fwd_gluon_persistent, parts=config.fwd_gluon_parts,
-                                  block_n=config.fwd_gluon_block_n, stages=config.fwd_gluon_stages)
+                                  block_n=config.fwd_gluon_block_n, stages=config.fwd_gluon_stages,
+                                  pingpong=config.fwd_gluon_pingpong and config.fwd_gluon_parts == 2)
         parts = [(parts[-1][0] if config.fwd_short_len else config, -skip_len)] if leftover else []
         # only merged items and the shortest documents are left: a few heads per program (fewer programs
         # that exit at once), unless the short-document launch of fwd_short_len has real work per head

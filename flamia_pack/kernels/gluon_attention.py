@@ -801,7 +801,7 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
         gl.warp_specialize([
             (_rows_consumer_loop, (q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem, DQ, LSE,
                                    DELTA, stride_dqt, stride_lh, qk_scale, sm_scale, num_items_ptr,
-                                   max_entries, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, True,
+                                   max_entries, total, qo_ready, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, True,
                                    False)),
             (_rows_producer_loop, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
                                    qo_ready, qo_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
@@ -812,6 +812,38 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DQ, items_ptr, num_i
 
 # ----------------------------------------------------------------------------------------------
 # Forward programs: own BLOCK_M queries of one query head, walk the visible key tiles, online softmax.
+
+@gluon.jit
+def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong (FlashAttention-3's ``warp_scheduler_barrier_sync``): partition ``WG`` waits for its
+    ``k``-th turn to issue wgmma products; ``turn[WG]`` completes a phase each time the other
+    partition has issued. Partition 0 goes first: its turn ``k`` waits for phase ``k - 1`` (the
+    parity flip: on a fresh barrier the wait for the "previous" phase returns at once, as the
+    producers' first claims of empty slots do), partition 1's for phase ``k``."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _turn_barriers(unused, PINGPONG: gl.constexpr):
+    """The two ping-pong mbarriers (count 1 each), or ``unused`` (any shared-memory handle, never
+    waited on) without ``PINGPONG``: a kernel without turns (``small_fwd_pers``'s, the dQ kernels)
+    allocates nothing more."""
+    if PINGPONG:
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(turn.index(s), count=1)
+        return turn
+    else:
+        return unused
+
+
+@gluon.jit
+def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: partition ``WG`` has issued its products; the other partition's turn."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
 
 @gluon.jit
 def _fwd_softmax(st, m_i, l_i, lim, j, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -834,9 +866,10 @@ def _fwd_softmax(st, m_i, l_i, lim, j, qk_scale, MASKED: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
-def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p_prev, m_i, l_i, qk_scale,
+def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p_prev, m_i, l_i, qk_scale, turn, k_turn,
               MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              s_layout: gl.constexpr, op_layout: gl.constexpr, acc_layout: gl.constexpr):
+              s_layout: gl.constexpr, op_layout: gl.constexpr, acc_layout: gl.constexpr,
+              WG: gl.constexpr = 0, PINGPONG: gl.constexpr = False):
     """Walked tile ``j >= 1``, software-pipelined as FlashAttention-3's forward (Shah et al. 2024, §3.2
     "intra-warpgroup overlapping"): ``S_j = Q K_j^T`` and the previous tile's ``O += P_{j-1} V_{j-1}``
     are in flight together, and tile ``j``'s softmax runs while the second one computes. K slot ``s``
@@ -848,10 +881,15 @@ def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p_prev, m_i,
     s = r % STAGES
     sp = (r - 1) % STAGES
     mbarrier.wait(ready.index(s), (r // STAGES) & 1)
+    if PINGPONG:  # both tiles landed before the turn is taken: a turn is held only while issuing
+        mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
+        _turn_wait(turn, k_turn + j, WG, PINGPONG)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-    mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
+    if not PINGPONG:
+        mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
     acc = warpgroup_mma(p_prev, v_bufs.index(sp), acc, is_async=True)
+    _turn_pass(turn, WG, PINGPONG)
     st = warpgroup_mma_wait(1, deps=(st,))  # groups retire in order: S_j done, P V may still run
     mbarrier.arrive(empty.index(s), count=1)
     p, m_ij, l_i, alpha = _fwd_softmax(st, m_i, l_i, lim, j, qk_scale, MASKED, BLOCK_N, s_layout, op_layout)
@@ -863,9 +901,10 @@ def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p_prev, m_i,
 
 @gluon.jit
 def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_empty, O, LSE, stride_ot, stride_lh,
-                       rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, c,
+                       rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, c, turn, k_turn,
                        CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       RELEASE_Q: gl.constexpr, WG: gl.constexpr = 0, NW: gl.constexpr = 8):
+                       RELEASE_Q: gl.constexpr, WG: gl.constexpr = 0, NW: gl.constexpr = 8,
+                       PINGPONG: gl.constexpr = False):
     """One entry's forward from ring position ``c`` (returned advanced) and its O / LSE stores, by the
     consumer partition ``WG`` of ``NW`` warps (8: the whole entry; 4: rows ``WG * BLOCK_M / 2`` on of
     the entry's ``BLOCK_M``, each of the two partitions arriving on the shared slot barriers (count 2)
@@ -892,7 +931,9 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
     s0 = c % STAGES
     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
     zero = gl.zeros([PART_M, BLOCK_N], gl.float32, s_layout)
+    _turn_wait(turn, k_turn, WG, PINGPONG)  # the entry's n_steps + 1 turns: k_turn, ..., k_turn + n_steps
     st = warpgroup_mma(q_part, k_bufs.index(s0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    _turn_pass(turn, WG, PINGPONG)
     st = warpgroup_mma_wait(0, deps=(st,))
     mbarrier.arrive(empty.index(s0), count=1)
     if u1 > 0:
@@ -901,16 +942,20 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
         p, m_i, l_i, _alpha = _fwd_softmax(st, m_i, l_i, lim, 0, qk_scale, True, BLOCK_N, s_layout, op_layout)
     for j in range(1, u1):
         acc, p, m_i, l_i = _fwd_step(q_part, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p, m_i, l_i, qk_scale,
-                                     False, PART_M, BLOCK_N, s_layout, op_layout, acc_layout)
+                                     turn, k_turn, False, PART_M, BLOCK_N, s_layout, op_layout, acc_layout, WG,
+                                     PINGPONG)
     for j in range(gl.maximum(u1, 1), n_steps):
         acc, p, m_i, l_i = _fwd_step(q_part, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p, m_i, l_i, qk_scale,
-                                     True, PART_M, BLOCK_N, s_layout, op_layout, acc_layout)
+                                     turn, k_turn, True, PART_M, BLOCK_N, s_layout, op_layout, acc_layout, WG,
+                                     PINGPONG)
     r = c + n_steps - 1
     sl = r % STAGES
     mbarrier.wait(ready.index(STAGES + sl), (r // STAGES) & 1)
     if o_lo + n_steps * BLOCK_N > o_hi:  # the key tile cut by the document end: P V reads V
         _zero_rows_from(v_bufs.index(sl), o_hi - o_lo - (n_steps - 1) * BLOCK_N, NW)
+    _turn_wait(turn, k_turn + n_steps, WG, PINGPONG)
     acc = warpgroup_mma(p, v_bufs.index(sl), acc, is_async=True)
+    _turn_pass(turn, WG, PINGPONG)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(empty.index(STAGES + sl), count=1)
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
@@ -926,12 +971,12 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
 
 @gluon.jit
 def _fwd_consumer(q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
-                  rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale,
+                  rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, turn,
                   CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  WG: gl.constexpr = 0, NW: gl.constexpr = 8):
+                  WG: gl.constexpr = 0, NW: gl.constexpr = 8, PINGPONG: gl.constexpr = False):
     _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, 0, q_bar, O, LSE, stride_ot, stride_lh,
-                       rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, 0, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, False,
-                       WG, NW)
+                       rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, 0, turn, 0, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
+                       False, WG, NW, PINGPONG)
 
 
 @gluon.jit
@@ -998,9 +1043,9 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
 @gluon.jit
 def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem, OUT, LSE, DELTA,
                         stride_out, stride_lh, qk_scale, sm_scale, num_items_ptr, max_entries,
-                        total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                        total, turn, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr, IS_FWD: gl.constexpr,
-                        WG: gl.constexpr = 0, NW: gl.constexpr = 8):
+                        WG: gl.constexpr = 0, NW: gl.constexpr = 8, PINGPONG: gl.constexpr = False):
     """Persistent dQ / forward programs' consumer: the entries the producer hands over; ``OUT`` is dQ
     (``IS_FWD`` False) or O (LSE written too). ``WG`` / ``NW``: the forward's consumer partition
     (``_fwd_consume_entry``)."""
@@ -1016,8 +1061,8 @@ def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready,
         if IS_FWD:
             c = _fwd_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, ready, empty, qo_ready.index(slot),
                                    (n // QO_STAGES) & 1, qo_empty.index(slot), OUT, LSE, stride_out, stride_lh, rs,
-                                   re, o_lo, o_hi, h, n_steps, u1, qk_scale, c, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                   True, WG, NW)
+                                   re, o_lo, o_hi, h, n_steps, u1, qk_scale, c, turn, c + n, CAUSAL, HEAD_DIM,
+                                   BLOCK_M, BLOCK_N, True, WG, NW, PINGPONG)
         else:
             c = _dq_consume_entry(q_bufs.index(slot), do_bufs.index(slot), k_bufs, v_bufs, ready, empty,
                                   qo_ready.index(slot), (n // QO_STAGES) & 1, qo_empty.index(slot), LSE, DELTA, OUT,
@@ -1032,7 +1077,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
                 stride_ot, stride_lh, qk_scale, total, counter_ptr,
                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr = False,
-                PARTS: gl.constexpr = 1):
+                PARTS: gl.constexpr = 1, PINGPONG: gl.constexpr = False):
     if not PERSISTENT:
         # head-major grid (flash_fwd's grid_head_major): kv head after kv head, entries in decreasing
         # cost inside it, the query heads of one GQA group side by side (they share K / V in L2)
@@ -1050,21 +1095,23 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
         k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM, True, True, PARTS)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        turn = _turn_barriers(q_bar, PINGPONG)
         if PARTS == 1:
             gl.warp_specialize([
                 (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
-                                 rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N)),
+                                 rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, turn, CAUSAL, HEAD_DIM, BLOCK_M,
+                                 BLOCK_N)),
                 (_rows_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_bufs, v_bufs, ready, empty,
                                   q_bar, rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, False)),
             ], [1], [24])
         else:  # two 4-warp consumer partitions, half of the entry's rows each
             gl.warp_specialize([
                 (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
-                                 rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                 0, 4)),
+                                 rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, turn, CAUSAL, HEAD_DIM, BLOCK_M,
+                                 BLOCK_N, 0, 4, PINGPONG)),
                 (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot, stride_lh,
-                                 rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                 1, 4)),
+                                 rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, turn, CAUSAL, HEAD_DIM, BLOCK_M,
+                                 BLOCK_N, 1, 4, PINGPONG)),
                 (_rows_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_bufs, v_bufs, ready, empty,
                                   q_bar, rs, o_lo, h, hk, n_steps, HEAD_DIM, BLOCK_N, False)),
             ], [4, 1], [240, 24])
@@ -1073,11 +1120,12 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
         q_ready, q_empty = _slot_barriers(2, True, PARTS)
         k_bufs, v_bufs, ready, empty = _ring(k_desc, v_desc, STAGES, BLOCK_N, HEAD_DIM, True, True, PARTS)
         t_smem = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        turn = _turn_barriers(q_ready, PINGPONG)
         if PARTS == 1:
             gl.warp_specialize([
                 (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE,
                                        LSE, stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
-                                       max_entries, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                       max_entries, total, turn, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
                                        True)),
                 (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
                                        q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
@@ -1088,12 +1136,12 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
             gl.warp_specialize([
                 (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE,
                                        LSE, stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
-                                       max_entries, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
-                                       True, 0, 4)),
+                                       max_entries, total, turn, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                       True, 0, 4, PINGPONG)),
                 (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE,
                                        LSE, stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
-                                       max_entries, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
-                                       True, 1, 4)),
+                                       max_entries, total, turn, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                       True, 1, 4, PINGPONG)),
                 (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
                                        q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
                                        max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
@@ -1279,7 +1327,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
               num_items: torch.Tensor, softmax_scale: float, *, causal: bool = True, block_m: int = 128,
               block_n: int = 128, wl_block_m: int = 128, stages: int = 2, skip_len: int = 1,
               o: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-              persistent: bool = False, parts: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+              persistent: bool = False, parts: int = 2, pingpong: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward (the programs of ``flash_fwd``), warp-specialized Gluon, sm_90.
 
     Args:
@@ -1296,6 +1344,8 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         parts: consumer partitions (1: one of 8 warps, a 256-thread barrier before each slot release;
             2, the default: two of 4 warps, ``block_m / 2`` rows each, releasing each slot on their own,
             FA3's layout; config ``fwd_gluon_parts``).
+        pingpong: with ``parts=2``, the two partitions take turns issuing their wgmma products
+            (FlashAttention-3 §3.1; config ``fwd_gluon_pingpong``); ignored with ``parts=1``.
 
     Returns:
         ``(o, lse)``: ``(T, H_q, D)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
@@ -1337,14 +1387,15 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         float(softmax_scale) * LOG2E, total,
         torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else num_items,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
-        CAUSAL=bool(causal), PERSISTENT=bool(persistent), PARTS=int(parts),
+        CAUSAL=bool(causal), PERSISTENT=bool(persistent), PARTS=int(parts), PINGPONG=bool(pingpong) and parts == 2,
         num_warps=CONSUMER_WARPS.value // int(parts), maxnreg=MAXNREG)
     return o, lse
 
 
 def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None = None, block_n: int | None = None,
                  stages: int | None = None, group: int = 1, causal: bool = True,
-                 retire_first: bool = True, dq_reduce: bool = False, persistent: bool = False, parts: int = 2) -> dict:
+                 retire_first: bool = True, dq_reduce: bool = False, persistent: bool = False, parts: int = 2,
+                 pingpong: bool = False) -> dict:
     """Compile one of this module's kernels for sm_90a WITHOUT a GPU (triton's bundled ptxas) and report.
 
     For screening before spending device time (benchmarks/gluon_compile_report.py prints it; the CPU
@@ -1355,6 +1406,9 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         kind: ``"dkdv"``, ``"dq"`` or ``"fwd"``; the other arguments default to the shipped tiles of
             ``gluon_dkdv`` / ``gluon_dq`` / ``gluon_fwd``.
         parts: the forward's consumer partitions (``gluon_fwd(parts=)``; ignored for the other kinds).
+        pingpong: the forward's ``gluon_fwd(pingpong=)`` (ignored for the other kinds); the default False
+            is ``gluon_fwd``'s default and ``small_fwd_pers``'s kernel, the long-row config runs True
+            (``fwd_gluon_pingpong`` in ``config.PERSISTENT_FWD``).
 
     Returns:
         dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
@@ -1394,7 +1448,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
              "cu_ptr": "*i32", "counter_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc}
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=128, STAGES=st,
                   RETIRE_FIRST=bool(retire_first), CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce),
-                  PERSISTENT=bool(persistent), PARTS=int(parts))
+                  PERSISTENT=bool(persistent), PARTS=int(parts), PINGPONG=bool(pingpong) and parts == 2)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

@@ -317,7 +317,7 @@ class WorkList:
             None otherwise (``validate=False``, :class:`WorkListBuilder`, by hand). With it,
             ``varlen_attention`` skips the kernels' leftover launches for short documents on rows
             that have none (``attention.leftover_bits``). Like the items, it describes that
-            ``cu_seqlens`` only; it is read through :func:`work_list_hint`, which drops it once the
+            ``cu_seqlens`` only; it is read through :func:`work_list_hints`, which drops it once the
             buffers were written in place since the build (a list refreshed for another row).
         doc_tokens: ``cu_seqlens[-1]`` of the build (the tokens in documents), known and trusted as
             ``min_seqlen``; equal to ``total_tokens`` on rows without row-end padding, where
@@ -455,18 +455,33 @@ def _host_int(name: str, value, lo: int, hi: int | None) -> int:
     return int(v)
 
 
-def _validate_device_cu(cu_seqlens: torch.Tensor, total_tokens: int) -> int | None:
-    """Host check of ``cu_seqlens`` against ``total_tokens`` (one copy to the host); returns the
-    shortest document's length (None for zero documents) and ``cu_seqlens[-1]``."""
+def cu_seqlens_summary(cu_seqlens: torch.Tensor, total_tokens: int, max_seqlen: int | None = None,
+                       name: str = "total_tokens") -> tuple[int | None, int]:
+    """Host check of ``cu_seqlens`` against a row of ``total_tokens`` tokens (one copy to the host,
+    ``varlen.validate_cu_seqlens``'s rules) and, if given, against ``max_seqlen``.
+
+    Returns:
+        ``(shortest, doc_tokens)``: the shortest document's length (None for zero documents) and
+        ``cu_seqlens[-1]`` (tokens in documents; the rest of the row is row-end padding).
+
+    Raises:
+        MetadataError: invalid ``cu_seqlens``, ``cu_seqlens[-1] > total_tokens``, ``total_tokens >=
+            2**31`` (the int32 item table), or ``max_seqlen`` below the longest document.
+    """
     arr = validate_cu_seqlens(cu_seqlens)
     if int(arr[-1]) > int(total_tokens):
         raise MetadataError(
-            f"cu_seqlens[-1]={int(arr[-1])} exceeds total_tokens={int(total_tokens)} "
-            "(the row length the work list is sized for; tokens past cu_seqlens[-1] are row-end padding)"
+            f"cu_seqlens[-1]={int(arr[-1])} exceeds {name}={int(total_tokens)} "
+            "(the row length; tokens past cu_seqlens[-1] are row-end padding)"
         )
     if int(total_tokens) >= 2**31:
-        raise MetadataError(f"total_tokens={int(total_tokens)} does not fit the int32 item table")
-    return (int((arr[1:] - arr[:-1]).min()) if len(arr) > 1 else None), int(arr[-1])
+        raise MetadataError(f"{name}={int(total_tokens)} does not fit the int32 item table")
+    if len(arr) == 1:
+        return None, int(arr[-1])
+    lengths = arr[1:] - arr[:-1]
+    if max_seqlen is not None and max_seqlen < int(lengths.max()):
+        raise MetadataError(f"max_seqlen={max_seqlen} is smaller than the longest document ({int(lengths.max())})")
+    return int(lengths.min()), int(arr[-1])
 
 
 def build_work_list(
@@ -538,7 +553,7 @@ def build_work_list(
     if not isinstance(config, TileConfig):
         raise FlamiaError(f"config must be a TileConfig, got {type(config).__name__}")
     if validate:
-        shortest, covered = _validate_device_cu(cu_seqlens, total_tokens)
+        shortest, covered = cu_seqlens_summary(cu_seqlens, total_tokens)
     else:  # a caller's host-known hints (the kernels trust them: checked here, without a sync)
         covered = None if doc_tokens is None else _host_int("doc_tokens", doc_tokens, 0, total_tokens)
         shortest = None if min_seqlen is None else _host_int("min_seqlen", min_seqlen, 1,
@@ -600,8 +615,8 @@ def build_work_list(
 
 
 def _stamp_hint(wl: WorkList) -> WorkList:
-    """Record the version counters of ``wl``'s buffers next to its ``min_seqlen`` hint, once they are
-    written: :func:`work_list_hint` trusts the hint only while no in-place write (``copy_``, slice
+    """Record the version counters of ``wl``'s buffers next to its hints, once they are
+    written: :func:`work_list_hints` trusts them only while no in-place write (``copy_``, slice
     assignment) has changed them since -- a list refreshed on the device for another row keeps no
     stale hint."""
     known = wl.min_seqlen is not None or wl.doc_tokens is not None
@@ -628,11 +643,6 @@ def work_list_hints(wl) -> tuple[int | None, int | None]:
     if getattr(wl, "_hint_versions", None) != (items._version, num._version, ms, dt):
         return None, None
     return ms, dt
-
-
-def work_list_hint(wl) -> int | None:
-    """``wl.min_seqlen`` if it still describes the buffers, else None (:func:`work_list_hints`)."""
-    return work_list_hints(wl)[0]
 
 
 def _build_torch_into(cu_seqlens: torch.Tensor, total_tokens: int, config: TileConfig, wl: WorkList) -> None:
@@ -741,7 +751,7 @@ class WorkListBuilder:
         if n < 0:
             raise MetadataError("cu_seqlens must have at least one element (0)")
         if validate:
-            _validate_device_cu(cu_seqlens, self.total_tokens)
+            cu_seqlens_summary(cu_seqlens, self.total_tokens)
         src = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
         torch.index_select(src, 0, self._index(n), out=self.cu_seqlens)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
