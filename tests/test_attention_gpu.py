@@ -8,6 +8,7 @@ S1 (one-token documents), S3-style random rows, GQA/MHA, causal/non-causal, D = 
 from __future__ import annotations
 
 import dataclasses
+
 import numpy as np
 import pytest
 import torch

@@ -485,14 +485,19 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, do, dlse):
+def _grads(ctx, do, dlse, bwd):
+    """The input gradients from a context :func:`_setup_context` filled, through ``bwd`` (the custom op
+    ``varlen_attn_bwd`` or its body :func:`_bwd_impl`)."""
     q, k, v, o, lse, cu_seqlens, items, num_items = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = torch.ops.flamia_pack.varlen_attn_bwd(
-        do.contiguous(), None if dlse is None else dlse.contiguous(), q, k, v, o, lse, cu_seqlens, items, num_items,
-        ctx.causal, ctx.softmax_scale, ctx.config)
+    dq, dk, dv = bwd(do.contiguous(), None if dlse is None else dlse.contiguous(), q, k, v, o, lse, cu_seqlens, items,
+                     num_items, ctx.causal, ctx.softmax_scale, ctx.config)
     return dq, dk, dv, None, None, None, None, None, None
+
+
+def _backward(ctx, do, dlse):
+    return _grads(ctx, do, dlse, torch.ops.flamia_pack.varlen_attn_bwd)
 
 
 _varlen_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -506,22 +511,15 @@ class _VarlenAttnFn(torch.autograd.Function):
     ``torch.compiler.is_compiling()``); both give the same tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, items, num_items, causal, softmax_scale, config):
-        o, lse = _fwd_impl(q, k, v, cu_seqlens, items, num_items, causal, softmax_scale, config)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, items, num_items)
-        ctx.causal, ctx.softmax_scale, ctx.config = causal, softmax_scale, config
-        ctx.set_materialize_grads(False)
-        return o, lse
+    def forward(ctx, *inputs):
+        out = _fwd_impl(*inputs)
+        _setup_context(ctx, inputs, out)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # as the custom op: no double backward (raises, never silently 0)
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, cu_seqlens, items, num_items = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(o)
-        dq, dk, dv = _bwd_impl(do.contiguous(), None if dlse is None else dlse.contiguous(), q, k, v, o, lse,
-                               cu_seqlens, items, num_items, ctx.causal, ctx.softmax_scale, ctx.config)
-        return dq, dk, dv, None, None, None, None, None, None
+        return _grads(ctx, do, dlse, _bwd_impl)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -57,7 +57,6 @@ Builders
 from __future__ import annotations
 
 import operator
-
 import warnings
 from dataclasses import dataclass, field
 
