@@ -267,6 +267,43 @@ def _zero_rows_from(buf, keep, NW: gl.constexpr = 8):
 
 
 @gluon.jit
+def _rows_through_smem(buf, x, NW: gl.constexpr):
+    """``x`` (bf16 registers in a wgmma accumulator layout) in a row-contiguous layout: 16 bytes a
+    thread, 8 threads a 128-column row. Goes through ``buf`` (``x``'s shape, in shared memory, every
+    product that read it retired; the calling partition's ``NW`` warps only).
+
+    Why: stores straight from the wgmma layout write 4 bytes a thread, 8 rows x 16 bytes a warp, so
+    every 32-byte sector is written in two halves -- twice the L2 write requests (ncu, W7 forward
+    2026-11-30: 8.4 M excessive sectors, the ``STG`` the top stall at 12% of the samples; RESULTS.md
+    "Session of 2026-11-30 (third)"). A TMA store instead would make the slot wait for the TMA
+    engine's read before it is released (long rows 0.95x, ``next/fwd-tma-epilogue``)."""
+    COLS: gl.constexpr = buf.type.shape[1]
+    buf.store(x)
+    gl.thread_barrier()  # the partition's rows written before its warps read other warps' rows
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // COLS, COLS // 8], [NW, 1], [1, 0])
+    return buf.load(layout)
+
+
+@gluon.jit
+def _release_after_reads(bar):
+    """Hand the slot behind ``bar`` back once every warp of the partition has read it (one thread's arrive)."""
+    gl.thread_barrier()  # every warp's reads done before the one-thread arrive
+    fence_async_shared()  # generic-proxy reads ordered before the next TMA write of the slot
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _store_rows(ptr, x, row0, row_end, stride_row, col0):
+    """``ptr[row0 + r, col0 + c] = x[r, c]`` for rows ``row0 + r < row_end`` (x in the layout of
+    :func:`_rows_through_smem`)."""
+    ROWS: gl.constexpr = x.type.shape[0]
+    COLS: gl.constexpr = x.type.shape[1]
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, x.type.layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, x.type.layout))
+    gl.store(ptr + rows.to(gl.int64)[:, None] * stride_row + col0 + cols[None, :], x, mask=(rows < row_end)[:, None])
+
+
+@gluon.jit
 def _dkdv_step(q_bufs, do_bufs, k_smem, v_smem, ready, empty, ld_bufs, h,
                rs, o_hi, k_pos, offs_m, j, c, dk, dv, qk_scale, ds_smem, p_smem, dq_stage, dq_desc, dq_h0,
                MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -374,16 +411,27 @@ def _dkdv_consume_entry(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, k
                                 BLOCK_M, BLOCK_N, s_layout, op_layout, RETIRE_FIRST, DQ_REDUCE, dq_layout, HEAD_DIM)
             c += 1
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-    if RELEASE_KV:
-        mbarrier.arrive(kv_empty, count=1)  # K, V read by every product: the next entry's may load
     if DQ_REDUCE:
         tma.store_wait(0)  # the last reduce has read its staging tile before the program exits
-    rows = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    ok = (rows < re)[:, None]
-    r64 = rows.to(gl.int64)[:, None]
-    gl.store(DK + r64 * stride_dkt + hk * HEAD_DIM + cols[None, :], (dk * sm_scale).to(gl.bfloat16), mask=ok)
-    gl.store(DV + r64 * stride_dvt + hk * HEAD_DIM + cols[None, :], dv.to(gl.bfloat16), mask=ok)
+    if DQ_REDUCE and RELEASE_KV:
+        # the persistent dQ-reduce programs (a candidate) keep the direct stores: staged, ptxas spills
+        # 48 B into their step loop (CPU screen, 2026-11-30; 8 B before)
+        mbarrier.arrive(kv_empty, count=1)  # K, V read by every product: the next entry's may load
+        rows = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        ok = (rows < re)[:, None]
+        r64 = rows.to(gl.int64)[:, None]
+        gl.store(DK + r64 * stride_dkt + hk * HEAD_DIM + cols[None, :], (dk * sm_scale).to(gl.bfloat16), mask=ok)
+        gl.store(DV + r64 * stride_dvt + hk * HEAD_DIM + cols[None, :], dv.to(gl.bfloat16), mask=ok)
+    else:
+        # dK, dV through the entry's own K, V tiles (every product that read them retired): 16-byte
+        # stores, one at a time (fewer registers live)
+        _store_rows(DK, _rows_through_smem(k_smem, (dk * sm_scale).to(gl.bfloat16), CONSUMER_WARPS), k0, re,
+                    stride_dkt, hk * HEAD_DIM)
+        dv_out = _rows_through_smem(v_smem, dv.to(gl.bfloat16), CONSUMER_WARPS)
+        if RELEASE_KV:
+            _release_after_reads(kv_empty)  # the next entry's K, V may load
+        _store_rows(DV, dv_out, k0, re, stride_dvt, hk * HEAD_DIM)
     return c
 
 
@@ -701,12 +749,11 @@ def _dq_consume_entry(q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar, qo_
         dq = _dq_step(q_smem, do_smem, k_bufs, v_bufs, ready, empty, o_lo, o_hi, q_pos, lse2, delta, j, c, dq, qk_scale,
                       True, BLOCK_M, BLOCK_N, s_layout, op_layout)
     dq = warpgroup_mma_wait(0, deps=(dq,))
+    # dQ through the entry's own Q tile (every product that read it retired): 16-byte stores
+    dq_out = _rows_through_smem(q_smem, (dq * sm_scale).to(gl.bfloat16), CONSUMER_WARPS)
     if RELEASE_QO:
-        mbarrier.arrive(qo_empty, count=1)  # Q, dO read by every product: the next entry's may load
-    rows = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    gl.store(DQ + rows.to(gl.int64)[:, None] * stride_dqt + h * HEAD_DIM + cols[None, :],
-             (dq * sm_scale).to(gl.bfloat16), mask=(rows < re)[:, None])
+        _release_after_reads(qo_empty)  # the next entry's Q, dO may load
+    _store_rows(DQ, dq_out, q0, re, stride_dqt, h * HEAD_DIM)
     return c + n_steps
 
 
@@ -913,23 +960,10 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
     mbarrier.arrive(empty.index(STAGES + sl), count=1)
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc_layout))[:, None]).to(gl.bfloat16)
-    # O goes out through the partition's own Q rows (every product that read them has retired): the
-    # wgmma layout's 4-byte pieces are half sectors (ncu, W7 2026-11-30: 8.4M excessive L2 sectors, 2x
-    # the write requests, the STG the top stall at 12% of the samples); read back row-contiguous they
-    # are 16-byte stores of whole sectors. No TMA store: waiting for its read of the slot before the
-    # release cost long rows 5% (next/fwd-tma-epilogue, 2026-11-30 RESULTS).
-    q_part.store(out)
-    gl.thread_barrier()  # the partition's rows written before its warps read other warps' rows
-    o_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [NW, 1], [1, 0])
-    out = q_part.load(o_layout)
+    out = _rows_through_smem(q_part, out, NW)  # O through the partition's own Q rows (all products retired)
     if RELEASE_Q:
-        gl.thread_barrier()  # every warp's read of the Q rows done before the one-thread arrive
-        fence_async_shared()  # generic-proxy reads ordered before the next TMA write of the slot
-        mbarrier.arrive(q_empty, count=1)  # the next entry's Q may load
-    rows = r0 + gl.arange(0, PART_M, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(O + rows.to(gl.int64)[:, None] * stride_ot + h * HEAD_DIM + cols[None, :], out,
-             mask=(rows < re)[:, None])
+        _release_after_reads(q_empty)  # the next entry's Q may load
+    _store_rows(O, out, r0, re, stride_ot, h * HEAD_DIM)
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
     gl.store(LSE + h * stride_lh + q_pos, lse, mask=q_pos < re)
     return c + n_steps
