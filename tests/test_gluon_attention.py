@@ -426,3 +426,9 @@ def test_whole_item_claims_are_validated():
     for kw in ({"persistent": False}, {"persistent": True, "parts": 1}):
         with pytest.raises(ValueError, match="items_whole needs persistent=True and parts=2"):
             gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, items_whole=True, **kw)
+    with pytest.raises(FlamiaError, match="fwd_gluon_head_inner needs fwd_gluon_items=True"):
+        AttentionKernelConfig(fwd_gluon_head_inner=True)
+    with pytest.raises(ValueError, match="head_inner needs items_whole=True"):
+        gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, persistent=True, head_inner=True)
+    hi = candidate_config("small_fwd_pers_items_n64s5_hi", head_dim=128)
+    assert (hi.fwd_gluon_head_inner, hi.fwd_gluon_block_n, hi.fwd_gluon_stages, hi.wl_block_m) == (True, 64, 5, 256)

@@ -157,3 +157,20 @@ def test_forward_claiming_whole_items(name, causal, lengths, h, hkv, pad):
                                device="cuda", seed=len(lengths) + h, config=candidate_config(name),
                                with_lse_grad=True)
     assert r["ok"] and r["pad_ok"], r
+
+
+@pytest.mark.parametrize("name", ["small_fwd_pers_items_hi", "small_fwd_pers_items_n64s5", "small_fwd_pers_items_n64s5_hi"])
+@pytest.mark.parametrize("lengths,h,hkv,pad", [
+    ([256] * 40 + [100], 8, 8, 11),
+    ([200, 128, 255, 130, 129, 256, 64, 200, 300, 1, 3, 511], 4, 2, 5),
+])
+def test_forward_claiming_whole_items_variants(name, lengths, h, hkv, pad):
+    """Whole-item claims with the heads of one item side by side (``fwd_gluon_head_inner``) and with a
+    5-slot ring of 64-key tiles (four tiles of a 256-token document shared, one slot ahead), causal,
+    vs the fp32 reference."""
+    if not _HOPPER:
+        pytest.skip("sm_90 only")
+    r = compare_with_reference(lengths, num_heads=h, num_kv_heads=hkv, head_dim=128, causal=True, pad=pad,
+                               device="cuda", seed=len(lengths) + h, config=candidate_config(name),
+                               with_lse_grad=True)
+    assert r["ok"] and r["pad_ok"], r

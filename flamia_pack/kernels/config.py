@@ -351,6 +351,11 @@ class AttentionKernelConfig:
     document of W7 is one item: K / V are read once per (document, head) from L2 instead of 1.5
     times, and once from DRAM (the cost order read tile 0 again ~4,000 entries later)."""
 
+    fwd_gluon_head_inner: bool = False
+    """With ``fwd_gluon_items``: claims take all query heads of one item side by side
+    (``gluon_fwd(head_inner=)``), so the programs in flight read whole token rows of K / V (4 KB at
+    16 heads x 128) instead of one head's 256-byte column of every row."""
+
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
             v = getattr(self, name)
@@ -419,9 +424,11 @@ class AttentionKernelConfig:
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
                      "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small",
                      "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent", "bwd_dq_delta",
-                     "fwd_gluon_pingpong", "fwd_gluon_items"):
+                     "fwd_gluon_pingpong", "fwd_gluon_items", "fwd_gluon_head_inner"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
+        if self.fwd_gluon_head_inner and not self.fwd_gluon_items:
+            raise FlamiaError("AttentionKernelConfig.fwd_gluon_head_inner needs fwd_gluon_items=True")
         if self.fwd_gluon_items and not (self.fwd_gluon_persistent and self.fwd_gluon_parts == 2):
             raise FlamiaError("AttentionKernelConfig.fwd_gluon_items needs fwd_gluon_persistent=True and fwd_gluon_parts=2 "
                               f"(got {self.fwd_gluon_persistent!r}, {self.fwd_gluon_parts!r})")
@@ -633,6 +640,18 @@ CANDIDATES: dict[str, dict] = {
     "small_fwd_pers_items": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
                              "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
                              "fwd_gluon_items": True},
+    # ... with the heads of one item side by side, with a 5-slot ring of 64-key tiles (the next item's
+    # first K / V tile loads while this item's four are held), and both
+    "small_fwd_pers_items_hi": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
+                                "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
+                                "fwd_gluon_items": True, "fwd_gluon_head_inner": True},
+    "small_fwd_pers_items_n64s5": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
+                                   "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
+                                   "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5},
+    "small_fwd_pers_items_n64s5_hi": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
+                                      "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
+                                      "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5,
+                                      "fwd_gluon_head_inner": True},
     "small_fwd_pers_w256": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
                             "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256},
     # the same with the Gluon programs (and the Triton backward) in document-major order
@@ -658,7 +677,7 @@ the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
 Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
 _FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon", "fwd_maxnreg",
              "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts", "fwd_gluon_block_n", "fwd_gluon_stages", "fwd_gluon_pingpong",
-             "fwd_gluon_items"}
+             "fwd_gluon_items", "fwd_gluon_head_inner"}
 _TRITON_FWD = {"block_m", "block_n", "num_warps", "num_stages", "fwd_maxnreg", "fwd_short_len", "schedule", "doc_major",
                "hybrid_short_len"}
 for _name, _ov in CANDIDATES.items():

@@ -1018,7 +1018,8 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
 def _fwd_item_producer_loop(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem,
                             counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, total,
                             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr):
+                            BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr,
+                            HEAD_INNER: gl.constexpr = False):
     """Persistent forward programs' producer claiming whole list items (``gluon_fwd(items=True)``):
     the item's ``F = WL_BM / BLOCK_M`` query tiles run back to back on this program, one entry each
     (Q slot ``n % 2``). A causal item that starts at its document's start and whose keys fit the ring
@@ -1027,7 +1028,9 @@ def _fwd_item_producer_loop(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, read
     (hand-over flag 0) and its last entry walks the same ring positions and frees them. So W7's
     256-token documents read K / V once from L2 per (document, head) instead of 1.5 times, and from
     DRAM once (the cost order re-read tile 0 ~4,000 entries later). Other items: independent entries
-    (the second re-reads its K / V from L2 right after the first)."""
+    (the second re-reads its K / V from L2 right after the first). ``HEAD_INNER``: claim ``t`` is item
+    ``t // H``, query head ``t % H`` (every head of one item side by side: the programs in flight read
+    whole token rows of K / V) instead of head after head."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     F: gl.constexpr = WL_BM // BLOCK_M
     idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
@@ -1037,10 +1040,14 @@ def _fwd_item_producer_loop(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, read
     t = gl.atomic_add(counter_ptr, 1)
     while t < n_total:
         t_next = gl.atomic_add(counter_ptr, 1)  # taken early: its latency hides under this item's loads
-        # head-major, a GQA group's query heads side by side (as _rows_span's forward order), per item
-        x = t % (n_valid * GROUP)
-        e = x // GROUP
-        h = (t // (n_valid * GROUP)) * GROUP + x % GROUP
+        if HEAD_INNER:
+            n_heads = total // max_entries
+            e = t // n_heads
+            h = t % n_heads
+        else:  # head-major, a GQA group's query heads side by side (as _rows_span's forward order), per item
+            x = t % (n_valid * GROUP)
+            e = x // GROUP
+            h = (t // (n_valid * GROUP)) * GROUP + x % GROUP
         hk = h // GROUP
         qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, 1, skip_len)
         if keep:
@@ -1128,7 +1135,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
                 stride_ot, stride_lh, qk_scale, total, counter_ptr,
                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr = False,
-                PARTS: gl.constexpr = 1, PINGPONG: gl.constexpr = False, ITEMS: gl.constexpr = False):
+                PARTS: gl.constexpr = 1, PINGPONG: gl.constexpr = False, ITEMS: gl.constexpr = False,
+                HEAD_INNER: gl.constexpr = False):
     if not PERSISTENT:
         # head-major grid (flash_fwd's grid_head_major): kv head after kv head, entries in decreasing
         # cost inside it, the query heads of one GQA group side by side (they share K / V in L2)
@@ -1195,7 +1203,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
                                        True, 1, 4, PINGPONG, True)),
                 (_fwd_item_producer_loop, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready, empty, q_ready,
                                            q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries,
-                                           skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL)),
+                                           skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                           HEAD_INNER)),
             ], [4, 1], [240, 24])
         else:  # two 4-warp consumer partitions, half of each entry's rows each
             gl.warp_specialize([
@@ -1393,7 +1402,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
               block_n: int = 128, wl_block_m: int = 128, stages: int = 2, skip_len: int = 1,
               o: torch.Tensor | None = None, lse: torch.Tensor | None = None,
               persistent: bool = False, parts: int = 2, pingpong: bool = False,
-              items_whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              items_whole: bool = False, head_inner: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward (the programs of ``flash_fwd``), warp-specialized Gluon, sm_90.
 
     Args:
@@ -1417,6 +1426,8 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
             document whose keys fit the ring (<= ``stages * block_n`` tokens) loads each K / V tile
             once for all its query tiles (config ``fwd_gluon_items``; with ``wl_block_m=256``, W7's
             256-token documents read K / V once per (document, head)).
+        head_inner: with ``items_whole``, claims take every query head of one item side by side
+            (config ``fwd_gluon_head_inner``) instead of head after head.
 
     Returns:
         ``(o, lse)``: ``(T, H_q, D)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
@@ -1430,6 +1441,8 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     _check_stages("gluon_fwd", stages)
     if isinstance(parts, bool) or not isinstance(parts, int) or parts not in (1, 2):
         raise ValueError(f"gluon_fwd: parts must be the int 1 or 2, got {parts!r}")
+    if head_inner and not items_whole:
+        raise ValueError("gluon_fwd: head_inner needs items_whole=True")
     if items_whole and not (persistent and parts == 2):
         raise ValueError(f"gluon_fwd: items_whole needs persistent=True and parts=2, got persistent={persistent!r}, "
                          f"parts={parts!r}")
@@ -1462,14 +1475,15 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else num_items,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
         CAUSAL=bool(causal), PERSISTENT=bool(persistent), PARTS=int(parts), PINGPONG=bool(pingpong) and parts == 2,
-        ITEMS=bool(items_whole), num_warps=CONSUMER_WARPS.value // int(parts), maxnreg=MAXNREG)
+        ITEMS=bool(items_whole), HEAD_INNER=bool(head_inner), num_warps=CONSUMER_WARPS.value // int(parts), maxnreg=MAXNREG)
     return o, lse
 
 
 def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None = None, block_n: int | None = None,
                  stages: int | None = None, group: int = 1, causal: bool = True,
                  retire_first: bool = True, dq_reduce: bool = False, persistent: bool = False, parts: int = 2,
-                 pingpong: bool = False, items_whole: bool = False, wl_block_m: int = 128) -> dict:
+                 pingpong: bool = False, items_whole: bool = False, wl_block_m: int = 128,
+                 head_inner: bool = False) -> dict:
     """Compile one of this module's kernels for sm_90a WITHOUT a GPU (triton's bundled ptxas) and report.
 
     For screening before spending device time (benchmarks/gluon_compile_report.py prints it; the CPU
@@ -1483,7 +1497,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         pingpong: the forward's ``gluon_fwd(pingpong=)`` (ignored for the other kinds); the default False
             is ``gluon_fwd``'s default and ``small_fwd_pers``'s kernel, the long-row config runs True
             (``fwd_gluon_pingpong`` in ``config.PERSISTENT_FWD``).
-        items_whole, wl_block_m: the forward's ``gluon_fwd(items_whole=, wl_block_m=)``.
+        items_whole, wl_block_m, head_inner: the forward's ``gluon_fwd(items_whole=, wl_block_m=, head_inner=)``.
 
     Returns:
         dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
@@ -1524,7 +1538,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=wl_block_m, STAGES=st,
                   RETIRE_FIRST=bool(retire_first), CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce),
                   PERSISTENT=bool(persistent), PARTS=int(parts), PINGPONG=bool(pingpong) and parts == 2,
-                  ITEMS=bool(items_whole))
+                  ITEMS=bool(items_whole), HEAD_INNER=bool(head_inner))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
