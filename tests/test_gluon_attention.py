@@ -227,6 +227,9 @@ def test_leftover_launch_fills_exactly_what_gluon_skips(run_interpreter):
     ("fwd", {"persistent": True, "pingpong": True, "causal": False}, True, 4),
     ("fwd", {"pingpong": True}, True, 0),
     ("fwd", {"persistent": True, "parts": 1}, True, 0),  # one 8-warp consumer (candidate fwd_parts1)
+    # whole 256-row items per claim (fwd_gluon_items, candidate small_fwd_pers_items): as the row above it
+    ("fwd", {"persistent": True, "items_whole": True, "wl_block_m": 256}, True, 8),
+    ("fwd", {"persistent": True, "items_whole": True, "wl_block_m": 256, "causal": False}, True, 0),
     ("fwd", {"persistent": True, "block_n": 64, "stages": 4}, True, 0),  # candidates fwd_n64s4 (197 KB)
     ("fwd", {"persistent": True, "block_n": 64, "stages": 5}, True, 0),  # fwd_n64s5 (230 KB)
     ("fwd", {"persistent": True, "group": 4, "head_dim": 64}, True, 0),
@@ -398,3 +401,35 @@ def test_gluon_fwd_rejects_bad_partitions_before_touching_the_gpu():
         gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, block_m=64, parts=2)
     with pytest.raises(ValueError, match="parts must be 1 or 2"):
         gluon_attention.compile_sm90("fwd", parts=3)
+
+
+def test_whole_item_claims_are_validated():
+    """``fwd_gluon_items`` / ``gluon_fwd(items_whole=)`` only with the persistent two-partition forward;
+    its candidate pairs it with 256-row list items and keeps the Triton backward of ``small_fwd_pers``."""
+    from flamia_pack.errors import FlamiaError
+    from flamia_pack.kernels.config import AttentionKernelConfig, candidate_config
+
+    assert AttentionKernelConfig().fwd_gluon_items is False
+    for bad in (1, "yes", None):
+        with pytest.raises(FlamiaError, match="fwd_gluon_items must be bool"):
+            AttentionKernelConfig(fwd_gluon_items=bad)
+    for kw in ({"fwd_gluon_persistent": False}, {"fwd_gluon_parts": 1}):
+        with pytest.raises(FlamiaError, match="fwd_gluon_items needs fwd_gluon_persistent=True and fwd_gluon_parts=2"):
+            AttentionKernelConfig(fwd_gluon_items=True, **kw)
+    c = candidate_config("small_fwd_pers_items", head_dim=128)
+    base = candidate_config("small_fwd_pers", head_dim=128)
+    assert (c.fwd_gluon_items, c.wl_block_m, c.fwd_gluon_persistent, c.fwd_gluon_pingpong) == (True, 256, True, False)
+    assert (c.bwd_gluon, c.bwd_block_n1, c.bwd_block_m2) == (base.bwd_gluon, base.bwd_block_n1, base.bwd_block_m2)
+    x = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    items = torch.zeros(1, 4, dtype=torch.int32)
+    n = torch.ones(1, dtype=torch.int32)
+    for kw in ({"persistent": False}, {"persistent": True, "parts": 1}):
+        with pytest.raises(ValueError, match="items_whole needs persistent=True and parts=2"):
+            gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, items_whole=True, **kw)
+    with pytest.raises(FlamiaError, match="fwd_gluon_head_inner needs fwd_gluon_items=True"):
+        AttentionKernelConfig(fwd_gluon_head_inner=True)
+    with pytest.raises(ValueError, match="head_inner needs items_whole=True"):
+        gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, persistent=True, head_inner=True)
+    hi = candidate_config("small_fwd_pers_items_n64s5_hi", head_dim=128)
+    assert (hi.fwd_gluon_head_inner, hi.fwd_gluon_block_n, hi.fwd_gluon_stages, hi.wl_block_m) == (True, 64, 5, 256)

@@ -241,6 +241,8 @@ def build_attention_work_list(
     config: AttentionKernelConfig | None = None,
     max_items: int | None = None,
     validate: bool = True,
+    max_seqlen: int | None = None,
+    num_kv_groups: int = 1,
 ):
     """The work list ``varlen_attention`` builds by default, for reuse across calls / CUDA graphs.
 
@@ -251,8 +253,14 @@ def build_attention_work_list(
         cu_seqlens: ``(n_docs + 1,)`` int32 on the device.
         total_tokens: T.
         causal, head_dim: as the attention call (choose the tile configuration).
-        config: tile configuration (default :func:`kernel_config`).
+        config: tile configuration (default :func:`kernel_config` of ``head_dim``, ``causal``,
+            ``max_seqlen`` and ``num_kv_groups``: the list the call with the same arguments builds).
         max_items, validate: see ``flamia_pack.scheduler.worklist.build_work_list``.
+        max_seqlen: the calls' ``max_seqlen`` (host int), or None: rows of short documents get the
+            list geometry of their tile set (256-row items where ``max_seqlen <= 256``, the
+            whole-item forward); a list built without it (128-row items) still serves every call,
+            with that band's 128-row programs.
+        num_kv_groups: ``num_heads // num_kv_heads`` of the calls (1: MHA).
 
     Returns:
         ``flamia_pack.scheduler.worklist.WorkList``.
@@ -264,7 +272,7 @@ def build_attention_work_list(
     """
     from flamia_pack.scheduler.worklist import build_work_list
 
-    cfg = config or kernel_config(head_dim, causal)
+    cfg = config or kernel_config(head_dim, causal, max_seqlen=max_seqlen, num_kv_groups=num_kv_groups)
     # total_tokens as given: build_work_list checks it (an int in range; 20.7, "20", True are errors)
     return build_work_list(cu_seqlens, total_tokens, work_list_tile_config(cfg, causal),
                            max_items=max_items, validate=validate)
@@ -288,6 +296,16 @@ def _check_finite_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> N
             t, h = (int(i) for i in bad.any(dim=-1).nonzero()[0])
             raise FlamiaError(f"{name} holds NaN / Inf (first at token {t}, head {h}); attention inputs must be "
                               "finite (check_finite=False skips this check)")
+
+
+def _config_for_list(cfg: AttentionKernelConfig, work_list) -> AttentionKernelConfig:
+    """The automatic ``cfg`` on the geometry of a given work list: a list built without ``max_seqlen``
+    (128-row items) for a row whose band runs the whole-item forward on 256-row items gets that band's
+    128-row programs (``small_fwd_pers``); anything else is left to ``_check_work_list``'s error."""
+    block_m = getattr(getattr(work_list, "config", None), "block_m", None)
+    if block_m == 128 and cfg.wl_block_m == 256 and cfg.fwd_gluon_items:
+        return dataclasses.replace(cfg, wl_block_m=128, fwd_gluon_items=False, fwd_gluon_head_inner=False)
+    return cfg
 
 
 def _check_work_list(work_list, causal: bool, cfg: AttentionKernelConfig, device: torch.device, T: int):
@@ -667,6 +685,8 @@ def varlen_attention(
         if work_list is None:
             items, num_items = _default_work_list(cu32, T, max_seqlen, causal, cfg)
         else:
+            if config is None:  # the automatic choice follows a list built with other 128 / 256-row items
+                cfg = _config_for_list(cfg, work_list)
             items, num_items = _check_work_list(work_list, causal, cfg, q.device, T)
         cfg_ints = _op_config_ints(cfg, launch_bits(cfg, min_seqlen, doc_tokens, T))
     else:

@@ -343,6 +343,19 @@ class AttentionKernelConfig:
     ``small_n32r``, medians of 3 passes): W7 training call 1.00x, S1 1.019x; the split alone with the
     preprocess (``small_n32r_split``) 0.957x on W7. Off by default."""
 
+    fwd_gluon_items: bool = False
+    """With ``fwd_gluon_persistent`` and two consumer partitions: a program claims whole work-list
+    items and runs their ``wl_block_m / 128`` query tiles back to back (``gluon_fwd(items_whole=)``); a
+    causal item holding a whole document whose keys fit the K / V ring loads each tile once for all
+    its query tiles. With ``wl_block_m=256`` (candidate ``small_fwd_pers_items``) each 256-token
+    document of W7 is one item: K / V are read once per (document, head) from L2 instead of 1.5
+    times, and once from DRAM (the cost order read tile 0 again ~4,000 entries later)."""
+
+    fwd_gluon_head_inner: bool = False
+    """With ``fwd_gluon_items``: claims take all query heads of one item side by side
+    (``gluon_fwd(head_inner=)``), so the programs in flight read whole token rows of K / V (4 KB at
+    16 heads x 128) instead of one head's 256-byte column of every row."""
+
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
             v = getattr(self, name)
@@ -411,9 +424,14 @@ class AttentionKernelConfig:
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
                      "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small",
                      "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent", "bwd_dq_delta",
-                     "fwd_gluon_pingpong"):
+                     "fwd_gluon_pingpong", "fwd_gluon_items", "fwd_gluon_head_inner"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
+        if self.fwd_gluon_head_inner and not self.fwd_gluon_items:
+            raise FlamiaError("AttentionKernelConfig.fwd_gluon_head_inner needs fwd_gluon_items=True")
+        if self.fwd_gluon_items and not (self.fwd_gluon_persistent and self.fwd_gluon_parts == 2):
+            raise FlamiaError("AttentionKernelConfig.fwd_gluon_items needs fwd_gluon_persistent=True and fwd_gluon_parts=2 "
+                              f"(got {self.fwd_gluon_persistent!r}, {self.fwd_gluon_parts!r})")
 
     def launch_parts(self, forward: bool = False) -> list[tuple["AttentionKernelConfig", int]]:
         """The launches of one pass as ``(config, sel)`` pairs (``sel`` as ``program_geometry``'s).
@@ -617,6 +635,25 @@ CANDIDATES: dict[str, dict] = {
     # the same with the Gluon forward's ring in 64-key tiles, 4 slots
     "small_fwd_pers_n64s4": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
                              "fwd_gluon_pingpong": False, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 4},
+    # the same with 256-row work-list items, the Gluon forward claiming whole items (one per document of
+    # <= 256 tokens: its K / V loaded once for both query tiles), and the control without the claiming
+    "small_fwd_pers_items": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
+                             "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
+                             "fwd_gluon_items": True},
+    # ... with the heads of one item side by side, with a 5-slot ring of 64-key tiles (the next item's
+    # first K / V tile loads while this item's four are held), and both
+    "small_fwd_pers_items_hi": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
+                                "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
+                                "fwd_gluon_items": True, "fwd_gluon_head_inner": True},
+    "small_fwd_pers_items_n64s5": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
+                                   "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
+                                   "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5},
+    "small_fwd_pers_items_n64s5_hi": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
+                                      "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
+                                      "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5,
+                                      "fwd_gluon_head_inner": True},
+    "small_fwd_pers_w256": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
+                            "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256},
     # the same with the Gluon programs (and the Triton backward) in document-major order
     "small_fwd_pers_doc": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
                            "fwd_gluon_pingpong": False, "doc_major": True},
@@ -639,7 +676,8 @@ the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
 ``benchmarks/gpu_bwd_sweep.py`` (benchmarks/NOTES.md, "BF16 attention kernels (issue 5)").
 Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
 _FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon", "fwd_maxnreg",
-             "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts", "fwd_gluon_block_n", "fwd_gluon_stages", "fwd_gluon_pingpong"}
+             "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts", "fwd_gluon_block_n", "fwd_gluon_stages", "fwd_gluon_pingpong",
+             "fwd_gluon_items", "fwd_gluon_head_inner"}
 _TRITON_FWD = {"block_m", "block_n", "num_warps", "num_stages", "fwd_maxnreg", "fwd_short_len", "schedule", "doc_major",
                "hybrid_short_len"}
 for _name, _ov in CANDIDATES.items():

@@ -99,13 +99,13 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _handoff_store(slot_smem, layout: gl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7, a8):
-    """A persistent producer's hand-over of one entry to its consumer: nine int32 scalars (the entry
+def _handoff_store(slot_smem, layout: gl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9):
+    """A persistent producer's hand-over of one entry to its consumer: ten int32 scalars (the entry
     index and its geometry, so the consumer does no dependent global loads) into a 16-int slot."""
     i = gl.arange(0, 16, layout=layout)
     v = (gl.where(i == 0, a0, 0) + gl.where(i == 1, a1, 0) + gl.where(i == 2, a2, 0) + gl.where(i == 3, a3, 0)
          + gl.where(i == 4, a4, 0) + gl.where(i == 5, a5, 0) + gl.where(i == 6, a6, 0) + gl.where(i == 7, a7, 0)
-         + gl.where(i == 8, a8, 0))
+         + gl.where(i == 8, a8, 0) + gl.where(i == 9, a9, 0))
     slot_smem.store(v)
 
 
@@ -146,12 +146,13 @@ def _handoff_first(slot_smem, layout: gl.constexpr):
 
 @gluon.jit
 def _handoff_load(slot_smem, layout: gl.constexpr):
-    """The nine scalars of ``_handoff_store`` (after the slot's barrier)."""
+    """The ten scalars of ``_handoff_store`` (after the slot's barrier)."""
     v = slot_smem.load(layout)
     i = gl.arange(0, 16, layout=layout)
     return (gl.sum(gl.where(i == 0, v, 0), 0), gl.sum(gl.where(i == 1, v, 0), 0), gl.sum(gl.where(i == 2, v, 0), 0),
             gl.sum(gl.where(i == 3, v, 0), 0), gl.sum(gl.where(i == 4, v, 0), 0), gl.sum(gl.where(i == 5, v, 0), 0),
-            gl.sum(gl.where(i == 6, v, 0), 0), gl.sum(gl.where(i == 7, v, 0), 0), gl.sum(gl.where(i == 8, v, 0), 0))
+            gl.sum(gl.where(i == 6, v, 0), 0), gl.sum(gl.where(i == 7, v, 0), 0), gl.sum(gl.where(i == 8, v, 0), 0),
+            gl.sum(gl.where(i == 9, v, 0), 0))
 
 
 @gluon.jit
@@ -228,14 +229,14 @@ def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
                                                                  skip_len, kv_head0, WL_BM, BLOCK_N, BLOCK_M)
         if keep:
             slot = _claim_slot(kv_empty, n)
-            _handoff_store(t_smem.index(slot), idx_layout, t, hk, rs, re, o_hi, u0, u1, n_steps, 0)
+            _handoff_store(t_smem.index(slot), idx_layout, t, hk, rs, re, o_hi, u0, u1, n_steps, 0, 0)
             c = _dkdv_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs.index(slot),
                                     v_bufs.index(slot), ready, empty, kv_ready.index(slot), rs, o_hi, hk, n_steps, c,
                                     LSE, DELTA, stride_lh, ld_bufs, GROUP, HEAD_DIM, BLOCK_M, True)
             n += 1
         t = t_next
     slot = _claim_slot(kv_empty, n)
-    _handoff_store(t_smem.index(slot), idx_layout, n_total, 0, 0, 0, 0, 0, 0, 0, 0)
+    _handoff_store(t_smem.index(slot), idx_layout, n_total, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     mbarrier.arrive(kv_ready.index(slot), count=1)
 
 
@@ -465,7 +466,7 @@ def _dkdv_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, kv_ready,
         slot = n % KV_STAGES
         # the slot stays this entry's until its K / V are released: read the geometry here, so only t
         # is carried around the loop (carrying all nine spilled 464 B)
-        t, hk, rs, re, o_hi, u0, u1, n_steps, _unused = _handoff_load(t_smem.index(slot), idx_layout)
+        t, hk, rs, re, o_hi, u0, u1, n_steps, _unused, _unused2 = _handoff_load(t_smem.index(slot), idx_layout)
         c = _dkdv_consume_entry(q_bufs, do_bufs, k_bufs.index(slot), v_bufs.index(slot), ready, empty,
                                 kv_ready.index(slot), (n // KV_STAGES) & 1, kv_empty.index(slot),
                                 DK, DV, stride_dkt, stride_dvt, rs, re, o_hi, hk,
@@ -653,10 +654,12 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, items_ptr,
 
 @gluon.jit
 def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
-                        rs, o_lo, h, hk, n_steps, c, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                        rs, o_lo, h, hk, n_steps, c, j0, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                         HAS_DO: gl.constexpr):
     """One entry's loads for programs that own query rows (dQ, forward): its Q (and dO) tile once
-    (``qo_bar``), then its K / V tiles into the ring from ring position ``c`` (returned advanced). The
+    (``qo_bar``), then its K / V tiles ``j0, ..., n_steps - 1`` into the ring at positions ``c + j``
+    (``c + n_steps`` returned; ``j0 > 0``: the forward's item-sharing entries, whose first tiles the
+    item's previous entry left in the ring, ``_fwd_item_producer_loop``). The
     forward (no dO) has separate K and V barriers (``_ring(SPLIT_KV=True)``): V slot ``s`` is waited on
     and released through barriers ``STAGES + s``, since its consumer frees K slot ``r`` once ``S_r``
     retired, in step ``r``, and V slot ``r`` only in step ``r + 1``, after ``P_r V_r`` (``_fwd_step``)."""
@@ -668,7 +671,7 @@ def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs
     tma.async_copy_global_to_shared(q_desc, [rs, h * HEAD_DIM], qo_bar, q_smem)
     if HAS_DO:
         tma.async_copy_global_to_shared(do_desc, [rs, h * HEAD_DIM], qo_bar, do_smem)
-    for j in range(n_steps):
+    for j in range(j0, n_steps):
         r = c + j  # ring position (c is the literal 0 for one-entry programs)
         s = r % STAGES
         row = o_lo + j * BLOCK_N
@@ -691,7 +694,7 @@ def _rows_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_b
                    rs, o_lo, h, hk, n_steps, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, HAS_DO: gl.constexpr):
     # programs that own query rows (dQ, forward): their Q (and dO) tile once, then the K / V ring
     _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
-                        rs, o_lo, h, hk, n_steps, 0, HEAD_DIM, BLOCK_N, HAS_DO)
+                        rs, o_lo, h, hk, n_steps, 0, 0, HEAD_DIM, BLOCK_N, HAS_DO)
 
 
 @gluon.jit
@@ -866,7 +869,7 @@ def _fwd_softmax(st, m_i, l_i, lim, j, qk_scale, MASKED: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
-def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p_prev, m_i, l_i, qk_scale, turn, k_turn,
+def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p_prev, m_i, l_i, qk_scale, turn, k_turn, rel,
               MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               s_layout: gl.constexpr, op_layout: gl.constexpr, acc_layout: gl.constexpr,
               WG: gl.constexpr = 0, PINGPONG: gl.constexpr = False):
@@ -875,7 +878,8 @@ def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p_prev, m_i,
     are in flight together, and tile ``j``'s softmax runs while the second one computes. K slot ``s``
     is freed once ``S_j`` retired, V slot ``s - 1`` once ``P_{j-1} V_{j-1}`` did (split barriers: the
     producer loads K_{j+1} during this step). The tile the document end cuts is the last one: its V
-    rows are zeroed by ``_fwd_consume_entry`` before its product."""
+    rows are zeroed by ``_fwd_consume_entry`` before its product. ``rel`` False: no slot is released
+    (an item-sharing entry whose tiles the item's next entry reads again, ``_fwd_consume_entry``)."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     r = c + j  # ring position of walked tile j (c: the entry's first; the literal 0 for one-entry programs)
     s = r % STAGES
@@ -891,17 +895,17 @@ def _fwd_step(q_smem, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p_prev, m_i,
     acc = warpgroup_mma(p_prev, v_bufs.index(sp), acc, is_async=True)
     _turn_pass(turn, WG, PINGPONG)
     st = warpgroup_mma_wait(1, deps=(st,))  # groups retire in order: S_j done, P V may still run
-    mbarrier.arrive(empty.index(s), count=1)
+    mbarrier.arrive(empty.index(s), count=1, pred=rel)
     p, m_ij, l_i, alpha = _fwd_softmax(st, m_i, l_i, lim, j, qk_scale, MASKED, BLOCK_N, s_layout, op_layout)
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(empty.index(STAGES + sp), count=1)
+    mbarrier.arrive(empty.index(STAGES + sp), count=1, pred=rel)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout))[:, None]
     return acc, p, m_ij, l_i
 
 
 @gluon.jit
 def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_empty, O, LSE, stride_ot, stride_lh,
-                       rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, c, turn, k_turn,
+                       rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, c, turn, k_turn, rel,
                        CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        RELEASE_Q: gl.constexpr, WG: gl.constexpr = 0, NW: gl.constexpr = 8,
                        PINGPONG: gl.constexpr = False):
@@ -911,7 +915,9 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
     on its own: FA3's two consumer warpgroups, which no CTA-wide barrier couples); with
     ``RELEASE_Q`` its Q slot is handed back (``q_empty``) once its last product retired. Tile 0's
     ``S`` and softmax are peeled before the pipelined steps (``_fwd_step``), the last tile's ``P V``
-    after them (``n_steps >= 1`` for every entry a program runs)."""
+    after them (``n_steps >= 1`` for every entry a program runs). ``rel`` (int 0 / 1): 0 for an
+    item-sharing entry that is not its item's last (``_fwd_item_producer_loop``): it releases no ring
+    slot and leaves ``c`` where it was, since the item's next entry walks the same tiles again."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     PART_M: gl.constexpr = BLOCK_M * NW // 8
     s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_N)
@@ -934,19 +940,20 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
     _turn_wait(turn, k_turn, WG, PINGPONG)  # the entry's n_steps + 1 turns: k_turn, ..., k_turn + n_steps
     st = warpgroup_mma(q_part, k_bufs.index(s0).permute((1, 0)), zero, use_acc=False, is_async=True)
     _turn_pass(turn, WG, PINGPONG)
+    release = rel != 0
     st = warpgroup_mma_wait(0, deps=(st,))
-    mbarrier.arrive(empty.index(s0), count=1)
+    mbarrier.arrive(empty.index(s0), count=1, pred=release)
     if u1 > 0:
         p, m_i, l_i, _alpha = _fwd_softmax(st, m_i, l_i, lim, 0, qk_scale, False, BLOCK_N, s_layout, op_layout)
     else:
         p, m_i, l_i, _alpha = _fwd_softmax(st, m_i, l_i, lim, 0, qk_scale, True, BLOCK_N, s_layout, op_layout)
     for j in range(1, u1):
         acc, p, m_i, l_i = _fwd_step(q_part, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p, m_i, l_i, qk_scale,
-                                     turn, k_turn, False, PART_M, BLOCK_N, s_layout, op_layout, acc_layout, WG,
+                                     turn, k_turn, release, False, PART_M, BLOCK_N, s_layout, op_layout, acc_layout, WG,
                                      PINGPONG)
     for j in range(gl.maximum(u1, 1), n_steps):
         acc, p, m_i, l_i = _fwd_step(q_part, k_bufs, v_bufs, ready, empty, lim, j, c, acc, p, m_i, l_i, qk_scale,
-                                     turn, k_turn, True, PART_M, BLOCK_N, s_layout, op_layout, acc_layout, WG,
+                                     turn, k_turn, release, True, PART_M, BLOCK_N, s_layout, op_layout, acc_layout, WG,
                                      PINGPONG)
     r = c + n_steps - 1
     sl = r % STAGES
@@ -957,7 +964,7 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
     acc = warpgroup_mma(p, v_bufs.index(sl), acc, is_async=True)
     _turn_pass(turn, WG, PINGPONG)
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(empty.index(STAGES + sl), count=1)
+    mbarrier.arrive(empty.index(STAGES + sl), count=1, pred=release)
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc_layout))[:, None]).to(gl.bfloat16)
     out = _rows_through_smem(q_part, out, NW)  # O through the partition's own Q rows (all products retired)
@@ -966,7 +973,7 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
     _store_rows(O, out, r0, re, stride_ot, h * HEAD_DIM)
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
     gl.store(LSE + h * stride_lh + q_pos, lse, mask=q_pos < re)
-    return c + n_steps
+    return c + n_steps * rel
 
 
 @gluon.jit
@@ -975,8 +982,8 @@ def _fwd_consumer(q_smem, k_bufs, v_bufs, ready, empty, q_bar, O, LSE, stride_ot
                   CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   WG: gl.constexpr = 0, NW: gl.constexpr = 8, PINGPONG: gl.constexpr = False):
     _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, 0, q_bar, O, LSE, stride_ot, stride_lh,
-                       rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, 0, turn, 0, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                       False, WG, NW, PINGPONG)
+                       rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, 0, turn, 0, 1, CAUSAL, HEAD_DIM, BLOCK_M,
+                       BLOCK_N, False, WG, NW, PINGPONG)
 
 
 @gluon.jit
@@ -1029,14 +1036,86 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
                                                                       CAUSAL, IS_FWD)
         if keep:
             slot = _claim_slot(qo_empty, n)
-            _handoff_store(t_smem.index(slot), idx_layout, t, h, hk, rs, re, o_lo, o_hi, u1, n_steps)
+            _handoff_store(t_smem.index(slot), idx_layout, t, h, hk, rs, re, o_lo, o_hi, u1, n_steps,
+                           0)  # the tenth (rel) is read only by ITEMS consumers
             c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
                                     k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
-                                    c, HEAD_DIM, BLOCK_N, not IS_FWD)
+                                    c, 0, HEAD_DIM, BLOCK_N, not IS_FWD)
             n += 1
         t = t_next
     slot = _claim_slot(qo_empty, n)
-    _handoff_store(t_smem.index(slot), idx_layout, n_total, 0, 0, 0, 0, 0, 0, 0, 0)
+    _handoff_store(t_smem.index(slot), idx_layout, n_total, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    mbarrier.arrive(qo_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _fwd_item_producer_loop(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem,
+                            counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, total,
+                            GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr,
+                            HEAD_INNER: gl.constexpr = False):
+    """Persistent forward programs' producer claiming whole list items (``gluon_fwd(items=True)``):
+    the item's ``F = WL_BM / BLOCK_M`` query tiles run back to back on this program, one entry each
+    (Q slot ``n % 2``). A causal item that starts at its document's start and whose keys fit the ring
+    (``ceil((q_end - doc_start) / BLOCK_N) <= STAGES``: a whole document of <= 256 tokens with 128-key
+    tiles and 2 slots) loads each K / V tile once: the item's earlier entries release no slot
+    (hand-over flag 0) and its last entry walks the same ring positions and frees them. So W7's
+    256-token documents read K / V once from L2 per (document, head) instead of 1.5 times, and from
+    DRAM once (the cost order re-read tile 0 ~4,000 entries later). Other items: independent entries
+    (the second re-reads its K / V from L2 right after the first). ``HEAD_INNER``: claim ``t`` is item
+    ``t // H``, query head ``t % H`` (every head of one item side by side: the programs in flight read
+    whole token rows of K / V) instead of head after head."""
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    F: gl.constexpr = WL_BM // BLOCK_M
+    idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
+    n_valid, n_total = _entry_counts(num_items_ptr, max_entries // F, total // F, 1)
+    c = 0
+    n = 0
+    t = gl.atomic_add(counter_ptr, 1)
+    while t < n_total:
+        t_next = gl.atomic_add(counter_ptr, 1)  # taken early: its latency hides under this item's loads
+        if HEAD_INNER:
+            n_heads = total // max_entries
+            e = t // n_heads
+            h = t % n_heads
+        else:  # head-major, a GQA group's query heads side by side (as _rows_span's forward order), per item
+            x = t % (n_valid * GROUP)
+            e = x // GROUP
+            h = (t // (n_valid * GROUP)) * GROUP + x % GROUP
+        hk = h // GROUP
+        qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, 1, skip_len)
+        if keep:
+            if CAUSAL:
+                share = (qs == ds) & ((qe - ds + BLOCK_N - 1) // BLOCK_N <= STAGES)
+            else:  # every query tile walks the whole document: no last entry reads all the others' tiles
+                share = qs < 0
+            loaded = gl.to_tensor(0)  # the item's tiles already in the ring (sharing)
+            for f in gl.static_range(F):
+                rs = qs + f * BLOCK_M
+                re = gl.minimum(rs + BLOCK_M, qe)
+                if rs < re:
+                    o_lo = ds
+                    if CAUSAL:
+                        o_hi = re
+                        u1 = gl.maximum(rs - o_lo + 1, 0) // BLOCK_N
+                    else:
+                        o_hi = de
+                        u1 = (o_hi - o_lo) // BLOCK_N
+                    n_steps = (o_hi - o_lo + BLOCK_N - 1) // BLOCK_N
+                    rel = (re >= qe) | (share == 0)
+                    slot = _claim_slot(qo_empty, n)
+                    _handoff_store(t_smem.index(slot), idx_layout, t, h, hk, rs, re, o_lo, o_hi, u1, n_steps,
+                                   rel.to(gl.int32))
+                    j0 = gl.where(share, loaded, 0)
+                    nxt = _rows_produce_entry(q_desc, q_desc, k_desc, v_desc, q_bufs.index(slot), q_bufs.index(slot),
+                                              k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk,
+                                              n_steps, c, j0, HEAD_DIM, BLOCK_N, False)
+                    c = gl.where(rel, nxt, c)
+                    loaded = gl.maximum(loaded, n_steps)
+                    n += 1
+        t = t_next
+    slot = _claim_slot(qo_empty, n)
+    _handoff_store(t_smem.index(slot), idx_layout, n_total, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     mbarrier.arrive(qo_ready.index(slot), count=1)
 
 
@@ -1045,24 +1124,37 @@ def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready,
                         stride_out, stride_lh, qk_scale, sm_scale, num_items_ptr, max_entries,
                         total, turn, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr, IS_FWD: gl.constexpr,
-                        WG: gl.constexpr = 0, NW: gl.constexpr = 8, PINGPONG: gl.constexpr = False):
+                        WG: gl.constexpr = 0, NW: gl.constexpr = 8, PINGPONG: gl.constexpr = False,
+                        ITEMS: gl.constexpr = False):
     """Persistent dQ / forward programs' consumer: the entries the producer hands over; ``OUT`` is dQ
     (``IS_FWD`` False) or O (LSE written too). ``WG`` / ``NW``: the forward's consumer partition
-    (``_fwd_consume_entry``)."""
+    (``_fwd_consume_entry``). ``ITEMS``: the producer claims whole list items
+    (``_fwd_item_producer_loop``), so its stop signal is the item count."""
     QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
+    F: gl.constexpr = WL_BM // BLOCK_M
     idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [NW], [0])  # each thread: the whole slot
-    _n_valid, n_total = _entry_counts(num_items_ptr, max_entries, total, WL_BM // BLOCK_M)
+    if ITEMS:
+        _n_valid, n_total = _entry_counts(num_items_ptr, max_entries // F, total // F, 1)
+    else:
+        _n_valid, n_total = _entry_counts(num_items_ptr, max_entries, total, F)
     c = 0
     n = 0
+    kt = 0  # ITEMS: ping-pong turns taken (an entry takes n_steps + 1; c stays put on sharing entries)
     t = _next_entry(qo_ready, t_smem, n, idx_layout)
     while t < n_total:
         slot = n % QO_STAGES
-        t, h, hk, rs, re, o_lo, o_hi, u1, n_steps = _handoff_load(t_smem.index(slot), idx_layout)
+        t, h, hk, rs, re, o_lo, o_hi, u1, n_steps, rel = _handoff_load(t_smem.index(slot), idx_layout)
+        if ITEMS:
+            k_turn = kt
+        else:  # every entry frees its slots and takes its turns from c + n (constants: the SASS of main)
+            rel = 1
+            k_turn = c + n
         if IS_FWD:
             c = _fwd_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, ready, empty, qo_ready.index(slot),
                                    (n // QO_STAGES) & 1, qo_empty.index(slot), OUT, LSE, stride_out, stride_lh, rs,
-                                   re, o_lo, o_hi, h, n_steps, u1, qk_scale, c, turn, c + n, CAUSAL, HEAD_DIM,
+                                   re, o_lo, o_hi, h, n_steps, u1, qk_scale, c, turn, k_turn, rel, CAUSAL, HEAD_DIM,
                                    BLOCK_M, BLOCK_N, True, WG, NW, PINGPONG)
+            kt += n_steps + 1
         else:
             c = _dq_consume_entry(q_bufs.index(slot), do_bufs.index(slot), k_bufs, v_bufs, ready, empty,
                                   qo_ready.index(slot), (n // QO_STAGES) & 1, qo_empty.index(slot), LSE, DELTA, OUT,
@@ -1077,7 +1169,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
                 stride_ot, stride_lh, qk_scale, total, counter_ptr,
                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr = False,
-                PARTS: gl.constexpr = 1, PINGPONG: gl.constexpr = False):
+                PARTS: gl.constexpr = 1, PINGPONG: gl.constexpr = False, ITEMS: gl.constexpr = False,
+                HEAD_INNER: gl.constexpr = False):
     if not PERSISTENT:
         # head-major grid (flash_fwd's grid_head_major): kv head after kv head, entries in decreasing
         # cost inside it, the query heads of one GQA group side by side (they share K / V in L2)
@@ -1132,6 +1225,21 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
                                        max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
                                        True)),
             ], [1], [24])
+        elif ITEMS:  # two consumer partitions; the producer claims whole list items (_fwd_item_producer_loop)
+            gl.warp_specialize([
+                (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE,
+                                       LSE, stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
+                                       max_entries, total, turn, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                       True, 0, 4, PINGPONG, True)),
+                (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE,
+                                       LSE, stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
+                                       max_entries, total, turn, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                       True, 1, 4, PINGPONG, True)),
+                (_fwd_item_producer_loop, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready, empty, q_ready,
+                                           q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries,
+                                           skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                                           HEAD_INNER)),
+            ], [4, 1], [240, 24])
         else:  # two 4-warp consumer partitions, half of each entry's rows each
             gl.warp_specialize([
                 (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE,
@@ -1327,7 +1435,8 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
               num_items: torch.Tensor, softmax_scale: float, *, causal: bool = True, block_m: int = 128,
               block_n: int = 128, wl_block_m: int = 128, stages: int = 2, skip_len: int = 1,
               o: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-              persistent: bool = False, parts: int = 2, pingpong: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              persistent: bool = False, parts: int = 2, pingpong: bool = False,
+              items_whole: bool = False, head_inner: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward (the programs of ``flash_fwd``), warp-specialized Gluon, sm_90.
 
     Args:
@@ -1346,6 +1455,13 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
             FA3's layout; config ``fwd_gluon_parts``).
         pingpong: with ``parts=2``, the two partitions take turns issuing their wgmma products
             (FlashAttention-3 §3.1; config ``fwd_gluon_pingpong``); ignored with ``parts=1``.
+        items_whole: with ``persistent`` and ``parts=2``, a program claims whole list items and runs
+            their ``wl_block_m / block_m`` query tiles back to back; a causal item holding a whole
+            document whose keys fit the ring (<= ``stages * block_n`` tokens) loads each K / V tile
+            once for all its query tiles (config ``fwd_gluon_items``; with ``wl_block_m=256``, W7's
+            256-token documents read K / V once per (document, head)).
+        head_inner: with ``items_whole``, claims take every query head of one item side by side
+            (config ``fwd_gluon_head_inner``) instead of head after head.
 
     Returns:
         ``(o, lse)``: ``(T, H_q, D)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
@@ -1353,12 +1469,17 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
 
     Raises:
         ValueError: as :func:`gluon_dkdv` (inputs), ``skip_len < 1``, tiles that do not divide, ``parts``
-            not 1 or 2, ``block_m / parts`` not a multiple of 64, or tiles that need more shared memory
-            than an sm_90 program has.
+            not 1 or 2, ``block_m / parts`` not a multiple of 64, tiles that need more shared memory
+            than an sm_90 program has, or ``items_whole`` without ``persistent`` and ``parts=2``.
     """
     _check_stages("gluon_fwd", stages)
     if isinstance(parts, bool) or not isinstance(parts, int) or parts not in (1, 2):
         raise ValueError(f"gluon_fwd: parts must be the int 1 or 2, got {parts!r}")
+    if head_inner and not items_whole:
+        raise ValueError("gluon_fwd: head_inner needs items_whole=True")
+    if items_whole and not (persistent and parts == 2):
+        raise ValueError(f"gluon_fwd: items_whole needs persistent=True and parts=2, got persistent={persistent!r}, "
+                         f"parts={parts!r}")
     if (block_m // parts) % 64:
         raise ValueError(f"gluon_fwd: each of the {parts} consumer partitions needs a multiple of 64 query rows "
                          f"(wgmma), got block_m={block_m}")
@@ -1388,14 +1509,15 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else num_items,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
         CAUSAL=bool(causal), PERSISTENT=bool(persistent), PARTS=int(parts), PINGPONG=bool(pingpong) and parts == 2,
-        num_warps=CONSUMER_WARPS.value // int(parts), maxnreg=MAXNREG)
+        ITEMS=bool(items_whole), HEAD_INNER=bool(head_inner), num_warps=CONSUMER_WARPS.value // int(parts), maxnreg=MAXNREG)
     return o, lse
 
 
 def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None = None, block_n: int | None = None,
                  stages: int | None = None, group: int = 1, causal: bool = True,
                  retire_first: bool = True, dq_reduce: bool = False, persistent: bool = False, parts: int = 2,
-                 pingpong: bool = False) -> dict:
+                 pingpong: bool = False, items_whole: bool = False, wl_block_m: int = 128,
+                 head_inner: bool = False) -> dict:
     """Compile one of this module's kernels for sm_90a WITHOUT a GPU (triton's bundled ptxas) and report.
 
     For screening before spending device time (benchmarks/gluon_compile_report.py prints it; the CPU
@@ -1409,6 +1531,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         pingpong: the forward's ``gluon_fwd(pingpong=)`` (ignored for the other kinds); the default False
             is ``gluon_fwd``'s default and ``small_fwd_pers``'s kernel, the long-row config runs True
             (``fwd_gluon_pingpong`` in ``config.PERSISTENT_FWD``).
+        items_whole, wl_block_m, head_inner: the forward's ``gluon_fwd(items_whole=, wl_block_m=, head_inner=)``.
 
     Returns:
         dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
@@ -1446,9 +1569,10 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
     types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": walked, "LSE": "*fp32", "DELTA": "*fp32",
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",
              "cu_ptr": "*i32", "counter_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc}
-    consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=128, STAGES=st,
+    consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=wl_block_m, STAGES=st,
                   RETIRE_FIRST=bool(retire_first), CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce),
-                  PERSISTENT=bool(persistent), PARTS=int(parts), PINGPONG=bool(pingpong) and parts == 2)
+                  PERSISTENT=bool(persistent), PARTS=int(parts), PINGPONG=bool(pingpong) and parts == 2,
+                  ITEMS=bool(items_whole), HEAD_INNER=bool(head_inner))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
