@@ -183,7 +183,9 @@ def ours_call(inp, config=None, causal: bool = True):
     from flamia_pack.kernels import varlen_attention
     from flamia_pack.kernels.attention import build_attention_work_list
 
-    wl = build_attention_work_list(inp["cu"], inp["T"], causal=causal, head_dim=HEAD_DIM, config=config)
+    wl = build_attention_work_list(inp["cu"], inp["T"], causal=causal, head_dim=HEAD_DIM, config=config,
+                                   max_seqlen=inp["max_seqlen"],
+                                   num_kv_groups=inp["q"].shape[1] // inp["k"].shape[1])
 
     def call(q, k, v):
         return varlen_attention(q, k, v, inp["cu"], inp["max_seqlen"], causal=causal, work_list=wl, config=config)

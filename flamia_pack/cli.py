@@ -667,8 +667,8 @@ def bench_cmd(
             cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
             q, k, v = (torch.randn((T, x, head_dim), device="cuda", dtype=torch.bfloat16) for x in (h, hkv, hkv))
             do = torch.randn_like(q)
-            wl = build_attention_work_list(cu, T, causal=causal, head_dim=head_dim)
             mx = int(lens.max())
+            wl = build_attention_work_list(cu, T, causal=causal, head_dim=head_dim, max_seqlen=mx, num_kv_groups=h // hkv)
 
             def fwd():
                 with torch.no_grad():
@@ -680,7 +680,8 @@ def bench_cmd(
                 varlen_attention(*leaves, cu, mx, causal=causal, work_list=wl).backward(do)
 
             def build():
-                build_attention_work_list(cu, T, causal=causal, head_dim=head_dim, validate=False)
+                build_attention_work_list(cu, T, causal=causal, head_dim=head_dim, validate=False, max_seqlen=mx,
+                                          num_kv_groups=h // hkv)
 
             t_f = triton.testing.do_bench(fwd, rep=rep, return_mode="median")
             t_t = triton.testing.do_bench(train, rep=rep, grad_to_none=leaves, return_mode="median")

@@ -40,7 +40,8 @@ def test_env_var_selects_candidate(monkeypatch):
 
 
 def test_small_tiles_for_rows_of_short_documents(monkeypatch):
-    from flamia_pack.kernels.config import SMALL_BWD_MAX_SEQLEN, SMALL_FWD_GLUON_MIN_SEQLEN, SMALL_MAX_SEQLEN
+    from flamia_pack.kernels.config import (SMALL_BWD_MAX_SEQLEN, SMALL_FWD_GLUON_MIN_SEQLEN, SMALL_ITEMS_MAX_SEQLEN,
+                                            SMALL_MAX_SEQLEN)
 
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     small = candidate_config("small")
@@ -48,9 +49,15 @@ def test_small_tiles_for_rows_of_short_documents(monkeypatch):
     # <= 512: the small set with the 64 x 32 forward capped at 168 registers
     # <= 512 with a document of >= 128 tokens: the persistent Gluon forward, the small Triton backward
     assert kernel_config(128, max_seqlen=SMALL_BWD_MAX_SEQLEN) == candidate_config("small_fwd_pers")
-    assert kernel_config(128, max_seqlen=SMALL_FWD_GLUON_MIN_SEQLEN) == candidate_config("small_fwd_pers")
+    assert kernel_config(128, max_seqlen=SMALL_ITEMS_MAX_SEQLEN + 1) == candidate_config("small_fwd_pers")
     pers = candidate_config("small_fwd_pers")
     assert pers.fwd_gluon and pers.fwd_gluon_persistent and not pers.bwd_gluon
+    # 128..256: the same on whole 256-row items (one per document), K / V once in a 5 x 64-key ring
+    items = candidate_config("small_fwd_pers_items_n64s5")
+    assert kernel_config(128, max_seqlen=SMALL_FWD_GLUON_MIN_SEQLEN) == items
+    assert kernel_config(128, max_seqlen=SMALL_ITEMS_MAX_SEQLEN) == items
+    assert items == dataclasses.replace(pers, wl_block_m=256, fwd_gluon_items=True, fwd_gluon_block_n=64,
+                                        fwd_gluon_stages=5)
     # every document shorter than a 128-row entry: no Gluon entry to run, the Triton forward
     assert kernel_config(128, max_seqlen=SMALL_FWD_GLUON_MIN_SEQLEN - 1) == candidate_config("small_n32r")
     assert kernel_config(128, max_seqlen=1) == candidate_config("small_n32r")
@@ -533,3 +540,27 @@ def test_work_list_hint_is_dropped_when_the_buffers_are_rewritten():
     assert work_list_hints(hand)[0] is None
     given = build_work_list(long_cu, 2048, TileConfig(), validate=False, min_seqlen=600)  # a caller's host copy
     assert work_list_hints(given)[0] == 600
+
+
+def test_work_lists_follow_the_call_band_and_old_lists_still_serve(monkeypatch):
+    """``build_attention_work_list(max_seqlen=)`` builds the list the call would (256-row items in the
+    whole-item band); a list built without it (128-row items) makes the automatic config fall back to
+    the band's 128-row programs (``small_fwd_pers``) instead of raising; an explicit config does not."""
+    import torch
+
+    from flamia_pack.kernels.attention import _check_work_list, _config_for_list, build_attention_work_list
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    cu = torch.tensor([0, 256, 300, 556], dtype=torch.int32)
+    wl256 = build_attention_work_list(cu, 556, max_seqlen=256)
+    wl128 = build_attention_work_list(cu, 556)
+    assert (wl256.config.block_m, wl128.config.block_m) == (256, 128)
+    assert build_attention_work_list(cu, 556, max_seqlen=1000).config.block_m == 128
+    auto = kernel_config(128, max_seqlen=256)
+    assert _config_for_list(auto, wl256) is auto
+    assert _config_for_list(auto, wl128) == candidate_config("small_fwd_pers")
+    _check_work_list(wl128, True, _config_for_list(auto, wl128), cu.device, 556)
+    with pytest.raises(FlamiaError, match="block_m=128; the kernels expect block_m=256"):
+        _check_work_list(wl128, True, auto, cu.device, 556)
+    other = kernel_config(128, max_seqlen=2048)
+    assert _config_for_list(other, wl256) is other

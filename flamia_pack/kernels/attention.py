@@ -301,10 +301,13 @@ def _check_finite_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> N
 def _config_for_list(cfg: AttentionKernelConfig, work_list) -> AttentionKernelConfig:
     """The automatic ``cfg`` on the geometry of a given work list: a list built without ``max_seqlen``
     (128-row items) for a row whose band runs the whole-item forward on 256-row items gets that band's
-    128-row programs (``small_fwd_pers``); anything else is left to ``_check_work_list``'s error."""
+    128-row programs (``small_fwd_pers``: one claim per query tile, the default 2 x 128-key ring);
+    anything else is left to ``_check_work_list``'s error."""
     block_m = getattr(getattr(work_list, "config", None), "block_m", None)
     if block_m == 128 and cfg.wl_block_m == 256 and cfg.fwd_gluon_items:
-        return dataclasses.replace(cfg, wl_block_m=128, fwd_gluon_items=False, fwd_gluon_head_inner=False)
+        base = AttentionKernelConfig()
+        return dataclasses.replace(cfg, wl_block_m=128, fwd_gluon_items=False, fwd_gluon_head_inner=False,
+                                   fwd_gluon_block_n=base.fwd_gluon_block_n, fwd_gluon_stages=base.fwd_gluon_stages)
     return cfg
 
 

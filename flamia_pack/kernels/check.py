@@ -115,7 +115,8 @@ def compare_with_reference(
     if prebuilt_work_list:
         from flamia_pack.kernels.attention import build_attention_work_list
 
-        wl = build_attention_work_list(cu, T, causal=causal, head_dim=head_dim, config=config)
+        wl = build_attention_work_list(cu, T, causal=causal, head_dim=head_dim, config=config, max_seqlen=max_len,
+                                       num_kv_groups=num_heads // num_kv_heads)
     with _poisoned(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         o, lse, (dq, dk, dv) = grads_of(

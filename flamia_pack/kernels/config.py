@@ -54,6 +54,15 @@ SMALL_FWD_GLUON_MIN_SEQLEN = 128
 forward (``small_n32r``): every document is shorter than the work list's 128-row entries, so the
 Gluon forward would have no entry to run and only the Triton leftover launch would work (S1)."""
 
+SMALL_ITEMS_MAX_SEQLEN = 256
+"""Band-0 rows with ``SMALL_FWD_GLUON_MIN_SEQLEN <= max_seqlen <=`` this run the persistent Gluon forward
+on whole 256-row items (``small_fwd_pers_items_n64s5``: one item per document, its K / V loaded once
+for both query tiles into a 5-slot ring of 64-key tiles) with the small set's Triton backward on the
+same 256-row list. Measured on the H200 (2026-11-30 (fifth), RESULTS runs 2-3): W7 forward kernel
+342 -> 301 us (1.14x), training call 1.800 -> 1.709 ms (1.053x, three passes each) against
+``small_fwd_pers``, which rows of 257-512-token documents keep (their items are not whole documents
+that fit the ring; unmeasured there)."""
+
 CONFIG_ENV = "FLAMIA_ATTN_CONFIG"
 """Environment variable naming a :data:`CANDIDATES` entry that :func:`kernel_config` applies on top
 of its default (unset or empty: the default, with the ``max_seqlen`` rule of :func:`kernel_config`;
@@ -749,7 +758,8 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
     and MHA rows of ``max_seqlen <= SMALL_BWD_MAX_SEQLEN`` the ``small`` tile set (MHA: its
     ``small_n32r`` variant, a 64 x 32 forward capped at 168 registers for three programs per SM; MHA
     rows of ``SMALL_FWD_GLUON_MIN_SEQLEN <= max_seqlen <= SMALL_BWD_MAX_SEQLEN`` keep its backward
-    but run the persistent Gluon forward, ``small_fwd_pers``): 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
+    but run the persistent Gluon forward, ``small_fwd_pers``, on whole 256-row items up to
+    :data:`SMALL_ITEMS_MAX_SEQLEN`, ``small_fwd_pers_items_n64s5``): 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
     programs with 4 warps, two programs per SM, so one program's prologue and epilogue (which
     dominate when each program walks only a few tiles) overlap another's tiles. GQA calls
     (``num_kv_groups > 1``) get its 16-query dK/dV step (``small_m16``): with the group loop the
@@ -761,8 +771,9 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
         causal: causal mask (kept for the signature; both use the same tiles today).
         precision: ``"bf16"`` (``"fp8"`` shares the tiles; its kernels are a later issue).
         max_seqlen: the call's longest document (host int), or None (not known: the default
-            tiles). Both tile sets use the same work-list geometry (``wl_block_m`` 128), so a work
-            list built without it serves either.
+            tiles). The tile sets use 128-row work-list items except the whole-item band (256);
+            ``varlen_attention`` runs that band's 128-row programs on a list built without
+            ``max_seqlen``, so such a list serves every call.
         num_kv_groups: ``num_heads // num_kv_heads`` of the call (1 for MHA).
 
     If the environment variable :data:`CONFIG_ENV` (``FLAMIA_ATTN_CONFIG``) names a
@@ -781,8 +792,8 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
         raise FlamiaError(f"num_kv_groups must be an int >= 1 (num_heads // num_kv_heads), got {num_kv_groups!r}")
     name = env_candidate()
     band = None if max_seqlen is None else (
-        -1 if max_seqlen < SMALL_FWD_GLUON_MIN_SEQLEN else 0 if max_seqlen <= SMALL_BWD_MAX_SEQLEN
-        else 1 if max_seqlen <= SMALL_MAX_SEQLEN else 2)
+        -1 if max_seqlen < SMALL_FWD_GLUON_MIN_SEQLEN else 0 if max_seqlen <= SMALL_ITEMS_MAX_SEQLEN
+        else 1 if max_seqlen <= SMALL_BWD_MAX_SEQLEN else 2 if max_seqlen <= SMALL_MAX_SEQLEN else 3)
     if type(head_dim) is int and type(causal) is bool and type(precision) is str:
         # per-call host cost ~10 us -> ~1 us (configs are frozen: one shared object per key is safe)
         return _kernel_config_cached(name, head_dim, causal, precision, band, num_kv_groups > 1)
@@ -792,10 +803,10 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
 def _kernel_config_uncached(name: str, head_dim, causal, precision, band: int | None, gqa: bool) -> AttentionKernelConfig:
     if name:  # an explicit choice (``default`` included) wins over the max_seqlen rule
         return candidate_config(name, head_dim, causal, precision)
-    if band is not None and band < 2 and head_dim == 128:
+    if band is not None and band < 3 and head_dim == 128:
         if gqa:
             return candidate_config("small_m16", head_dim, causal, precision)
-        name = {-1: "small_n32r", 0: "small_fwd_pers", 1: "all_pers_dqp"}[band]
+        name = {-1: "small_n32r", 0: "small_fwd_pers_items_n64s5", 1: "small_fwd_pers", 2: "all_pers_dqp"}[band]
         return candidate_config(name, head_dim, causal, precision)
     return _default_config(head_dim, causal, precision)
 

@@ -171,7 +171,8 @@ class GpuDispatcher:
         if spec.precision == "bf16":
             from flamia_pack.kernels.attention import build_attention_work_list
 
-            work_list = build_attention_work_list(cu_t, T, causal=spec.causal, head_dim=d)
+            work_list = build_attention_work_list(cu_t, T, causal=spec.causal, head_dim=d, max_seqlen=max_seqlen,
+                                                  num_kv_groups=hq // hkv)
 
         def call(q, k, v, do):
             o = varlen_attention(q, k, v, cu_t, max_seqlen, causal=spec.causal, precision=spec.precision,
