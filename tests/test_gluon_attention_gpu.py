@@ -159,7 +159,8 @@ def test_forward_claiming_whole_items(name, causal, lengths, h, hkv, pad):
     assert r["ok"] and r["pad_ok"], r
 
 
-@pytest.mark.parametrize("name", ["small_fwd_pers_items_hi", "small_fwd_pers_items_n64s5", "small_fwd_pers_items_n64s5_hi"])
+@pytest.mark.parametrize("name", ["small_fwd_pers_items_hi", "small_fwd_pers_items_n64s5", "small_fwd_pers_items_n64s5_hi",
+                                  "small_fwd_pers_items_n64s5_pp"])
 @pytest.mark.parametrize("lengths,h,hkv,pad", [
     ([256] * 40 + [100], 8, 8, 11),
     ([200, 128, 255, 130, 129, 256, 64, 200, 300, 1, 3, 511], 4, 2, 5),

@@ -661,6 +661,10 @@ CANDIDATES: dict[str, dict] = {
                                       "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
                                       "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5,
                                       "fwd_gluon_head_inner": True},
+    # ... the band's config (small_fwd_pers_items_n64s5) with the two partitions taking turns
+    "small_fwd_pers_items_n64s5_pp": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
+                                      "fwd_gluon_persistent": True, "fwd_gluon_pingpong": True, "wl_block_m": 256,
+                                      "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5},
     "small_fwd_pers_w256": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
                             "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256},
     # the same with the Gluon programs (and the Triton backward) in document-major order
