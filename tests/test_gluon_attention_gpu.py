@@ -137,41 +137,32 @@ def test_gluon_forward_vs_reference(lengths, h, hkv, d, pad, causal, name):
     assert r["ok"] and r["pad_ok"], r
 
 
-@pytest.mark.parametrize("name", ["small_fwd_pers_items", "small_fwd_pers_w256"])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("lengths,h,hkv,pad", [
+_ITEM_ROWS = [
     ([256] * 16, 4, 4, 0),  # every item a whole document sharing its K / V tiles
     ([300, 129, 256, 77, 500, 1, 3, 256, 511], 4, 4, 37),  # long documents' items, 1- / 3-token ones (Triton)
     ([200, 128, 255, 130, 129, 256, 64, 200], 4, 2, 5),  # cut last tiles, one-tile items, GQA
     ([256] * 40 + [100], 8, 8, 11),  # more items than programs: the ring and the Q slots wrap
-])
+]
+_ITEM_VARIANT_ROWS = [([256] * 40 + [100], 8, 8, 11), ([200, 128, 255, 130, 129, 256, 64, 200, 300, 1, 3, 511], 4, 2, 5)]
+_ITEM_CASES = ([(n, c, *row) for n in ("small_fwd_pers_items", "small_fwd_pers_w256") for c in (True, False)
+                for row in _ITEM_ROWS]
+               + [(n, True, *row) for n in ("small_fwd_pers_items_hi", "small_fwd_pers_items_n64s5",
+                                            "small_fwd_pers_items_n64s5_hi", "small_fwd_pers_items_n64s5_pp")
+                  for row in _ITEM_VARIANT_ROWS])
+
+
+@pytest.mark.parametrize("name,causal,lengths,h,hkv,pad", _ITEM_CASES)
 def test_forward_claiming_whole_items(name, causal, lengths, h, hkv, pad):
     """The persistent Gluon forward claiming whole 256-row list items (``fwd_gluon_items``, candidate
-    ``small_fwd_pers_items``; ``small_fwd_pers_w256`` the same list with one claim per query tile), vs
-    the fp32 reference with the Triton backward on the same list: every query tile run once, the
-    shared K / V tiles released only by the item's last query tile (a release too early would let the
-    producer overwrite them: wrong rows; too late or never: a hang, so run under ``timeout``)."""
+    ``small_fwd_pers_items``; ``small_fwd_pers_w256`` the same list with one claim per query tile; the
+    heads of one item side by side, ``_hi``; a 5-slot ring of 64-key tiles, ``_n64s5``, the band's
+    config; with ping-pong turns, ``_pp``), vs the fp32 reference with the Triton backward on the same
+    list: every query tile run once, the shared K / V tiles released only by the item's last query
+    tile (a release too early would let the producer overwrite them: wrong rows; too late or never: a
+    hang, so run under ``timeout``)."""
     if not _HOPPER:
         pytest.skip("sm_90 only")
     r = compare_with_reference(lengths, num_heads=h, num_kv_heads=hkv, head_dim=128, causal=causal, pad=pad,
-                               device="cuda", seed=len(lengths) + h, config=candidate_config(name),
-                               with_lse_grad=True)
-    assert r["ok"] and r["pad_ok"], r
-
-
-@pytest.mark.parametrize("name", ["small_fwd_pers_items_hi", "small_fwd_pers_items_n64s5", "small_fwd_pers_items_n64s5_hi",
-                                  "small_fwd_pers_items_n64s5_pp"])
-@pytest.mark.parametrize("lengths,h,hkv,pad", [
-    ([256] * 40 + [100], 8, 8, 11),
-    ([200, 128, 255, 130, 129, 256, 64, 200, 300, 1, 3, 511], 4, 2, 5),
-])
-def test_forward_claiming_whole_items_variants(name, lengths, h, hkv, pad):
-    """Whole-item claims with the heads of one item side by side (``fwd_gluon_head_inner``) and with a
-    5-slot ring of 64-key tiles (four tiles of a 256-token document shared, one slot ahead), causal,
-    vs the fp32 reference."""
-    if not _HOPPER:
-        pytest.skip("sm_90 only")
-    r = compare_with_reference(lengths, num_heads=h, num_kv_heads=hkv, head_dim=128, causal=True, pad=pad,
                                device="cuda", seed=len(lengths) + h, config=candidate_config(name),
                                with_lse_grad=True)
     assert r["ok"] and r["pad_ok"], r

@@ -1091,17 +1091,8 @@ def _fwd_item_producer_loop(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, read
                 share = qs < 0
             loaded = gl.to_tensor(0)  # the item's tiles already in the ring (sharing)
             for f in gl.static_range(F):
-                rs = qs + f * BLOCK_M
-                re = gl.minimum(rs + BLOCK_M, qe)
+                rs, re, o_lo, o_hi, u1, n_steps = _query_rows(qs, qe, ds, de, f, F, BLOCK_M, BLOCK_N, CAUSAL)
                 if rs < re:
-                    o_lo = ds
-                    if CAUSAL:
-                        o_hi = re
-                        u1 = gl.maximum(rs - o_lo + 1, 0) // BLOCK_N
-                    else:
-                        o_hi = de
-                        u1 = (o_hi - o_lo) // BLOCK_N
-                    n_steps = (o_hi - o_lo + BLOCK_N - 1) // BLOCK_N
                     rel = (re >= qe) | (share == 0)
                     slot = _claim_slot(qo_empty, n)
                     _handoff_store(t_smem.index(slot), idx_layout, t, h, hk, rs, re, o_lo, o_hi, u1, n_steps,
