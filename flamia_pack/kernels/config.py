@@ -529,6 +529,10 @@ CANDIDATES: dict[str, dict] = {
                  "bwd_gluon_persistent": True},
     "all_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
                      "bwd_gluon_persistent": True, "bwd_gluon_dq_reduce": False},
+    # the same without the forward's ping-pong turns (W3's forward 0.96x -> 0.82x padded SDPA across two
+    # full benchmarks on two machines, RESULTS 2026-11-30 (fifth) run 4; unmeasured in one process)
+    "all_pers_dqp_no_pp": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
+                           "bwd_gluon_persistent": True, "bwd_gluon_dq_reduce": False, "fwd_gluon_pingpong": False},
     # the persistent Gluon forward with the one-entry Gluon dK/dV + dQ programs (W3's band), and with
     # the short-document tiles of small_n32r for its Triton backward (W7's band)
     "fwd_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
