@@ -560,7 +560,43 @@ def test_work_lists_follow_the_call_band_and_old_lists_still_serve(monkeypatch):
     assert _config_for_list(auto, wl256) is auto
     assert _config_for_list(auto, wl128) == candidate_config("small_fwd_pers")
     _check_work_list(wl128, True, _config_for_list(auto, wl128), cu.device, 556)
-    with pytest.raises(FlamiaError, match="block_m=128; the kernels expect block_m=256"):
+    with pytest.raises(FlamiaError, match="block_m=128; the kernels chosen for this call expect block_m=256"):
         _check_work_list(wl128, True, auto, cu.device, 556)
     other = kernel_config(128, max_seqlen=2048)
     assert _config_for_list(other, wl256) is other
+
+
+def test_work_list_row_hints_are_checked_and_the_cpu_path_accepts_band_lists(monkeypatch):
+    """``build_attention_work_list``: ``max_seqlen`` / ``num_kv_groups`` / ``config`` checked (also with a
+    config), ``max_seqlen`` below the longest document rejected (validate), and the CPU path takes a
+    list built with the call's ``max_seqlen`` (the GPU path's geometry), with a message naming the fix
+    for a list of other geometry."""
+    import numpy as np
+    import torch
+
+    from flamia_pack.errors import MetadataError
+    from flamia_pack.kernels.attention import build_attention_work_list
+    from flamia_pack.kernels.attention import varlen_attention
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    cu = torch.tensor([0, 200, 256, 500, 512], dtype=torch.int32)
+    for bad in (-1, 1.0, True, "200"):
+        with pytest.raises(MetadataError, match="max_seqlen must be None or an int >= 0"):
+            build_attention_work_list(cu, 512, max_seqlen=bad)
+        with pytest.raises(MetadataError, match="max_seqlen must be None or an int >= 0"):
+            build_attention_work_list(cu, 512, config=kernel_config(128), max_seqlen=bad)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(FlamiaError, match="num_kv_groups must be an int >= 1"):
+            build_attention_work_list(cu, 512, config=kernel_config(128), num_kv_groups=bad)
+    with pytest.raises(FlamiaError, match=r"config=candidate_config\('small_fwd_pers_items'\)"):
+        build_attention_work_list(cu, 512, config="small_fwd_pers_items")
+    with pytest.raises(MetadataError, match="smaller than the longest document"):
+        build_attention_work_list(cu, 512, max_seqlen=200)
+    assert build_attention_work_list(cu, 512, max_seqlen=np.int64(244)).config.block_m == 256
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(512, 4, 128, generator=g) for _ in range(3))
+    ref = varlen_attention(q, k, v, cu, 244)
+    for wl in (build_attention_work_list(cu, 512, max_seqlen=244), build_attention_work_list(cu, 512)):
+        assert torch.equal(varlen_attention(q, k, v, cu, 244, work_list=wl), ref)
+    with pytest.raises(FlamiaError, match=r"max_seqlen=<this call's max_seqlen>"):
+        varlen_attention(q, k, v, cu, 1000, work_list=build_attention_work_list(cu, 512, max_seqlen=244))

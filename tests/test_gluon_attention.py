@@ -413,9 +413,11 @@ def test_whole_item_claims_are_validated():
     for bad in (1, "yes", None):
         with pytest.raises(FlamiaError, match="fwd_gluon_items must be bool"):
             AttentionKernelConfig(fwd_gluon_items=bad)
-    for kw in ({"fwd_gluon_persistent": False}, {"fwd_gluon_parts": 1}):
-        with pytest.raises(FlamiaError, match="fwd_gluon_items needs fwd_gluon_persistent=True and fwd_gluon_parts=2"):
-            AttentionKernelConfig(fwd_gluon_items=True, **kw)
+    ok = {"fwd_gluon": True, "fwd_gluon_persistent": True}
+    AttentionKernelConfig(fwd_gluon_items=True, **ok)
+    for kw in ({"fwd_gluon_persistent": False}, {"fwd_gluon_parts": 1}, {"fwd_gluon": False}):
+        with pytest.raises(FlamiaError, match="fwd_gluon_items needs the persistent two-partition Gluon forward"):
+            AttentionKernelConfig(fwd_gluon_items=True, **{**ok, **kw})
     c = candidate_config("small_fwd_pers_items", head_dim=128)
     base = candidate_config("small_fwd_pers", head_dim=128)
     assert (c.fwd_gluon_items, c.wl_block_m, c.fwd_gluon_persistent, c.fwd_gluon_pingpong) == (True, 256, True, False)

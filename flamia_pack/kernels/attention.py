@@ -267,15 +267,24 @@ def build_attention_work_list(
 
     Raises:
         FlamiaError: ``head_dim`` without a kernel configuration (not 64 or 128) when no ``config``
-            is given; MetadataError: ``total_tokens`` not an int in ``[0, 2**31 - 1]``, invalid
-            ``cu_seqlens`` (with ``validate``), as ``build_work_list`` reports them.
+            is given; ``config`` not an ``AttentionKernelConfig``; ``num_kv_groups`` not an int >= 1.
+        MetadataError: ``total_tokens`` not an int in ``[0, 2**31 - 1]``, invalid ``cu_seqlens``
+            (with ``validate``), as ``build_work_list`` reports them; ``max_seqlen`` not None or an
+            int >= 0, or (with ``validate``) below the longest document.
     """
-    from flamia_pack.scheduler.worklist import build_work_list
+    from flamia_pack.scheduler.worklist import build_work_list, cu_seqlens_summary
 
+    _check_config_arg(config)
+    _check_row_hints(max_seqlen, num_kv_groups)
     cfg = config or kernel_config(head_dim, causal, max_seqlen=max_seqlen, num_kv_groups=num_kv_groups)
     # total_tokens as given: build_work_list checks it (an int in range; 20.7, "20", True are errors)
-    return build_work_list(cu_seqlens, total_tokens, work_list_tile_config(cfg, causal),
-                           max_items=max_items, validate=validate)
+    wl = build_work_list(cu_seqlens, total_tokens, work_list_tile_config(cfg, causal), max_items=max_items,
+                         validate=validate)
+    if validate and max_seqlen is not None:
+        # the list's geometry follows max_seqlen: a bound below the longest document is an error here,
+        # as in the call without a list (one more host copy of cu_seqlens, as validate already makes)
+        cu_seqlens_summary(cu_seqlens, total_tokens, int(max_seqlen), name="total_tokens")
+    return wl
 
 
 @torch.compiler.disable
@@ -296,6 +305,23 @@ def _check_finite_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> N
             t, h = (int(i) for i in bad.any(dim=-1).nonzero()[0])
             raise FlamiaError(f"{name} holds NaN / Inf (first at token {t}, head {h}); attention inputs must be "
                               "finite (check_finite=False skips this check)")
+
+
+def _check_config_arg(config) -> None:
+    """``config=`` of the public calls: an ``AttentionKernelConfig`` or None (a name gets a hint)."""
+    if config is not None and not isinstance(config, AttentionKernelConfig):
+        hint = (f" (for a named candidate pass config=candidate_config({config!r}) from flamia_pack.kernels.config)"
+                if isinstance(config, str) else "")
+        raise FlamiaError(f"config must be an AttentionKernelConfig or None, got {type(config).__name__}{hint}")
+
+
+def _check_row_hints(max_seqlen, num_kv_groups) -> None:
+    """``build_attention_work_list``'s ``max_seqlen`` (None or an int >= 0) and ``num_kv_groups`` (an int >= 1)."""
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral)
+                                   or max_seqlen < 0):
+        raise MetadataError(f"max_seqlen must be None or an int >= 0, got {max_seqlen!r}")
+    if isinstance(num_kv_groups, bool) or not isinstance(num_kv_groups, numbers.Integral) or num_kv_groups < 1:
+        raise FlamiaError(f"num_kv_groups must be an int >= 1 (num_heads // num_kv_heads), got {num_kv_groups!r}")
 
 
 def _config_for_list(cfg: AttentionKernelConfig, work_list) -> AttentionKernelConfig:
@@ -332,8 +358,10 @@ def _check_work_list(work_list, causal: bool, cfg: AttentionKernelConfig, device
             "(build_attention_work_list(cu_seqlens, T)): a list for another row would address tokens outside it")
     if wcfg.block_m != cfg.wl_block_m:
         raise FlamiaError(
-            f"work_list was built with block_m={wcfg.block_m}; the kernels expect block_m={cfg.wl_block_m} "
-            "(use build_attention_work_list)")
+            f"work_list was built with block_m={wcfg.block_m}; the kernels chosen for this call expect "
+            f"block_m={cfg.wl_block_m}: build it with build_attention_work_list(cu_seqlens, T, causal=..., "
+            "head_dim=..., max_seqlen=<this call's max_seqlen>, num_kv_groups=<num_heads // num_kv_heads>) or "
+            "with this call's config=")
     return items, num_items
 
 
@@ -599,8 +627,10 @@ def varlen_attention(
         config: tile/launch configuration, an ``AttentionKernelConfig`` (by name:
             ``candidate_config(name)``; default :func:`flamia_pack.kernels.config.kernel_config`
             for ``head_dim``, ``causal``, ``max_seqlen`` and the GQA group, at ``D == 128``: MHA rows
-            with ``max_seqlen < 128`` the small tile set's ``small_n32r``, 128-512 the persistent Gluon
-            forward with the small set's Triton backward (``small_fwd_pers``), 513-1,024 the persistent
+            with ``max_seqlen < 128`` the small tile set's ``small_n32r``, 128-256 the persistent Gluon
+            forward on whole 256-row items (each document's K / V loaded once) with the small set's Triton
+            backward (``small_fwd_pers_items_n64s5``), 257-512 the same on 128-row items
+            (``small_fwd_pers``), 513-1,024 the persistent
             Gluon kernels ``all_pers_dqp``; GQA rows with ``max_seqlen <= 1024`` ``small_m16``;
             longer rows the persistent Gluon forward and the Gluon backward). On the CPU fallback
             the config is validated but does not change the (reference) computation.
@@ -656,10 +686,7 @@ def varlen_attention(
         raise FlamiaError(f"softmax_scale must lie in [{_MIN_SOFTMAX_SCALE:.3g}, {_MAX_SOFTMAX_SCALE:.3g}] (its "
                           f"product with log2(e) must be a normal float32), got {softmax_scale!r}")
     max_seqlen = int(max_seqlen)
-    if config is not None and not isinstance(config, AttentionKernelConfig):
-        hint = (f" (for a named candidate pass config=candidate_config({config!r}) from flamia_pack.kernels.config)"
-                if isinstance(config, str) else "")
-        raise FlamiaError(f"config must be an AttentionKernelConfig or None, got {type(config).__name__}{hint}")
+    _check_config_arg(config)
     # cu_seqlens values, checked once and as given (int64 before the int32 cast below, which would wrap
     # 2**32 + n to n) whenever no work list is given; the CPU fallback also with one (the reference
     # reads cu_seqlens itself and has no device sync to save), except while torch.compile traces
@@ -695,6 +722,9 @@ def varlen_attention(
     else:
         cfg = config if config is not None else AttentionKernelConfig()
         if work_list is not None:  # checked for the same mistakes as on the GPU, then unused by the reference
+            if config is None and D in (64, 128):  # the list of the config the GPU path would pick
+                cfg = _config_for_list(kernel_config(D, causal, max_seqlen=max_seqlen,
+                                                     num_kv_groups=q.shape[1] // k.shape[1]), work_list)
             _check_work_list(work_list, causal, cfg, q.device, T)
         items = torch.empty((0, 4), dtype=torch.int32, device=q.device)
         num_items = torch.zeros((1,), dtype=torch.int32, device=q.device)

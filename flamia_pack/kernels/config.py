@@ -438,9 +438,12 @@ class AttentionKernelConfig:
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
         if self.fwd_gluon_head_inner and not self.fwd_gluon_items:
             raise FlamiaError("AttentionKernelConfig.fwd_gluon_head_inner needs fwd_gluon_items=True")
-        if self.fwd_gluon_items and not (self.fwd_gluon_persistent and self.fwd_gluon_parts == 2):
-            raise FlamiaError("AttentionKernelConfig.fwd_gluon_items needs fwd_gluon_persistent=True and fwd_gluon_parts=2 "
-                              f"(got {self.fwd_gluon_persistent!r}, {self.fwd_gluon_parts!r})")
+        if self.fwd_gluon_items and not (self.fwd_gluon and self.fwd_gluon_persistent and self.fwd_gluon_parts == 2
+                                         and self.wl_block_m % 128 == 0):
+            raise FlamiaError("AttentionKernelConfig.fwd_gluon_items needs the persistent two-partition Gluon forward "
+                              "(fwd_gluon=True, fwd_gluon_persistent=True, fwd_gluon_parts=2) and wl_block_m a multiple "
+                              f"of 128, got fwd_gluon={self.fwd_gluon!r}, fwd_gluon_persistent={self.fwd_gluon_persistent!r}, "
+                              f"fwd_gluon_parts={self.fwd_gluon_parts!r}, wl_block_m={self.wl_block_m!r}")
 
     def launch_parts(self, forward: bool = False) -> list[tuple["AttentionKernelConfig", int]]:
         """The launches of one pass as ``(config, sel)`` pairs (``sel`` as ``program_geometry``'s).
