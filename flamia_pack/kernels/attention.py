@@ -715,7 +715,7 @@ def varlen_attention(
         if work_list is None:
             items, num_items = _default_work_list(cu32, T, max_seqlen, causal, cfg)
         else:
-            if config is None:  # the automatic choice follows a list built with other 128 / 256-row items
+            if config is None:  # the automatic choice follows a 128-row list built without max_seqlen
                 cfg = _config_for_list(cfg, work_list)
             items, num_items = _check_work_list(work_list, causal, cfg, q.device, T)
         cfg_ints = _op_config_ints(cfg, launch_bits(cfg, min_seqlen, doc_tokens, T))

@@ -47,7 +47,8 @@ programs per SM instead of two; W7 forward 1.195x, training call 1.045x over ``s
 Since 2026-11-30 (third session) rows of this band whose longest document has at least
 :data:`SMALL_FWD_GLUON_MIN_SEQLEN` tokens run the persistent Gluon forward with the small set's
 Triton backward (``small_fwd_pers``): with the forward's coalesced O epilogue and one-compare masks
-its W7 kernel is 335 us vs the Triton forward's 432 us (ncu), training call 1.809 vs 1.899 ms."""
+its W7 kernel is 335 us vs the Triton forward's 432 us (ncu), training call 1.809 vs 1.899 ms; since
+2026-11-30 (fifth) those of at most :data:`SMALL_ITEMS_MAX_SEQLEN` tokens on whole 256-row items."""
 
 SMALL_FWD_GLUON_MIN_SEQLEN = 128
 """Band-0 rows (``max_seqlen <= SMALL_BWD_MAX_SEQLEN``) with ``max_seqlen`` below this keep the Triton
