@@ -449,3 +449,16 @@ def test_build_work_list_rejects_bad_arguments_and_hints():
                          doc_tokens=np.int32(1000))
     assert (wl.total_tokens, wl.min_seqlen, wl.doc_tokens) == (1024, 100, 1000)
     assert all(type(x) is int for x in (wl.total_tokens, wl.min_seqlen, wl.doc_tokens))
+
+
+def test_build_work_list_checks_max_seqlen_in_its_validation():
+    """``build_work_list(max_seqlen=)``: checked against the longest document in the one host copy of
+    ``validate=True``, type-checked always, ignored (unchecked against the data) with ``validate=False``."""
+    cu = torch.tensor([0, 5, 305, 400], dtype=torch.int32)
+    build_work_list(cu, 400, max_seqlen=300)
+    with pytest.raises(MetadataError, match="max_seqlen=299 is smaller than the longest document"):
+        build_work_list(cu, 400, max_seqlen=299)
+    build_work_list(cu, 400, max_seqlen=299, validate=False)
+    for bad in (-1, 1.5, True, "300"):
+        with pytest.raises(MetadataError, match="max_seqlen"):
+            build_work_list(cu, 400, max_seqlen=bad)

@@ -272,19 +272,16 @@ def build_attention_work_list(
             (with ``validate``), as ``build_work_list`` reports them; ``max_seqlen`` not None or an
             int >= 0, or (with ``validate``) below the longest document.
     """
-    from flamia_pack.scheduler.worklist import build_work_list, cu_seqlens_summary
+    from flamia_pack.scheduler.worklist import build_work_list
 
     _check_config_arg(config)
     _check_row_hints(max_seqlen, num_kv_groups)
     cfg = config or kernel_config(head_dim, causal, max_seqlen=max_seqlen, num_kv_groups=num_kv_groups)
-    # total_tokens as given: build_work_list checks it (an int in range; 20.7, "20", True are errors)
-    wl = build_work_list(cu_seqlens, total_tokens, work_list_tile_config(cfg, causal), max_items=max_items,
-                         validate=validate)
-    if validate and max_seqlen is not None:
-        # the list's geometry follows max_seqlen: a bound below the longest document is an error here,
-        # as in the call without a list (one more host copy of cu_seqlens, as validate already makes)
-        cu_seqlens_summary(cu_seqlens, total_tokens, int(max_seqlen), name="total_tokens")
-    return wl
+    # total_tokens as given: build_work_list checks it (an int in range; 20.7, "20", True are errors); the
+    # list's geometry follows max_seqlen, so validate also checks it against the longest document, as the
+    # call without a list does (in the same host copy of cu_seqlens)
+    return build_work_list(cu_seqlens, total_tokens, work_list_tile_config(cfg, causal), max_items=max_items,
+                           validate=validate, max_seqlen=max_seqlen)
 
 
 @torch.compiler.disable

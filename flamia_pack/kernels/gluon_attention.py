@@ -1076,14 +1076,12 @@ def _fwd_item_producer_loop(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, read
         t_next = gl.atomic_add(counter_ptr, 1)  # taken early: its latency hides under this item's loads
         if HEAD_INNER:
             n_heads = total // max_entries
-            e = t // n_heads
             h = t % n_heads
-        else:  # head-major, a GQA group's query heads side by side (as _rows_span's forward order), per item
-            x = t % (n_valid * GROUP)
-            e = x // GROUP
-            h = (t // (n_valid * GROUP)) * GROUP + x % GROUP
+            qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, t // n_heads, 1, skip_len)
+        else:  # the forward's head-major order over items (one entry per item: WL_BM = BLOCK_M there)
+            _e, h, qs, qe, ds, de, keep = _rows_span(items_ptr, num_items_ptr, cu_ptr, t, n_valid, skip_len, GROUP,
+                                                     BLOCK_M, BLOCK_M, True)
         hk = h // GROUP
-        qs, qe, ds, de, keep = _item_span(items_ptr, num_items_ptr, cu_ptr, e, 1, skip_len)
         if keep:
             if CAUSAL:
                 share = (qs == ds) & ((qe - ds + BLOCK_N - 1) // BLOCK_N <= STAGES)

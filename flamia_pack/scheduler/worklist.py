@@ -494,6 +494,7 @@ def build_work_list(
     backend: str = "auto",
     min_seqlen: int | None = None,
     doc_tokens: int | None = None,
+    max_seqlen: int | None = None,
 ) -> WorkList:
     """Build the sorted work list on ``cu_seqlens.device`` (DESIGN.md §6, seed 001 Algorithm 2).
 
@@ -527,6 +528,9 @@ def build_work_list(
             ``doc_tokens`` hint), an int in ``[0, total_tokens]``; with ``validate=True`` taken from
             the check. Trusted as ``min_seqlen``: ``doc_tokens == total_tokens`` on a row with padding
             leaves its padding rows of O / LSE and dQ / dK / dV unwritten.
+        max_seqlen: with ``validate=True``, also check that no document is longer (the bound the
+            list's tile geometry was chosen for, ``attention.build_attention_work_list``); an int
+            >= 0 or None (unchecked). Ignored with ``validate=False``.
 
     Returns:
         :class:`WorkList` (``items`` (max_items, 4) int32, ``num_items`` (1,) int32).
@@ -534,7 +538,8 @@ def build_work_list(
     Raises:
         MetadataError: invalid ``cu_seqlens`` (validate=True; its type, shape and the meta device
             always), the list exceeds ``max_items``, ``total_tokens`` / ``max_items`` / ``min_seqlen``
-            / ``doc_tokens`` not ints in range (bool, float, str, None rejected; numpy ints accepted).
+            / ``doc_tokens`` / ``max_seqlen`` not ints in range (bool, float, str, None rejected; numpy
+            ints accepted), a document longer than ``max_seqlen`` (validate=True).
         FlamiaError: unknown backend, ``config`` not a :class:`TileConfig`, or ``out`` of the wrong
             shape/device.
     """
@@ -551,8 +556,10 @@ def build_work_list(
         max_items = _host_int("max_items", max_items, 0, None)
     if not isinstance(config, TileConfig):
         raise FlamiaError(f"config must be a TileConfig, got {type(config).__name__}")
+    if max_seqlen is not None:
+        max_seqlen = _host_int("max_seqlen", max_seqlen, 0, None)
     if validate:
-        shortest, covered = cu_seqlens_summary(cu_seqlens, total_tokens)
+        shortest, covered = cu_seqlens_summary(cu_seqlens, total_tokens, max_seqlen)
     else:  # a caller's host-known hints (the kernels trust them: checked here, without a sync)
         covered = None if doc_tokens is None else _host_int("doc_tokens", doc_tokens, 0, total_tokens)
         shortest = None if min_seqlen is None else _host_int("min_seqlen", min_seqlen, 1,
