@@ -138,7 +138,7 @@ def split(rows) -> None:
                                              persistent=cfg.fwd_gluon_persistent, parts=cfg.fwd_gluon_parts,
                                              block_n=cfg.fwd_gluon_block_n, stages=cfg.fwd_gluon_stages,
                                              pingpong=cfg.fwd_gluon_pingpong, items_whole=cfg.fwd_gluon_items,
-                                             head_inner=cfg.fwd_gluon_head_inner),
+                                             head_inner=cfg.fwd_gluon_head_inner, static=cfg.fwd_gluon_static),
             "3 TMA descriptors": lambda: (G._descriptor(q, 128), G._descriptor(k, 128), G._descriptor(v, 128)),
             "o, lse, counter allocs": lambda: (torch.empty_like(q), torch.empty((q.shape[1], T), device=q.device),
                                                torch.zeros(1, dtype=torch.int32, device=q.device)),

@@ -2,6 +2,8 @@
 test_gluon_attention_gpu.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -230,6 +232,9 @@ def test_leftover_launch_fills_exactly_what_gluon_skips(run_interpreter):
     # whole 256-row items per claim (fwd_gluon_items, candidate small_fwd_pers_items): as the row above it
     ("fwd", {"persistent": True, "items_whole": True, "wl_block_m": 256}, True, 8),
     ("fwd", {"persistent": True, "items_whole": True, "wl_block_m": 256, "causal": False}, True, 0),
+    # ... dealt by the static snake (fwd_gluon_static, candidate small_fwd_pers_items_n64s5_static)
+    ("fwd", {"persistent": True, "items_whole": True, "wl_block_m": 256, "block_n": 64, "stages": 5, "static": True},
+     True, 0),
     ("fwd", {"persistent": True, "block_n": 64, "stages": 4}, True, 0),  # candidates fwd_n64s4 (197 KB)
     ("fwd", {"persistent": True, "block_n": 64, "stages": 5}, True, 0),  # fwd_n64s5 (230 KB)
     ("fwd", {"persistent": True, "group": 4, "head_dim": 64}, True, 0),
@@ -433,5 +438,13 @@ def test_whole_item_claims_are_validated():
         AttentionKernelConfig(fwd_gluon_head_inner=True)
     with pytest.raises(ValueError, match="head_inner needs items_whole=True"):
         gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, persistent=True, head_inner=True)
+    with pytest.raises(FlamiaError, match="fwd_gluon_static needs fwd_gluon_items=True"):
+        AttentionKernelConfig(fwd_gluon_static=True, **ok)
+    with pytest.raises(FlamiaError, match="fwd_gluon_static must be bool"):
+        AttentionKernelConfig(fwd_gluon_static=1, fwd_gluon_items=True, **ok)
+    with pytest.raises(ValueError, match="static needs items_whole=True"):
+        gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, persistent=True, static=True)
+    st = candidate_config("small_fwd_pers_items_n64s5_static", head_dim=128)
+    assert st == dataclasses.replace(candidate_config("small_fwd_pers_items_n64s5", head_dim=128), fwd_gluon_static=True)
     hi = candidate_config("small_fwd_pers_items_n64s5_hi", head_dim=128)
     assert (hi.fwd_gluon_head_inner, hi.fwd_gluon_block_n, hi.fwd_gluon_stages, hi.wl_block_m) == (True, 64, 5, 256)

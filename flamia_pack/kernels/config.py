@@ -366,6 +366,11 @@ class AttentionKernelConfig:
     (``gluon_fwd(head_inner=)``), so the programs in flight read whole token rows of K / V (4 KB at
     16 heads x 128) instead of one head's 256-byte column of every row."""
 
+    fwd_gluon_static: bool = False
+    """With ``fwd_gluon_items``: the programs take their items by DESIGN.md §6's static snake
+    (``gluon_fwd(static=)``) instead of the global atomic counter, so no counter is zeroed by a fill
+    launch before each forward and no claim waits on a fenced atomic."""
+
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
             v = getattr(self, name)
@@ -434,11 +439,13 @@ class AttentionKernelConfig:
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
                      "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small",
                      "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent", "bwd_dq_delta",
-                     "fwd_gluon_pingpong", "fwd_gluon_items", "fwd_gluon_head_inner"):
+                     "fwd_gluon_pingpong", "fwd_gluon_items", "fwd_gluon_head_inner", "fwd_gluon_static"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
         if self.fwd_gluon_head_inner and not self.fwd_gluon_items:
             raise FlamiaError("AttentionKernelConfig.fwd_gluon_head_inner needs fwd_gluon_items=True")
+        if self.fwd_gluon_static and not self.fwd_gluon_items:
+            raise FlamiaError("AttentionKernelConfig.fwd_gluon_static needs fwd_gluon_items=True")
         if self.fwd_gluon_items and not (self.fwd_gluon and self.fwd_gluon_persistent and self.fwd_gluon_parts == 2
                                          and self.wl_block_m % 128 == 0):
             raise FlamiaError("AttentionKernelConfig.fwd_gluon_items needs the persistent two-partition Gluon forward "
@@ -673,6 +680,11 @@ CANDIDATES: dict[str, dict] = {
     "small_fwd_pers_items_n64s5_pp": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
                                       "fwd_gluon_persistent": True, "fwd_gluon_pingpong": True, "wl_block_m": 256,
                                       "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5},
+    # ... the band's config with the items dealt by the static snake (no counter, no zero fill)
+    "small_fwd_pers_items_n64s5_static": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
+                                          "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
+                                          "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5,
+                                          "fwd_gluon_static": True},
     "small_fwd_pers_w256": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
                             "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256},
     # the same with the Gluon programs (and the Triton backward) in document-major order
@@ -698,7 +710,7 @@ the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
 Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
 _FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon", "fwd_maxnreg",
              "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts", "fwd_gluon_block_n", "fwd_gluon_stages", "fwd_gluon_pingpong",
-             "fwd_gluon_items", "fwd_gluon_head_inner"}
+             "fwd_gluon_items", "fwd_gluon_head_inner", "fwd_gluon_static"}
 _TRITON_FWD = {"block_m", "block_n", "num_warps", "num_stages", "fwd_maxnreg", "fwd_short_len", "schedule", "doc_major",
                "hybrid_short_len"}
 for _name, _ov in CANDIDATES.items():

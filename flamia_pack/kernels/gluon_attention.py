@@ -1053,7 +1053,7 @@ def _fwd_item_producer_loop(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, read
                             counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, total,
                             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr,
-                            HEAD_INNER: gl.constexpr = False):
+                            HEAD_INNER: gl.constexpr = False, STATIC: gl.constexpr = False):
     """Persistent forward programs' producer claiming whole list items (``gluon_fwd(items=True)``):
     the item's ``F = WL_BM / BLOCK_M`` query tiles run back to back on this program, one entry each
     (Q slot ``n % 2``). A causal item that starts at its document's start and whose keys fit the ring
@@ -1064,16 +1064,29 @@ def _fwd_item_producer_loop(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, read
     DRAM once (the cost order re-read tile 0 ~4,000 entries later). Other items: independent entries
     (the second re-reads its K / V from L2 right after the first). ``HEAD_INNER``: claim ``t`` is item
     ``t // H``, query head ``t % H`` (every head of one item side by side: the programs in flight read
-    whole token rows of K / V) instead of head after head."""
+    whole token rows of K / V) instead of head after head. ``STATIC``: the claims are dealt by DESIGN.md
+    §6's static snake (claim ``k`` of round ``r = k // P`` to program ``k % P`` in even rounds and
+    ``P - 1 - k % P`` in odd ones, as ``scheduler.worklist.static_assignment``) instead of taken from
+    the global counter: no counter to zero before each launch, no fenced atomic per claim."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     F: gl.constexpr = WL_BM // BLOCK_M
     idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
     n_valid, n_total = _entry_counts(num_items_ptr, max_entries // F, total // F, 1)
     c = 0
     n = 0
-    t = gl.atomic_add(counter_ptr, 1)
+    if STATIC:
+        pid = gl.program_id(0)
+        n_prog = gl.num_programs(0)
+        r = 0
+        t = gl.to_tensor(pid)
+    else:
+        t = gl.atomic_add(counter_ptr, 1)
     while t < n_total:
-        t_next = gl.atomic_add(counter_ptr, 1)  # taken early: its latency hides under this item's loads
+        if STATIC:
+            r += 1
+            t_next = r * n_prog + gl.where(r % 2 == 0, pid, n_prog - 1 - pid)
+        else:
+            t_next = gl.atomic_add(counter_ptr, 1)  # taken early: its latency hides under this item's loads
         if HEAD_INNER:
             n_heads = total // max_entries
             h = t % n_heads
@@ -1159,7 +1172,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr = False,
                 PARTS: gl.constexpr = 1, PINGPONG: gl.constexpr = False, ITEMS: gl.constexpr = False,
-                HEAD_INNER: gl.constexpr = False):
+                HEAD_INNER: gl.constexpr = False, STATIC: gl.constexpr = False):
     if not PERSISTENT:
         # head-major grid (flash_fwd's grid_head_major): kv head after kv head, entries in decreasing
         # cost inside it, the query heads of one GQA group side by side (they share K / V in L2)
@@ -1227,7 +1240,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
                 (_fwd_item_producer_loop, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready, empty, q_ready,
                                            q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries,
                                            skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
-                                           HEAD_INNER)),
+                                           HEAD_INNER, STATIC)),
             ], [4, 1], [240, 24])
         else:  # two 4-warp consumer partitions, half of each entry's rows each
             gl.warp_specialize([
@@ -1425,7 +1438,8 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
               block_n: int = 128, wl_block_m: int = 128, stages: int = 2, skip_len: int = 1,
               o: torch.Tensor | None = None, lse: torch.Tensor | None = None,
               persistent: bool = False, parts: int = 2, pingpong: bool = False,
-              items_whole: bool = False, head_inner: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              items_whole: bool = False, head_inner: bool = False,
+              static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward (the programs of ``flash_fwd``), warp-specialized Gluon, sm_90.
 
     Args:
@@ -1451,6 +1465,9 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
             256-token documents read K / V once per (document, head)).
         head_inner: with ``items_whole``, claims take every query head of one item side by side
             (config ``fwd_gluon_head_inner``) instead of head after head.
+        static: with ``items_whole``, the programs take their items by DESIGN.md §6's static snake
+            (config ``fwd_gluon_static``) instead of a global atomic counter: no counter to zero
+            (one fill launch fewer per call), no fenced atomic per claim.
 
     Returns:
         ``(o, lse)``: ``(T, H_q, D)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
@@ -1459,13 +1476,16 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     Raises:
         ValueError: as :func:`gluon_dkdv` (inputs), ``skip_len < 1``, tiles that do not divide, ``parts``
             not 1 or 2, ``block_m / parts`` not a multiple of 64, tiles that need more shared memory
-            than an sm_90 program has, or ``items_whole`` without ``persistent`` and ``parts=2``.
+            than an sm_90 program has, ``items_whole`` without ``persistent`` and ``parts=2``, or
+            ``head_inner`` / ``static`` without ``items_whole``.
     """
     _check_stages("gluon_fwd", stages)
     if isinstance(parts, bool) or not isinstance(parts, int) or parts not in (1, 2):
         raise ValueError(f"gluon_fwd: parts must be the int 1 or 2, got {parts!r}")
     if head_inner and not items_whole:
         raise ValueError("gluon_fwd: head_inner needs items_whole=True")
+    if static and not items_whole:
+        raise ValueError("gluon_fwd: static needs items_whole=True")
     if items_whole and not (persistent and parts == 2):
         raise ValueError(f"gluon_fwd: items_whole needs persistent=True and parts=2, got persistent={persistent!r}, "
                          f"parts={parts!r}")
@@ -1495,10 +1515,10 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), o, lse,
         items, num_items, cu_seqlens, max_entries, int(skip_len), o.stride(0), lse.stride(0),
         float(softmax_scale) * LOG2E, total,
-        torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else num_items,
+        torch.zeros(1, dtype=torch.int32, device=q.device) if persistent and not static else num_items,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
         CAUSAL=bool(causal), PERSISTENT=bool(persistent), PARTS=int(parts), PINGPONG=bool(pingpong) and parts == 2,
-        ITEMS=bool(items_whole), HEAD_INNER=bool(head_inner), num_warps=CONSUMER_WARPS.value // int(parts), maxnreg=MAXNREG)
+        ITEMS=bool(items_whole), HEAD_INNER=bool(head_inner), STATIC=bool(static), num_warps=CONSUMER_WARPS.value // int(parts), maxnreg=MAXNREG)
     return o, lse
 
 
@@ -1506,7 +1526,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
                  stages: int | None = None, group: int = 1, causal: bool = True,
                  retire_first: bool = True, dq_reduce: bool = False, persistent: bool = False, parts: int = 2,
                  pingpong: bool = False, items_whole: bool = False, wl_block_m: int = 128,
-                 head_inner: bool = False) -> dict:
+                 head_inner: bool = False, static: bool = False) -> dict:
     """Compile one of this module's kernels for sm_90a WITHOUT a GPU (triton's bundled ptxas) and report.
 
     For screening before spending device time (benchmarks/gluon_compile_report.py prints it; the CPU
@@ -1520,7 +1540,8 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         pingpong: the forward's ``gluon_fwd(pingpong=)`` (ignored for the other kinds); the default False
             is ``gluon_fwd``'s default and ``small_fwd_pers``'s kernel, the long-row config runs True
             (``fwd_gluon_pingpong`` in ``config.PERSISTENT_FWD``).
-        items_whole, wl_block_m, head_inner: the forward's ``gluon_fwd(items_whole=, wl_block_m=, head_inner=)``.
+        items_whole, wl_block_m, head_inner, static: the forward's ``gluon_fwd(items_whole=, wl_block_m=,
+            head_inner=, static=)``.
 
     Returns:
         dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
@@ -1561,7 +1582,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=wl_block_m, STAGES=st,
                   RETIRE_FIRST=bool(retire_first), CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce),
                   PERSISTENT=bool(persistent), PARTS=int(parts), PINGPONG=bool(pingpong) and parts == 2,
-                  ITEMS=bool(items_whole), HEAD_INNER=bool(head_inner))
+                  ITEMS=bool(items_whole), HEAD_INNER=bool(head_inner), STATIC=bool(static))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
