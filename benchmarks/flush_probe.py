@@ -70,7 +70,7 @@ def main() -> int:
         cache.zero_()
 
     def read_flush():
-        torch.sum(cache, out=sink)
+        torch.sum(cache, dim=0, out=sink)
 
     cyc = 2_000_000  # ~1 ms of torch.cuda._sleep at the H200's 1,980 MHz: longer than our host path
     cfg = None if a.config is None else candidate_config(a.config, head_dim=B.HEAD_DIM)
