@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 FWD_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "schedule", "wl_block_m", "merge_short", "fwd_gluon",
               "fwd_maxnreg", "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts", "fwd_gluon_block_n",
               "fwd_gluon_stages", "fwd_gluon_pingpong", "fwd_gluon_items",
-              "fwd_gluon_head_inner", "fwd_gluon_static")
+              "fwd_gluon_head_inner", "fwd_gluon_static", "fwd_gluon_part_skip")
 
 
 def log(msg: str) -> None:

@@ -232,6 +232,10 @@ def test_leftover_launch_fills_exactly_what_gluon_skips(run_interpreter):
     # whole 256-row items per claim (fwd_gluon_items, candidate small_fwd_pers_items): as the row above it
     ("fwd", {"persistent": True, "items_whole": True, "wl_block_m": 256}, True, 8),
     ("fwd", {"persistent": True, "items_whole": True, "wl_block_m": 256, "causal": False}, True, 0),
+    # ... each partition skipping the tiles all masked for its rows (fwd_gluon_part_skip, candidate
+    # small_fwd_pers_items_n64s5_skip); non-causal it compiles to the same SASS as without
+    ("fwd", {"persistent": True, "items_whole": True, "wl_block_m": 256, "block_n": 64, "stages": 5, "part_skip": True},
+     True, 0),
     # ... dealt by the static snake (fwd_gluon_static, candidate small_fwd_pers_items_n64s5_static)
     ("fwd", {"persistent": True, "items_whole": True, "wl_block_m": 256, "block_n": 64, "stages": 5, "static": True},
      True, 0),
@@ -444,6 +448,16 @@ def test_whole_item_claims_are_validated():
         AttentionKernelConfig(fwd_gluon_static=1, fwd_gluon_items=True, **ok)
     with pytest.raises(ValueError, match="static needs items_whole=True"):
         gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, persistent=True, static=True)
+    with pytest.raises(FlamiaError, match="fwd_gluon_part_skip needs the persistent two-partition Gluon forward"):
+        AttentionKernelConfig(fwd_gluon_part_skip=True, fwd_gluon_pingpong=True, **ok)
+    with pytest.raises(FlamiaError, match="fwd_gluon_part_skip needs"):
+        AttentionKernelConfig(fwd_gluon_part_skip=True, fwd_gluon_pingpong=False, fwd_gluon_parts=1, **ok)
+    AttentionKernelConfig(fwd_gluon_part_skip=True, fwd_gluon_pingpong=False, **ok)
+    for kw in ({"persistent": False}, {"persistent": True, "pingpong": True}, {"persistent": True, "parts": 1}):
+        with pytest.raises(ValueError, match="part_skip needs persistent=True, parts=2 and pingpong=False"):
+            gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, part_skip=True, **kw)
+    sk = candidate_config("small_fwd_pers_items_n64s5_skip", head_dim=128)
+    assert sk == dataclasses.replace(candidate_config("small_fwd_pers_items_n64s5", head_dim=128), fwd_gluon_part_skip=True)
     st = candidate_config("small_fwd_pers_items_n64s5_static", head_dim=128)
     assert st == dataclasses.replace(candidate_config("small_fwd_pers_items_n64s5", head_dim=128), fwd_gluon_static=True)
     hi = candidate_config("small_fwd_pers_items_n64s5_hi", head_dim=128)

@@ -330,7 +330,7 @@ def _config_for_list(cfg: AttentionKernelConfig, work_list) -> AttentionKernelCo
     if block_m == 128 and cfg.wl_block_m == 256 and cfg.fwd_gluon_items:
         base = AttentionKernelConfig()
         return dataclasses.replace(cfg, wl_block_m=128, fwd_gluon_items=False, fwd_gluon_head_inner=False,
-                                   fwd_gluon_static=False,
+                                   fwd_gluon_static=False, fwd_gluon_part_skip=False,
                                    fwd_gluon_block_n=base.fwd_gluon_block_n, fwd_gluon_stages=base.fwd_gluon_stages)
     return cfg
 

@@ -371,6 +371,12 @@ class AttentionKernelConfig:
     (``gluon_fwd(static=)``) instead of the global atomic counter, so no counter is zeroed by a fill
     launch before each forward and no claim waits on a fenced atomic."""
 
+    fwd_gluon_part_skip: bool = False
+    """With the persistent two-partition Gluon forward and no turns: in causal entries each consumer
+    partition computes only the walked tiles that hold a key one of its 64 rows sees
+    (``gluon_fwd(part_skip=)``). With 64-key tiles the upper half of a 128-row diagonal entry skips the
+    last tile (all its scores masked): W7's 256-token documents run 10 of 12 half-tile products."""
+
     def __post_init__(self) -> None:
         for name in ("wl_block_m", "block_m", "block_n", "bwd_block_n1", "bwd_block_m1", "bwd_block_m2", "bwd_block_n2"):
             v = getattr(self, name)
@@ -439,13 +445,21 @@ class AttentionKernelConfig:
         for name in ("merge_short", "bwd_fused", "bwd_tma", "bwd_head_major", "bwd_dq_atomic", "doc_major", "bwd_gluon",
                      "bwd_leftover_compact", "fwd_gluon", "bwd_gluon_retire_first", "bwd_gluon_leftover_small",
                      "bwd_gluon_dq_reduce", "bwd_gluon_persistent", "fwd_gluon_persistent", "bwd_dq_delta",
-                     "fwd_gluon_pingpong", "fwd_gluon_items", "fwd_gluon_head_inner", "fwd_gluon_static"):
+                     "fwd_gluon_pingpong", "fwd_gluon_items", "fwd_gluon_head_inner", "fwd_gluon_static",
+                     "fwd_gluon_part_skip"):
             if not isinstance(getattr(self, name), bool):
                 raise FlamiaError(f"AttentionKernelConfig.{name} must be bool, got {getattr(self, name)!r}")
         if self.fwd_gluon_head_inner and not self.fwd_gluon_items:
             raise FlamiaError("AttentionKernelConfig.fwd_gluon_head_inner needs fwd_gluon_items=True")
         if self.fwd_gluon_static and not self.fwd_gluon_items:
             raise FlamiaError("AttentionKernelConfig.fwd_gluon_static needs fwd_gluon_items=True")
+        if self.fwd_gluon_part_skip and not (self.fwd_gluon and self.fwd_gluon_persistent and self.fwd_gluon_parts == 2
+                                             and not self.fwd_gluon_pingpong):
+            raise FlamiaError("AttentionKernelConfig.fwd_gluon_part_skip needs the persistent two-partition Gluon "
+                              "forward without turns (fwd_gluon=True, fwd_gluon_persistent=True, fwd_gluon_parts=2, "
+                              f"fwd_gluon_pingpong=False), got fwd_gluon={self.fwd_gluon!r}, "
+                              f"fwd_gluon_persistent={self.fwd_gluon_persistent!r}, "
+                              f"fwd_gluon_parts={self.fwd_gluon_parts!r}, fwd_gluon_pingpong={self.fwd_gluon_pingpong!r}")
         if self.fwd_gluon_items and not (self.fwd_gluon and self.fwd_gluon_persistent and self.fwd_gluon_parts == 2
                                          and self.wl_block_m % 128 == 0):
             raise FlamiaError("AttentionKernelConfig.fwd_gluon_items needs the persistent two-partition Gluon forward "
@@ -685,6 +699,11 @@ CANDIDATES: dict[str, dict] = {
                                           "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
                                           "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5,
                                           "fwd_gluon_static": True},
+    # ... the band's config with each consumer partition skipping the tiles all masked for its rows
+    "small_fwd_pers_items_n64s5_skip": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
+                                        "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
+                                        "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5,
+                                        "fwd_gluon_part_skip": True},
     "small_fwd_pers_w256": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
                             "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256},
     # the same with the Gluon programs (and the Triton backward) in document-major order
@@ -710,7 +729,8 @@ the CPU with ``benchmarks/attention_compile_report.py`` and timed on the H200 by
 Selected by :data:`CONFIG_ENV` or :func:`candidate_config`."""
 _FWD_ONLY = {"block_m", "block_n", "num_warps", "num_stages", "wl_block_m", "merge_short", "fwd_gluon", "fwd_maxnreg",
              "fwd_short_len", "fwd_gluon_persistent", "fwd_gluon_parts", "fwd_gluon_block_n", "fwd_gluon_stages", "fwd_gluon_pingpong",
-             "fwd_gluon_items", "fwd_gluon_head_inner", "fwd_gluon_static"}
+             "fwd_gluon_items", "fwd_gluon_head_inner", "fwd_gluon_static",
+             "fwd_gluon_part_skip"}
 _TRITON_FWD = {"block_m", "block_n", "num_warps", "num_stages", "fwd_maxnreg", "fwd_short_len", "schedule", "doc_major",
                "hybrid_short_len"}
 for _name, _ov in CANDIDATES.items():

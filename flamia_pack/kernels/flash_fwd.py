@@ -359,7 +359,8 @@ def flash_fwd(
                                   persistent=config.fwd_gluon_persistent, parts=config.fwd_gluon_parts,
                                   block_n=config.fwd_gluon_block_n, stages=config.fwd_gluon_stages,
                                   pingpong=config.fwd_gluon_pingpong, items_whole=config.fwd_gluon_items,
-                                  head_inner=config.fwd_gluon_head_inner, static=config.fwd_gluon_static)
+                                  head_inner=config.fwd_gluon_head_inner, static=config.fwd_gluon_static,
+                                  part_skip=config.fwd_gluon_part_skip)
         parts = [(parts[-1][0] if config.fwd_short_len else config, -skip_len)] if leftover else []
         # only merged items and the shortest documents are left: a few heads per program (fewer programs
         # that exit at once), unless the short-document launch of fwd_short_len has real work per head

@@ -908,7 +908,7 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
                        rs, re, o_lo, o_hi, h, n_steps, u1, qk_scale, c, turn, k_turn, rel,
                        CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        RELEASE_Q: gl.constexpr, WG: gl.constexpr = 0, NW: gl.constexpr = 8,
-                       PINGPONG: gl.constexpr = False):
+                       PINGPONG: gl.constexpr = False, PART_SKIP: gl.constexpr = False):
     """One entry's forward from ring position ``c`` (returned advanced) and its O / LSE stores, by the
     consumer partition ``WG`` of ``NW`` warps (8: the whole entry; 4: rows ``WG * BLOCK_M / 2`` on of
     the entry's ``BLOCK_M``, each of the two partitions arriving on the shared slot barriers (count 2)
@@ -917,7 +917,13 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
     ``S`` and softmax are peeled before the pipelined steps (``_fwd_step``), the last tile's ``P V``
     after them (``n_steps >= 1`` for every entry a program runs). ``rel`` (int 0 / 1): 0 for an
     item-sharing entry that is not its item's last (``_fwd_item_producer_loop``): it releases no ring
-    slot and leaves ``c`` where it was, since the item's next entry walks the same tiles again."""
+    slot and leaves ``c`` where it was, since the item's next entry walks the same tiles again.
+    ``PART_SKIP`` (causal, two partitions without turns): the partition computes only the walked tiles
+    that hold a key visible to one of its rows (``min(r0 + PART_M, re, o_hi) - 1``: the upper partition
+    of a 128-row diagonal entry skips the last 64-key tile, all of whose scores are masked for it); for
+    each skipped tile it still waits until the tile landed (so the other partition released the slot's
+    previous lap: the count-2 empty barrier cannot be completed by one partition's two laps) and then
+    arrives on the tile's K / V empty barriers, as the other partition does once it read them."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     PART_M: gl.constexpr = BLOCK_M * NW // 8
     s_layout: gl.constexpr = _wgmma_layout(NW, BLOCK_N)
@@ -933,6 +939,10 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
     m_i = gl.full([PART_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.full([PART_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, acc_layout)  # carried as a plain tensor (rescaled each step)
+    n_all = n_steps  # the entry's walked tiles (the ring advances by all of them)
+    if PART_SKIP and CAUSAL:  # this partition's tiles: up to its last row's last visible key
+        last = gl.minimum(gl.minimum(r0 + PART_M, re), o_hi) - 1 - o_lo
+        n_steps = gl.maximum(gl.minimum(last // BLOCK_N + 1, n_all), 1)
     mbarrier.wait(q_bar, q_phase)
     s0 = c % STAGES
     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
@@ -965,6 +975,14 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
     _turn_pass(turn, WG, PINGPONG)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(empty.index(STAGES + sl), count=1, pred=release)
+    if PART_SKIP and CAUSAL:
+        if release:  # the tiles this partition skipped: released once landed (docstring)
+            for j in range(n_steps, n_all):
+                rj = c + j
+                mbarrier.wait(ready.index(rj % STAGES), (rj // STAGES) & 1)
+                mbarrier.arrive(empty.index(rj % STAGES), count=1)
+                mbarrier.wait(ready.index(STAGES + rj % STAGES), (rj // STAGES) & 1)
+                mbarrier.arrive(empty.index(STAGES + rj % STAGES), count=1)
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc_layout))[:, None]).to(gl.bfloat16)
     out = _rows_through_smem(q_part, out, NW)  # O through the partition's own Q rows (all products retired)
@@ -973,7 +991,7 @@ def _fwd_consume_entry(q_smem, k_bufs, v_bufs, ready, empty, q_bar, q_phase, q_e
     _store_rows(O, out, r0, re, stride_ot, h * HEAD_DIM)
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
     gl.store(LSE + h * stride_lh + q_pos, lse, mask=q_pos < re)
-    return c + n_steps * rel
+    return c + n_all * rel
 
 
 @gluon.jit
@@ -1127,10 +1145,10 @@ def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready,
                         total, turn, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr, IS_FWD: gl.constexpr,
                         WG: gl.constexpr = 0, NW: gl.constexpr = 8, PINGPONG: gl.constexpr = False,
-                        ITEMS: gl.constexpr = False):
+                        ITEMS: gl.constexpr = False, PART_SKIP: gl.constexpr = False):
     """Persistent dQ / forward programs' consumer: the entries the producer hands over; ``OUT`` is dQ
     (``IS_FWD`` False) or O (LSE written too). ``WG`` / ``NW``: the forward's consumer partition
-    (``_fwd_consume_entry``). ``ITEMS``: the producer claims whole list items
+    (``_fwd_consume_entry``, also for ``PART_SKIP``). ``ITEMS``: the producer claims whole list items
     (``_fwd_item_producer_loop``), so its stop signal is the item count."""
     QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
     F: gl.constexpr = WL_BM // BLOCK_M
@@ -1155,7 +1173,7 @@ def _rows_consumer_loop(q_bufs, do_bufs, k_bufs, v_bufs, ready, empty, qo_ready,
             c = _fwd_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, ready, empty, qo_ready.index(slot),
                                    (n // QO_STAGES) & 1, qo_empty.index(slot), OUT, LSE, stride_out, stride_lh, rs,
                                    re, o_lo, o_hi, h, n_steps, u1, qk_scale, c, turn, k_turn, rel, CAUSAL, HEAD_DIM,
-                                   BLOCK_M, BLOCK_N, True, WG, NW, PINGPONG)
+                                   BLOCK_M, BLOCK_N, True, WG, NW, PINGPONG, PART_SKIP)
             kt += n_steps + 1
         else:
             c = _dq_consume_entry(q_bufs.index(slot), do_bufs.index(slot), k_bufs, v_bufs, ready, empty,
@@ -1172,7 +1190,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr = False,
                 PARTS: gl.constexpr = 1, PINGPONG: gl.constexpr = False, ITEMS: gl.constexpr = False,
-                HEAD_INNER: gl.constexpr = False, STATIC: gl.constexpr = False):
+                HEAD_INNER: gl.constexpr = False, STATIC: gl.constexpr = False, PART_SKIP: gl.constexpr = False):
     if not PERSISTENT:
         # head-major grid (flash_fwd's grid_head_major): kv head after kv head, entries in decreasing
         # cost inside it, the query heads of one GQA group side by side (they share K / V in L2)
@@ -1232,11 +1250,11 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
                 (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE,
                                        LSE, stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
                                        max_entries, total, turn, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
-                                       True, 0, 4, PINGPONG, True)),
+                                       True, 0, 4, PINGPONG, True, PART_SKIP)),
                 (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE,
                                        LSE, stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
                                        max_entries, total, turn, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
-                                       True, 1, 4, PINGPONG, True)),
+                                       True, 1, 4, PINGPONG, True, PART_SKIP)),
                 (_fwd_item_producer_loop, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready, empty, q_ready,
                                            q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries,
                                            skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
@@ -1247,11 +1265,11 @@ def _fwd_kernel(q_desc, k_desc, v_desc, O, LSE, items_ptr, num_items_ptr, cu_ptr
                 (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE,
                                        LSE, stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
                                        max_entries, total, turn, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
-                                       True, 0, 4, PINGPONG)),
+                                       True, 0, 4, PINGPONG, False, PART_SKIP)),
                 (_rows_consumer_loop, (q_bufs, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty, t_smem, O, LSE,
                                        LSE, stride_ot, stride_lh, qk_scale, qk_scale, num_items_ptr,
                                        max_entries, total, turn, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
-                                       True, 1, 4, PINGPONG)),
+                                       True, 1, 4, PINGPONG, False, PART_SKIP)),
                 (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
                                        q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
                                        max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
@@ -1439,7 +1457,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
               o: torch.Tensor | None = None, lse: torch.Tensor | None = None,
               persistent: bool = False, parts: int = 2, pingpong: bool = False,
               items_whole: bool = False, head_inner: bool = False,
-              static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              static: bool = False, part_skip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention forward (the programs of ``flash_fwd``), warp-specialized Gluon, sm_90.
 
     Args:
@@ -1468,6 +1486,10 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         static: with ``items_whole``, the programs take their items by DESIGN.md §6's static snake
             (config ``fwd_gluon_static``) instead of a global atomic counter: no counter to zero
             (one fill launch fewer per call), no fenced atomic per claim.
+        part_skip: with ``persistent``, ``parts=2`` and no ``pingpong``: in causal entries each consumer
+            partition computes only the walked tiles holding a key one of its rows sees (config
+            ``fwd_gluon_part_skip``; with 64-key tiles the upper half of a 128-row diagonal entry skips
+            the last tile: W7's 256-token documents run 10 of 12 half-tile products).
 
     Returns:
         ``(o, lse)``: ``(T, H_q, D)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
@@ -1477,7 +1499,8 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         ValueError: as :func:`gluon_dkdv` (inputs), ``skip_len < 1``, tiles that do not divide, ``parts``
             not 1 or 2, ``block_m / parts`` not a multiple of 64, tiles that need more shared memory
             than an sm_90 program has, ``items_whole`` without ``persistent`` and ``parts=2``, or
-            ``head_inner`` / ``static`` without ``items_whole``.
+            ``head_inner`` / ``static`` without ``items_whole``, ``part_skip`` without ``persistent``,
+            ``parts=2`` and turns off.
     """
     _check_stages("gluon_fwd", stages)
     if isinstance(parts, bool) or not isinstance(parts, int) or parts not in (1, 2):
@@ -1486,6 +1509,9 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         raise ValueError("gluon_fwd: head_inner needs items_whole=True")
     if static and not items_whole:
         raise ValueError("gluon_fwd: static needs items_whole=True")
+    if part_skip and not (persistent and parts == 2 and not pingpong):
+        raise ValueError(f"gluon_fwd: part_skip needs persistent=True, parts=2 and pingpong=False, got "
+                         f"persistent={persistent!r}, parts={parts!r}, pingpong={pingpong!r}")
     if items_whole and not (persistent and parts == 2):
         raise ValueError(f"gluon_fwd: items_whole needs persistent=True and parts=2, got persistent={persistent!r}, "
                          f"parts={parts!r}")
@@ -1518,7 +1544,8 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         torch.zeros(1, dtype=torch.int32, device=q.device) if persistent and not static else num_items,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
         CAUSAL=bool(causal), PERSISTENT=bool(persistent), PARTS=int(parts), PINGPONG=bool(pingpong) and parts == 2,
-        ITEMS=bool(items_whole), HEAD_INNER=bool(head_inner), STATIC=bool(static), num_warps=CONSUMER_WARPS.value // int(parts), maxnreg=MAXNREG)
+        ITEMS=bool(items_whole), HEAD_INNER=bool(head_inner), STATIC=bool(static),
+        PART_SKIP=bool(part_skip), num_warps=CONSUMER_WARPS.value // int(parts), maxnreg=MAXNREG)
     return o, lse
 
 
@@ -1526,7 +1553,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
                  stages: int | None = None, group: int = 1, causal: bool = True,
                  retire_first: bool = True, dq_reduce: bool = False, persistent: bool = False, parts: int = 2,
                  pingpong: bool = False, items_whole: bool = False, wl_block_m: int = 128,
-                 head_inner: bool = False, static: bool = False) -> dict:
+                 head_inner: bool = False, static: bool = False, part_skip: bool = False) -> dict:
     """Compile one of this module's kernels for sm_90a WITHOUT a GPU (triton's bundled ptxas) and report.
 
     For screening before spending device time (benchmarks/gluon_compile_report.py prints it; the CPU
@@ -1540,8 +1567,8 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         pingpong: the forward's ``gluon_fwd(pingpong=)`` (ignored for the other kinds); the default False
             is ``gluon_fwd``'s default and ``small_fwd_pers``'s kernel, the long-row config runs True
             (``fwd_gluon_pingpong`` in ``config.PERSISTENT_FWD``).
-        items_whole, wl_block_m, head_inner, static: the forward's ``gluon_fwd(items_whole=, wl_block_m=,
-            head_inner=, static=)``.
+        items_whole, wl_block_m, head_inner, static, part_skip: the forward's ``gluon_fwd(items_whole=,
+            wl_block_m=, head_inner=, static=, part_skip=)``.
 
     Returns:
         dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
@@ -1582,7 +1609,8 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=wl_block_m, STAGES=st,
                   RETIRE_FIRST=bool(retire_first), CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce),
                   PERSISTENT=bool(persistent), PARTS=int(parts), PINGPONG=bool(pingpong) and parts == 2,
-                  ITEMS=bool(items_whole), HEAD_INNER=bool(head_inner), STATIC=bool(static))
+                  ITEMS=bool(items_whole), HEAD_INNER=bool(head_inner), STATIC=bool(static),
+                  PART_SKIP=bool(part_skip))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
