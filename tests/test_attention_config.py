@@ -53,11 +53,12 @@ def test_small_tiles_for_rows_of_short_documents(monkeypatch):
     pers = candidate_config("small_fwd_pers")
     assert pers.fwd_gluon and pers.fwd_gluon_persistent and not pers.bwd_gluon
     # 128..256: the same on whole 256-row items (one per document), K / V once in a 5 x 64-key ring
-    items = candidate_config("small_fwd_pers_items_n64s5")
+    # and each consumer partition skipping the tiles all masked for its rows (2026-11-30 (sixth))
+    items = candidate_config("small_fwd_pers_items_n64s5_skip")
     assert kernel_config(128, max_seqlen=SMALL_FWD_GLUON_MIN_SEQLEN) == items
     assert kernel_config(128, max_seqlen=SMALL_ITEMS_MAX_SEQLEN) == items
     assert items == dataclasses.replace(pers, wl_block_m=256, fwd_gluon_items=True, fwd_gluon_block_n=64,
-                                        fwd_gluon_stages=5)
+                                        fwd_gluon_stages=5, fwd_gluon_part_skip=True)
     # every document shorter than a 128-row entry: no Gluon entry to run, the Triton forward
     assert kernel_config(128, max_seqlen=SMALL_FWD_GLUON_MIN_SEQLEN - 1) == candidate_config("small_n32r")
     assert kernel_config(128, max_seqlen=1) == candidate_config("small_n32r")

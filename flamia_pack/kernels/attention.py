@@ -627,7 +627,7 @@ def varlen_attention(
             for ``head_dim``, ``causal``, ``max_seqlen`` and the GQA group, at ``D == 128``: MHA rows
             with ``max_seqlen < 128`` the small tile set's ``small_n32r``, 128-256 the persistent Gluon
             forward on whole 256-row items (each document's K / V loaded once) with the small set's Triton
-            backward (``small_fwd_pers_items_n64s5``), 257-512 the same on 128-row items
+            backward (``small_fwd_pers_items_n64s5_skip``), 257-512 the same on 128-row items
             (``small_fwd_pers``), 513-1,024 the persistent
             Gluon kernels ``all_pers_dqp``; GQA rows with ``max_seqlen <= 1024`` ``small_m16``;
             longer rows the persistent Gluon forward and the Gluon backward). On the CPU fallback

@@ -62,7 +62,10 @@ for both query tiles into a 5-slot ring of 64-key tiles) with the small set's Tr
 same 256-row list. Measured on the H200 (2026-11-30 (fifth), RESULTS runs 2-3): W7 forward kernel
 342 -> 301 us (1.14x), training call 1.800 -> 1.709 ms (1.053x, three passes each) against
 ``small_fwd_pers``, which rows of 257-512-token documents keep (their items are not whole documents
-that fit the ring; unmeasured there)."""
+that fit the ring; unmeasured there). Since 2026-11-30 (sixth) with each consumer partition skipping
+the tiles all masked for its rows (``small_fwd_pers_items_n64s5_skip``, ``fwd_gluon_part_skip``): W7
+forward kernel 300.7 -> 289.5 us (1.039x, ncu, two runs each), graph-timed forward 0.338 -> 0.330 ms
+(RESULTS "Session of 2026-11-30 (sixth)" run 4)."""
 
 CONFIG_ENV = "FLAMIA_ATTN_CONFIG"
 """Environment variable naming a :data:`CANDIDATES` entry that :func:`kernel_config` applies on top
@@ -803,7 +806,7 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
     ``small_n32r`` variant, a 64 x 32 forward capped at 168 registers for three programs per SM; MHA
     rows of ``SMALL_FWD_GLUON_MIN_SEQLEN <= max_seqlen <= SMALL_BWD_MAX_SEQLEN`` keep its backward
     but run the persistent Gluon forward, ``small_fwd_pers``, on whole 256-row items up to
-    :data:`SMALL_ITEMS_MAX_SEQLEN`, ``small_fwd_pers_items_n64s5``): 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
+    :data:`SMALL_ITEMS_MAX_SEQLEN`, ``small_fwd_pers_items_n64s5_skip``): 64 x 64 forward and 64-key x 32-query dK/dV / 64 x 32 dQ backward
     programs with 4 warps, two programs per SM, so one program's prologue and epilogue (which
     dominate when each program walks only a few tiles) overlap another's tiles. GQA calls
     (``num_kv_groups > 1``) get its 16-query dK/dV step (``small_m16``): with the group loop the
@@ -850,7 +853,7 @@ def _kernel_config_uncached(name: str, head_dim, causal, precision, band: int | 
     if band is not None and band < 3 and head_dim == 128:
         if gqa:
             return candidate_config("small_m16", head_dim, causal, precision)
-        name = {-1: "small_n32r", 0: "small_fwd_pers_items_n64s5", 1: "small_fwd_pers", 2: "all_pers_dqp"}[band]
+        name = {-1: "small_n32r", 0: "small_fwd_pers_items_n64s5_skip", 1: "small_fwd_pers", 2: "all_pers_dqp"}[band]
         return candidate_config(name, head_dim, causal, precision)
     return _default_config(head_dim, causal, precision)
 
