@@ -448,13 +448,13 @@ def test_whole_item_claims_are_validated():
         AttentionKernelConfig(fwd_gluon_static=1, fwd_gluon_items=True, **ok)
     with pytest.raises(ValueError, match="static needs items_whole=True"):
         gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, persistent=True, static=True)
-    with pytest.raises(FlamiaError, match="fwd_gluon_part_skip needs the persistent two-partition Gluon forward"):
-        AttentionKernelConfig(fwd_gluon_part_skip=True, fwd_gluon_pingpong=True, **ok)
+    with pytest.raises(FlamiaError, match="fwd_gluon_part_skip needs the whole-item Gluon forward without turns"):
+        AttentionKernelConfig(fwd_gluon_part_skip=True, fwd_gluon_items=True, fwd_gluon_pingpong=True, **ok)
     with pytest.raises(FlamiaError, match="fwd_gluon_part_skip needs"):
-        AttentionKernelConfig(fwd_gluon_part_skip=True, fwd_gluon_pingpong=False, fwd_gluon_parts=1, **ok)
-    AttentionKernelConfig(fwd_gluon_part_skip=True, fwd_gluon_pingpong=False, **ok)
-    for kw in ({"persistent": False}, {"persistent": True, "pingpong": True}, {"persistent": True, "parts": 1}):
-        with pytest.raises(ValueError, match="part_skip needs persistent=True, parts=2 and pingpong=False"):
+        AttentionKernelConfig(fwd_gluon_part_skip=True, fwd_gluon_pingpong=False, **ok)
+    AttentionKernelConfig(fwd_gluon_part_skip=True, fwd_gluon_items=True, fwd_gluon_pingpong=False, **ok)
+    for kw in ({"persistent": True}, {"persistent": True, "items_whole": True, "pingpong": True}):
+        with pytest.raises(ValueError, match="part_skip needs items_whole=True and pingpong=False"):
             gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, part_skip=True, **kw)
     sk = candidate_config("small_fwd_pers_items_n64s5_skip", head_dim=128)
     assert sk == dataclasses.replace(candidate_config("small_fwd_pers_items_n64s5", head_dim=128), fwd_gluon_part_skip=True)

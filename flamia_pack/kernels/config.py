@@ -375,7 +375,7 @@ class AttentionKernelConfig:
     launch before each forward and no claim waits on a fenced atomic."""
 
     fwd_gluon_part_skip: bool = False
-    """With the persistent two-partition Gluon forward and no turns: in causal entries each consumer
+    """With ``fwd_gluon_items`` and no turns: in causal entries each consumer
     partition computes only the walked tiles that hold a key one of its 64 rows sees
     (``gluon_fwd(part_skip=)``). With 64-key tiles the upper half of a 128-row diagonal entry skips the
     last tile (all its scores masked): W7's 256-token documents run 10 of 12 half-tile products."""
@@ -456,13 +456,10 @@ class AttentionKernelConfig:
             raise FlamiaError("AttentionKernelConfig.fwd_gluon_head_inner needs fwd_gluon_items=True")
         if self.fwd_gluon_static and not self.fwd_gluon_items:
             raise FlamiaError("AttentionKernelConfig.fwd_gluon_static needs fwd_gluon_items=True")
-        if self.fwd_gluon_part_skip and not (self.fwd_gluon and self.fwd_gluon_persistent and self.fwd_gluon_parts == 2
-                                             and not self.fwd_gluon_pingpong):
-            raise FlamiaError("AttentionKernelConfig.fwd_gluon_part_skip needs the persistent two-partition Gluon "
-                              "forward without turns (fwd_gluon=True, fwd_gluon_persistent=True, fwd_gluon_parts=2, "
-                              f"fwd_gluon_pingpong=False), got fwd_gluon={self.fwd_gluon!r}, "
-                              f"fwd_gluon_persistent={self.fwd_gluon_persistent!r}, "
-                              f"fwd_gluon_parts={self.fwd_gluon_parts!r}, fwd_gluon_pingpong={self.fwd_gluon_pingpong!r}")
+        if self.fwd_gluon_part_skip and not (self.fwd_gluon_items and not self.fwd_gluon_pingpong):
+            raise FlamiaError("AttentionKernelConfig.fwd_gluon_part_skip needs the whole-item Gluon forward without "
+                              f"turns (fwd_gluon_items=True, fwd_gluon_pingpong=False), got "
+                              f"fwd_gluon_items={self.fwd_gluon_items!r}, fwd_gluon_pingpong={self.fwd_gluon_pingpong!r}")
         if self.fwd_gluon_items and not (self.fwd_gluon and self.fwd_gluon_persistent and self.fwd_gluon_parts == 2
                                          and self.wl_block_m % 128 == 0):
             raise FlamiaError("AttentionKernelConfig.fwd_gluon_items needs the persistent two-partition Gluon forward "

@@ -1486,7 +1486,7 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         static: with ``items_whole``, the programs take their items by DESIGN.md §6's static snake
             (config ``fwd_gluon_static``) instead of a global atomic counter: no counter to zero
             (one fill launch fewer per call), no fenced atomic per claim.
-        part_skip: with ``persistent``, ``parts=2`` and no ``pingpong``: in causal entries each consumer
+        part_skip: with ``items_whole`` and no ``pingpong``: in causal entries each consumer
             partition computes only the walked tiles holding a key one of its rows sees (config
             ``fwd_gluon_part_skip``; with 64-key tiles the upper half of a 128-row diagonal entry skips
             the last tile: W7's 256-token documents run 10 of 12 half-tile products).
@@ -1499,8 +1499,8 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         ValueError: as :func:`gluon_dkdv` (inputs), ``skip_len < 1``, tiles that do not divide, ``parts``
             not 1 or 2, ``block_m / parts`` not a multiple of 64, tiles that need more shared memory
             than an sm_90 program has, ``items_whole`` without ``persistent`` and ``parts=2``, or
-            ``head_inner`` / ``static`` without ``items_whole``, ``part_skip`` without ``persistent``,
-            ``parts=2`` and turns off.
+            ``head_inner`` / ``static`` without ``items_whole``, ``part_skip`` without ``items_whole``
+            or with ``pingpong``.
     """
     _check_stages("gluon_fwd", stages)
     if isinstance(parts, bool) or not isinstance(parts, int) or parts not in (1, 2):
@@ -1509,9 +1509,9 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         raise ValueError("gluon_fwd: head_inner needs items_whole=True")
     if static and not items_whole:
         raise ValueError("gluon_fwd: static needs items_whole=True")
-    if part_skip and not (persistent and parts == 2 and not pingpong):
-        raise ValueError(f"gluon_fwd: part_skip needs persistent=True, parts=2 and pingpong=False, got "
-                         f"persistent={persistent!r}, parts={parts!r}, pingpong={pingpong!r}")
+    if part_skip and not (items_whole and not pingpong):
+        raise ValueError(f"gluon_fwd: part_skip needs items_whole=True and pingpong=False, got "
+                         f"items_whole={items_whole!r}, pingpong={pingpong!r}")
     if items_whole and not (persistent and parts == 2):
         raise ValueError(f"gluon_fwd: items_whole needs persistent=True and parts=2, got persistent={persistent!r}, "
                          f"parts={parts!r}")
