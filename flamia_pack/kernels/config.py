@@ -527,6 +527,13 @@ at head_dim 64 (not measured). Since 2026-11-29 (night) with two consumer partit
 two partitions take turns on the tensor cores (``fwd_gluon_pingpong``: forward kernel 1.045x on W1,
 1.057x on W8, 1.01x on W3 in Nsight Compute; 0.98x on W7, whose ``small_fwd_pers`` keeps it off)."""
 
+_ITEMS_N64S5 = {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
+                "fwd_gluon_pingpong": False, "wl_block_m": 256, "fwd_gluon_items": True, "fwd_gluon_block_n": 64,
+                "fwd_gluon_stages": 5}
+"""Candidate ``small_fwd_pers_items_n64s5``'s overrides: the persistent Gluon forward claiming whole
+256-row items into a 5-slot ring of 64-key tiles, the small set's Triton backward (the base of the
+whole-item band's variants in :data:`CANDIDATES`)."""
+
 CANDIDATES: dict[str, dict] = {
     "default": {},
     # the warp-specialized Gluon backward (gluon_attention.py) where it applies, Triton elsewhere
@@ -683,27 +690,15 @@ CANDIDATES: dict[str, dict] = {
     "small_fwd_pers_items_hi": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
                                 "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
                                 "fwd_gluon_items": True, "fwd_gluon_head_inner": True},
-    "small_fwd_pers_items_n64s5": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
-                                   "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
-                                   "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5},
-    "small_fwd_pers_items_n64s5_hi": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
-                                      "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
-                                      "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5,
-                                      "fwd_gluon_head_inner": True},
+    "small_fwd_pers_items_n64s5": _ITEMS_N64S5,
+    "small_fwd_pers_items_n64s5_hi": {**_ITEMS_N64S5, "fwd_gluon_head_inner": True},
     # ... the band's config (small_fwd_pers_items_n64s5) with the two partitions taking turns
-    "small_fwd_pers_items_n64s5_pp": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
-                                      "fwd_gluon_persistent": True, "fwd_gluon_pingpong": True, "wl_block_m": 256,
-                                      "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5},
+    "small_fwd_pers_items_n64s5_pp": {**_ITEMS_N64S5, "fwd_gluon_pingpong": True},
     # ... the band's config with the items dealt by the static snake (no counter, no zero fill)
-    "small_fwd_pers_items_n64s5_static": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
-                                          "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
-                                          "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5,
-                                          "fwd_gluon_static": True},
+    "small_fwd_pers_items_n64s5_static": {**_ITEMS_N64S5, "fwd_gluon_static": True},
     # ... the band's config with each consumer partition skipping the tiles all masked for its rows
-    "small_fwd_pers_items_n64s5_skip": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
-                                        "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
-                                        "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5,
-                                        "fwd_gluon_part_skip": True},
+    # (the band's since 2026-11-30 (sixth))
+    "small_fwd_pers_items_n64s5_skip": {**_ITEMS_N64S5, "fwd_gluon_part_skip": True},
     "small_fwd_pers_w256": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
                             "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256},
     # the same with the Gluon programs (and the Triton backward) in document-major order
