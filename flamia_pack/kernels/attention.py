@@ -45,8 +45,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from flamia_pack.errors import FlamiaError, MetadataError
-from flamia_pack.kernels.config import (SCHEDULES, AttentionKernelConfig, env_candidate, host_cache, kernel_config,
-                                        work_list_tile_config)
+from flamia_pack.kernels.config import (SCHEDULES, AttentionKernelConfig, check_row_hints, env_candidate, host_cache,
+                                        kernel_config, work_list_tile_config)
 
 __all__ = ["varlen_attention", "build_attention_work_list", "check_attention_inputs", "kernels_available"]
 
@@ -275,7 +275,7 @@ def build_attention_work_list(
     from flamia_pack.scheduler.worklist import build_work_list
 
     _check_config_arg(config)
-    _check_row_hints(max_seqlen, num_kv_groups)
+    check_row_hints(max_seqlen, num_kv_groups)  # also with a config given (kernel_config checks them otherwise)
     cfg = config or kernel_config(head_dim, causal, max_seqlen=max_seqlen, num_kv_groups=num_kv_groups)
     # total_tokens as given: build_work_list checks it (an int in range; 20.7, "20", True are errors); the
     # list's geometry follows max_seqlen, so validate also checks it against the longest document, as the
@@ -310,15 +310,6 @@ def _check_config_arg(config) -> None:
         hint = (f" (for a named candidate pass config=candidate_config({config!r}) from flamia_pack.kernels.config)"
                 if isinstance(config, str) else "")
         raise FlamiaError(f"config must be an AttentionKernelConfig or None, got {type(config).__name__}{hint}")
-
-
-def _check_row_hints(max_seqlen, num_kv_groups) -> None:
-    """``build_attention_work_list``'s ``max_seqlen`` (None or an int >= 0) and ``num_kv_groups`` (an int >= 1)."""
-    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral)
-                                   or max_seqlen < 0):
-        raise MetadataError(f"max_seqlen must be None or an int >= 0, got {max_seqlen!r}")
-    if isinstance(num_kv_groups, bool) or not isinstance(num_kv_groups, numbers.Integral) or num_kv_groups < 1:
-        raise FlamiaError(f"num_kv_groups must be an int >= 1 (num_heads // num_kv_heads), got {num_kv_groups!r}")
 
 
 def _config_for_list(cfg: AttentionKernelConfig, work_list) -> AttentionKernelConfig:

@@ -20,7 +20,7 @@ import numbers
 import os
 from dataclasses import astuple, dataclass, replace
 
-from flamia_pack.errors import FlamiaError
+from flamia_pack.errors import FlamiaError, MetadataError
 
 __all__ = ["AttentionKernelConfig", "kernel_config", "work_list_tile_config", "SCHEDULES", "CANDIDATES",
            "CONFIG_ENV", "candidate_config", "env_candidate", "SMALL_MAX_SEQLEN", "SMALL_BWD_MAX_SEQLEN",
@@ -90,6 +90,24 @@ Gluon forward (head_dim 128 causal default) always takes entries from a counter 
 def _is_int(x) -> bool:
     """A Python or numpy integer, not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_row_hints(max_seqlen, num_kv_groups) -> None:
+    """The row hints a call's tiles are chosen by (:func:`kernel_config`, and
+    ``attention.build_attention_work_list`` also when it is given a config).
+
+    Args:
+        max_seqlen: the call's longest document, None (not known) or an int >= 0 (numpy ints accepted).
+        num_kv_groups: ``num_heads // num_kv_heads``, an int >= 1.
+
+    Raises:
+        MetadataError: ``max_seqlen`` not None or an int >= 0 (bool, float, str rejected).
+        FlamiaError: ``num_kv_groups`` not an int >= 1.
+    """
+    if max_seqlen is not None and (not _is_int(max_seqlen) or max_seqlen < 0):
+        raise MetadataError(f"max_seqlen must be None or an int >= 0, got {max_seqlen!r}")
+    if not _is_int(num_kv_groups) or num_kv_groups < 1:
+        raise FlamiaError(f"num_kv_groups must be an int >= 1 (num_heads // num_kv_heads), got {num_kv_groups!r}")
 
 
 def _pow2(x: int) -> bool:
@@ -527,12 +545,14 @@ at head_dim 64 (not measured). Since 2026-11-29 (night) with two consumer partit
 two partitions take turns on the tensor cores (``fwd_gluon_pingpong``: forward kernel 1.045x on W1,
 1.057x on W8, 1.01x on W3 in Nsight Compute; 0.98x on W7, whose ``small_fwd_pers`` keeps it off)."""
 
-_ITEMS_N64S5 = {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
-                "fwd_gluon_pingpong": False, "wl_block_m": 256, "fwd_gluon_items": True, "fwd_gluon_block_n": 64,
-                "fwd_gluon_stages": 5}
+_W256 = {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
+         "fwd_gluon_pingpong": False, "wl_block_m": 256}
+"""Candidate ``small_fwd_pers_w256``'s overrides: ``small_fwd_pers`` (the persistent Gluon forward without
+turns, the small set's Triton backward) on 256-row work-list items; the base of the whole-item ones."""
+_ITEMS_N64S5 = {**_W256, "fwd_gluon_items": True, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 5}
 """Candidate ``small_fwd_pers_items_n64s5``'s overrides: the persistent Gluon forward claiming whole
-256-row items into a 5-slot ring of 64-key tiles, the small set's Triton backward (the base of the
-whole-item band's variants in :data:`CANDIDATES`)."""
+256-row items into a 5-slot ring of 64-key tiles (the base of the whole-item band's variants in
+:data:`CANDIDATES`)."""
 
 CANDIDATES: dict[str, dict] = {
     "default": {},
@@ -561,8 +581,8 @@ CANDIDATES: dict[str, dict] = {
                  "bwd_gluon_persistent": True},
     "all_pers_dqp": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
                      "bwd_gluon_persistent": True, "bwd_gluon_dq_reduce": False},
-    # the same without the forward's ping-pong turns (W3's forward 0.96x -> 0.82x padded SDPA across two
-    # full benchmarks on two machines, RESULTS 2026-11-30 (fifth) run 4; unmeasured in one process)
+    # the same without the forward's ping-pong turns (measured in one process, RESULTS 2026-11-30 (sixth)
+    # run 1: W3 forward kernel 0.985x, W1 graph-timed forward 0.965x: the band keeps its turns)
     "all_pers_dqp_no_pp": {**HEAD_MAJOR, "bwd_gluon": True, "fwd_gluon": True, "fwd_gluon_persistent": True,
                            "bwd_gluon_persistent": True, "bwd_gluon_dq_reduce": False, "fwd_gluon_pingpong": False},
     # the persistent Gluon forward with the one-entry Gluon dK/dV + dQ programs (W3's band), and with
@@ -682,14 +702,10 @@ CANDIDATES: dict[str, dict] = {
                              "fwd_gluon_pingpong": False, "fwd_gluon_block_n": 64, "fwd_gluon_stages": 4},
     # the same with 256-row work-list items, the Gluon forward claiming whole items (one per document of
     # <= 256 tokens: its K / V loaded once for both query tiles), and the control without the claiming
-    "small_fwd_pers_items": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
-                             "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
-                             "fwd_gluon_items": True},
+    "small_fwd_pers_items": {**_W256, "fwd_gluon_items": True},
     # ... with the heads of one item side by side, with a 5-slot ring of 64-key tiles (the next item's
     # first K / V tile loads while this item's four are held), and both
-    "small_fwd_pers_items_hi": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
-                                "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256,
-                                "fwd_gluon_items": True, "fwd_gluon_head_inner": True},
+    "small_fwd_pers_items_hi": {**_W256, "fwd_gluon_items": True, "fwd_gluon_head_inner": True},
     "small_fwd_pers_items_n64s5": _ITEMS_N64S5,
     "small_fwd_pers_items_n64s5_hi": {**_ITEMS_N64S5, "fwd_gluon_head_inner": True},
     # ... the band's config (small_fwd_pers_items_n64s5) with the two partitions taking turns
@@ -699,8 +715,7 @@ CANDIDATES: dict[str, dict] = {
     # ... the band's config with each consumer partition skipping the tiles all masked for its rows
     # (the band's since 2026-11-30 (sixth))
     "small_fwd_pers_items_n64s5_skip": {**_ITEMS_N64S5, "fwd_gluon_part_skip": True},
-    "small_fwd_pers_w256": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True,
-                            "fwd_gluon_persistent": True, "fwd_gluon_pingpong": False, "wl_block_m": 256},
+    "small_fwd_pers_w256": _W256,
     # the same with the Gluon programs (and the Triton backward) in document-major order
     "small_fwd_pers_doc": {**HEAD_MAJOR, **SMALL_TILES, **SHORT_FWD_TILES, "fwd_gluon": True, "fwd_gluon_persistent": True,
                            "fwd_gluon_pingpong": False, "doc_major": True},
@@ -823,12 +838,10 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
 
     Raises:
         FlamiaError: unsupported head_dim or precision; an unknown ``FLAMIA_ATTN_CONFIG`` name;
-            ``max_seqlen`` not None and not an int >= 0; ``num_kv_groups`` not an int >= 1.
+            ``num_kv_groups`` not an int >= 1.
+        MetadataError: ``max_seqlen`` not None and not an int >= 0 (:func:`check_row_hints`).
     """
-    if max_seqlen is not None and (not _is_int(max_seqlen) or max_seqlen < 0):
-        raise FlamiaError(f"max_seqlen must be an int >= 0 or None, got {max_seqlen!r}")
-    if not _is_int(num_kv_groups) or num_kv_groups < 1:
-        raise FlamiaError(f"num_kv_groups must be an int >= 1 (num_heads // num_kv_heads), got {num_kv_groups!r}")
+    check_row_hints(max_seqlen, num_kv_groups)
     name = env_candidate()
     band = None if max_seqlen is None else (
         -1 if max_seqlen < SMALL_FWD_GLUON_MIN_SEQLEN else 0 if max_seqlen <= SMALL_ITEMS_MAX_SEQLEN
