@@ -156,10 +156,10 @@ _ITEM_CASES = ([(n, c, *row) for n in ("small_fwd_pers_items", "small_fwd_pers_w
 def test_forward_claiming_whole_items(name, causal, lengths, h, hkv, pad):
     """The persistent Gluon forward claiming whole 256-row list items (``fwd_gluon_items``, candidate
     ``small_fwd_pers_items``; ``small_fwd_pers_w256`` the same list with one claim per query tile; the
-    heads of one item side by side, ``_hi``; a 5-slot ring of 64-key tiles, ``_n64s5``, the band's
-    config; with ping-pong turns, ``_pp``; items dealt by the static snake, ``_static``; each partition skipping the tiles all masked for its
-    rows, ``_skip``), vs the fp32 reference with the Triton backward on the same
-    list: every query tile run once, the shared K / V tiles released only by the item's last query
+    heads of one item side by side, ``_hi``; a 5-slot ring of 64-key tiles, ``_n64s5``; with ping-pong
+    turns, ``_pp``; items dealt by the static snake, ``_static``; each partition skipping the tiles all
+    masked for its rows, ``_skip``, the band's config), vs the fp32 reference with the Triton backward
+    on the same list: every query tile run once, the shared K / V tiles released only by the item's last query
     tile (a release too early would let the producer overwrite them: wrong rows; too late or never: a
     hang, so run under ``timeout``)."""
     if not _HOPPER:
