@@ -171,12 +171,14 @@ def test_config_by_name_gets_a_hint():
 
 
 def test_config_validation():
+    from flamia_pack.kernels.config import TritonFwdConfig
+
     with pytest.raises(FlamiaError):
-        AttentionKernelConfig(block_m=96)
+        TritonFwdConfig(block_m=96)
     with pytest.raises(FlamiaError):
-        AttentionKernelConfig(wl_block_m=64, block_m=128)
+        AttentionKernelConfig(wl_block_m=64, fwd=TritonFwdConfig(block_m=128))
     with pytest.raises(FlamiaError):
-        AttentionKernelConfig(schedule="snake")
+        TritonFwdConfig(schedule="snake")
     with pytest.raises(FlamiaError):
         kernel_config(96)
     cfg = kernel_config(128)
@@ -456,9 +458,8 @@ def test_merged_items_bound_the_program_count():
 # the Triton kernels in the interpreter (one subprocess for all cases)
 # ---------------------------------------------------------------------------------------------
 
-_SMALL = dict(wl_block_m=32, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16, bwd_block_m2=32, bwd_block_n2=16)
-_SPLIT = dict(wl_block_m=32, block_m=16, block_n=16, bwd_block_n1=16, bwd_block_m1=16, bwd_block_m2=16,
-              bwd_block_n2=16, schedule="persistent", bwd_fused=False)
+_SMALL = {}  # check.small_test_config's arguments
+_SPLIT = dict(tile=16, schedule="persistent")
 
 _INTERP_CASES = {
     "gqa_causal_pad_lsegrad": dict(lengths=[70, 5, 33, 1, 1, 2, 40], num_heads=4, num_kv_heads=2, head_dim=64,
@@ -482,18 +483,12 @@ _INTERP_CASES = {
                                    causal=False, pad=0, config={**_SMALL, "schedule": "policy"}),
     "policy_dynamic_causal": dict(lengths=[70, 5, 33, 1, 1, 2, 40], num_heads=2, num_kv_heads=1, head_dim=64,
                                   causal=True, pad=5, config={**_SMALL, "schedule": "policy"}),
-    # Delta computed and stored by the dQ programs (bwd_dq_delta: no preprocess), with and without dLSE
-    "dq_delta_gqa_lsegrad": dict(lengths=[70, 5, 33, 1, 1, 2, 40], num_heads=4, num_kv_heads=2, head_dim=64,
-                                 causal=True, pad=7, config={**_SMALL, "bwd_dq_delta": True}, with_lse_grad=True),
-    "dq_delta_random_noncausal": dict(lengths="random:1", num_heads=2, num_kv_heads=2, head_dim=64, causal=False,
-                                      pad=0, config={**_SMALL, "bwd_dq_delta": True}),
 }
 
 _SCRIPT = r"""
 import json, sys
 import numpy as np
-from flamia_pack.kernels.check import compare_with_reference, random_lengths
-from flamia_pack.kernels.config import AttentionKernelConfig
+from flamia_pack.kernels.check import compare_with_reference, random_lengths, small_test_config
 from flamia_pack.kernels.attention import kernels_available
 assert kernels_available("cpu"), "interpreter path not active"
 cases = json.loads(sys.argv[1])
@@ -504,7 +499,7 @@ for name, kw in cases.items():
         seed = int(kw["lengths"].split(":")[1])
         kw["lengths"] = random_lengths(np.random.default_rng(seed), 200, 40)
     if "config" in kw:
-        kw["config"] = AttentionKernelConfig(**kw["config"])
+        kw["config"] = small_test_config(**kw["config"])
     out[name] = compare_with_reference(seed=7, **kw)
 print("RESULTS " + json.dumps(out))
 """
@@ -609,10 +604,9 @@ def test_nan_in_a_merged_short_document_stays_in_it_triton_interpreter():
 _POLICY_UNDER_COMPILE = r"""
 import torch
 from flamia_pack.kernels.attention import build_attention_work_list, kernels_available, varlen_attention
-from flamia_pack.kernels.config import AttentionKernelConfig
+from flamia_pack.kernels.check import small_test_config
 assert kernels_available("cpu")
-cfg = AttentionKernelConfig(wl_block_m=32, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16,
-                            bwd_block_m2=32, bwd_block_n2=16, schedule="policy")
+cfg = small_test_config(schedule="policy")
 def f(q, k, v, cu, wl):
     return varlen_attention(q, k, v, cu, 40, causal=False, config=cfg, work_list=wl)
 cf = torch.compile(f, backend="eager", dynamic=True)
@@ -652,8 +646,7 @@ torch.manual_seed(0)
 # merged items (runs of short documents), one-token documents and longer ones, GQA, unaligned end padding
 lengths = [40, 1, 3, 2, 1, 1, 25, 5, 1, 33, 4, 4, 1]
 T, H, HKV, D = sum(lengths) + 3, 4, 2, 64
-cfg = AttentionKernelConfig(wl_block_m=32, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16,
-                            bwd_block_m2=32, bwd_block_n2=16)
+cfg = small_test_config()
 cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
 q, k, v = (torch.randn(T, h, D).to(torch.bfloat16) for h in (H, HKV, HKV))
 wl = build_attention_work_list(cu, T, causal=True, config=cfg)
@@ -769,16 +762,16 @@ try:
     out["four_raises"] = False
 except FlamiaError:
     out["four_raises"] = True
-# one fill launch per forward and one per backward (with and without the atomic dQ path)
+# one fill launch per forward and one per backward
 from flamia_pack.kernels import varlen_attention
 from flamia_pack.kernels.config import AttentionKernelConfig
-small = dict(wl_block_m=32, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16, bwd_block_m2=32, bwd_block_n2=16)
-for atomic in (False, True):
+from flamia_pack.kernels.check import small_test_config
+for atomic in (False,):
     torch.manual_seed(0)
     T, end = 45, 38
     q, k, v = (torch.randn(T, 2, 64).to(torch.bfloat16).requires_grad_() for _ in range(3))
     cu = torch.tensor([0, 20, end], dtype=torch.int32)
-    cfg = AttentionKernelConfig(**small, bwd_dq_atomic=atomic)
+    cfg = small_test_config()
     n0 = count.n
     o = varlen_attention(q, k, v, cu, 20, causal=True, config=cfg)
     n1 = count.n
@@ -790,7 +783,7 @@ for atomic in (False, True):
 # bitwise the same results
 from flamia_pack.kernels.config import work_list_tile_config
 from flamia_pack.scheduler.worklist import build_work_list
-cfg = AttentionKernelConfig(**small)
+cfg = small_test_config()
 torch.manual_seed(1)
 T = 38
 xs = [torch.randn(T, 2, 64).to(torch.bfloat16) for _ in range(3)]
@@ -824,7 +817,7 @@ def test_fill_tails_one_launch_interpreter(run_interpreter):
         assert r[name]["ok"] == [True] * n and r[name]["launches"] == 1, (name, r[name])
     assert r["wrapper"] == dict(ok=[True], launches=1), r["wrapper"]
     assert r["four_raises"] is True
-    for atomic in (0, 1):
+    for atomic in (0,):
         assert r[f"attention_atomic{atomic}"] == dict(fwd=1, bwd=1, pad_ok=True), (atomic, r[f"attention_atomic{atomic}"])
     # no row-end padding, known on the host (the call's cu_seqlens check, or a validated work list): no fill
     # launch; unknown (a list built without validation): the fills run; the results are bitwise the same

@@ -16,7 +16,7 @@ import torch
 from flamia_pack.kernels import varlen_attention
 from flamia_pack.kernels.attention import build_attention_work_list
 from flamia_pack.kernels.check import compare_with_reference, random_lengths
-from flamia_pack.kernels.config import AttentionKernelConfig
+from flamia_pack.kernels.config import AttentionKernelConfig, TritonFwdConfig
 from flamia_pack.scheduler.workloads import lognormal_lengths
 
 pytestmark = pytest.mark.gpu
@@ -84,23 +84,9 @@ def test_s3_random_rows(row):
     _assert_ok(r, f"row {row}: {len(lengths)} docs")
 
 
-@pytest.mark.parametrize("d,h,hkv,causal", [(128, 8, 8, True), (128, 8, 2, True), (64, 4, 4, False), (64, 4, 1, True)])
-def test_backward_dq_programs_compute_delta(d, h, hkv, causal):
-    """``bwd_dq_delta``: no Delta preprocess; the dQ launch computes and stores Delta before the dK/dV
-    launch reads it; with the LSE gradient on; the W7 band's tiles and an unaligned mix."""
-    from flamia_pack.kernels.config import candidate_config
-
-    cfg = candidate_config("small_n32r_dqd", head_dim=d)
-    assert cfg.bwd_dq_delta
-    for lengths, pad in (([256] * 16 + [3, 1, 77], 13), ([1000, 1, 3, 517, 129, 128, 127, 64], 37)):
-        r = compare_with_reference(lengths, num_heads=h, num_kv_heads=hkv, head_dim=d, causal=causal, pad=pad,
-                                   device="cuda", config=cfg, seed=d + h + hkv, with_lse_grad=True)
-        _assert_ok(r, f"dQ-side Delta d={d} h={h}/{hkv} causal={causal} {len(lengths)} docs")
-
-
 def test_mqa_and_persistent_schedule():
     lengths = [int(x) for x in lognormal_lengths(6.5, 1.0, 8192, 3)]
-    cfg = AttentionKernelConfig(schedule="persistent")
+    cfg = AttentionKernelConfig(fwd=TritonFwdConfig(schedule="persistent"), gluon_fwd=None)
     r = compare_with_reference(lengths, num_heads=4, num_kv_heads=1, head_dim=128, causal=True, device="cuda",
                                config=cfg, seed=5)
     _assert_ok(r, "persistent, MQA")
@@ -153,8 +139,8 @@ def test_eager_function_path_equals_the_custom_op(lengths):
     g = torch.Generator(device="cuda").manual_seed(len(lengths))
     q, k, v, do = (torch.randn((T, 8, 128), device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(4))
     dlse = torch.randn((8, T), device="cuda", generator=g)
-    cfg = dataclasses.replace(kernel_config(128, True, max_seqlen=max(lengths)), bwd_dq_atomic=False,
-                              bwd_gluon_dq_reduce=False)
+    base = kernel_config(128, True, max_seqlen=max(lengths))
+    cfg = dataclasses.replace(base, gluon_bwd=dataclasses.replace(base.gluon_bwd, dq_reduce=False))
     wl = build_attention_work_list(cu, T, causal=True, head_dim=128, config=cfg)
     ints = A._op_config_ints(cfg, A.LEFTOVER_FWD | A.LEFTOVER_BWD | A.PAD_TAIL)
     outs = []

@@ -107,16 +107,16 @@ def test_policy_for_call_agrees_with_choose_policy(lengths, causal):
 
 def test_policy_for_call_rejects_bad_ints_and_resolves_the_kernel_schedule():
     from flamia_pack.kernels.attention import _resolve_policy
-    from flamia_pack.kernels.config import AttentionKernelConfig
+    from flamia_pack.kernels.config import AttentionKernelConfig, TritonFwdConfig
     from flamia_pack.scheduler.policy import policy_for_call
 
     for bad in ((-1, 10, 2), (5, 1.5, 2), (5, 10, True)):
         with pytest.raises(FlamiaError, match="must be an int >= 0"):
             policy_for_call(False, *bad)
-    cfg = AttentionKernelConfig(schedule="policy")
-    assert _resolve_policy(cfg, False, 60, 250, 5).schedule == "static"  # max 60 < 4 x mean 50
-    assert _resolve_policy(cfg, False, 200, 250, 5).schedule == "persistent"  # 200 >= 4 x 50
-    assert _resolve_policy(cfg, True, 60, 250, 5).schedule == "persistent"  # causal -> dynamic
+    cfg = AttentionKernelConfig(fwd=TritonFwdConfig(schedule="policy"))
+    assert _resolve_policy(cfg, False, 60, 250, 5).fwd.schedule == "static"  # max 60 < 4 x mean 50
+    assert _resolve_policy(cfg, False, 200, 250, 5).fwd.schedule == "persistent"  # 200 >= 4 x 50
+    assert _resolve_policy(cfg, True, 60, 250, 5).fwd.schedule == "persistent"  # causal -> dynamic
 
 
 @settings(max_examples=40, deadline=None)

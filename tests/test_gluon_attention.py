@@ -1,15 +1,15 @@
-"""CPU tests of the Gluon kernels' launchers, gates and Triton hand-off (the kernels themselves:
-test_gluon_attention_gpu.py)."""
+"""CPU tests of the Gluon kernels' launchers, gates and Triton hand-off, and their sm_90a compilation
+(the kernels themselves run in test_gluon_attention_gpu.py)."""
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 
-from flamia_pack.kernels.config import CANDIDATES, candidate_config
+gluon_fwd_mod = pytest.importorskip("flamia_pack.kernels.gluon_fwd")
+from flamia_pack.kernels import gluon_common, gluon_dkdv as gluon_dkdv_mod, gluon_dq as gluon_dq_mod  # noqa: E402
 
-gluon_attention = pytest.importorskip("flamia_pack.kernels.gluon_attention")
+LAUNCHERS = {"gluon_dkdv": gluon_dkdv_mod.gluon_dkdv, "gluon_dq": gluon_dq_mod.gluon_dq,
+             "gluon_fwd": gluon_fwd_mod.gluon_fwd}
 
 
 def _inputs(T=64, H=4, Hkv=2, D=64, dtype=torch.bfloat16):
@@ -34,58 +34,51 @@ def test_launchers_reject_bad_inputs_before_launch(fn, case, match):
     num = torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match=match):
         if fn == "gluon_fwd":
-            gluon_attention.gluon_fwd(q, k, v, cu, items, num, 0.125)
+            LAUNCHERS[fn](q, k, v, cu, items, num, 0.125)
         else:
-            getattr(gluon_attention, fn)(q, k, v, do, lse, lse, cu, items, num, 0.125)
+            LAUNCHERS[fn](q, k, v, do, lse, lse, cu, items, num, 0.125)
 
 
 def test_shape_rules():
     q, k, v, do = _inputs(H=4, Hkv=3)
     with pytest.raises(ValueError, match="multiple of H_kv"):
-        gluon_attention._check_inputs("x", q, k, v, do)
+        gluon_common.check_inputs("x", q, k, v, do)
     q, k, v, do = _inputs(D=96)
     with pytest.raises(ValueError, match="64 or 128"):
-        gluon_attention._check_inputs("x", q, k, v, do)
+        gluon_common.check_inputs("x", q, k, v, do)
     q, k, v, do = _inputs()
     with pytest.raises(ValueError, match="shapes disagree"):
-        gluon_attention._check_inputs("x", q, k[:32], v[:32], do)
-
-
-def test_candidates_that_vary_the_triton_backward_turn_gluon_off():
-    on = {n for n, ov in CANDIDATES.items() if candidate_config(n).bwd_gluon}
-    assert {"default", "gluon", "gluon_l256"} <= on
-    for name in ("bwd_tma", "grid_order", "doc_major", "bwd_m64", "regs_k", "dq_n32", "split_dq128", "small", "triton_bwd"):
-        assert not candidate_config(name).bwd_gluon, name
+        gluon_common.check_inputs("x", q, k[:32], v[:32], do)
 
 
 _LEFTOVER_SCRIPT = r"""
 import json, sys
 from dataclasses import replace
 import numpy as np, torch
-from flamia_pack.kernels import flash_bwd as B, flash_fwd as Fw, gluon_attention as G
+from flamia_pack.kernels import flash_bwd as B, flash_fwd as Fw, gluon_dkdv as GK, gluon_dq as GQ, gluon_fwd as GF
 from flamia_pack.kernels.attention import build_attention_work_list
-from flamia_pack.kernels.config import AttentionKernelConfig
+from flamia_pack.kernels.config import (AttentionKernelConfig, GluonBwdConfig, GluonFwdConfig, TritonBwdConfig,
+                                        TritonFwdConfig)
 from flamia_pack.kernels.interpret import patch_triton_interpreter
 
 patch_triton_interpreter()
+B.SMALL_BWD = TritonBwdConfig(block_n1=32, block_m1=16, block_m2=32, block_n2=16, num_warps=4)  # scaled to wl 32
 out = {}
-for name, (lengths, pad, min_len, h, hkv, compact, *extra) in json.loads(sys.argv[1]).items():
-    small = bool(extra and extra[0])  # bwd_gluon_leftover_small: the leftover launch runs SMALL_TILES
-    dqr = bool(len(extra) > 1 and extra[1])  # bwd_gluon_dq_reduce: dQ from the dK/dV kernel's fp32 accumulator
-    max_bytes = extra[2] if len(extra) > 2 else 512 << 20  # bwd_dq_reduce_max_bytes (chunks of kv heads)
+for name, (lengths, pad, min_len, h, hkv, dqr, max_bytes) in json.loads(sys.argv[1]).items():
     torch.manual_seed(3)
     T = sum(lengths) + pad
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     q, do = (torch.randn(T, h, 64, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(T, hkv, 64, dtype=torch.bfloat16) for _ in range(2))
-    cfg = AttentionKernelConfig(wl_block_m=64 if small else 32, bwd_gluon_leftover_small=small, bwd_gluon_dq_reduce=dqr,
-                                bwd_dq_reduce_max_bytes=max_bytes, block_m=32, block_n=16, bwd_block_n1=32, bwd_block_m1=16,
-                                bwd_block_m2=32, bwd_block_n2=16, bwd_gluon=True, bwd_gluon_min_len=min_len,
-                                bwd_leftover_compact=compact)
+    cfg = AttentionKernelConfig(wl_block_m=32, fwd=TritonFwdConfig(block_m=32, block_n=16),
+                                bwd=TritonBwdConfig(block_n1=32, block_m1=16, block_m2=32, block_n2=16),
+                                gluon_fwd=GluonFwdConfig(),
+                                gluon_bwd=GluonBwdConfig(min_len=min_len, dq_reduce=dqr, dq_reduce_max_bytes=max_bytes))
+    triton_cfg = replace(cfg, gluon_fwd=None, gluon_bwd=None)
     wl = build_attention_work_list(cu, T, config=cfg)
-    o, lse = Fw.flash_fwd(q, k, v, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125, config=cfg)
+    o, lse = Fw.flash_fwd(q, k, v, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125, config=triton_cfg)
     truth = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125,
-                        config=replace(cfg, bwd_gluon=False, bwd_gluon_dq_reduce=False))
+                        config=triton_cfg)
     # tokens the Gluon programs skip: merged items and documents of <= min_len tokens
     skip = torch.zeros(T, dtype=torch.bool)
     cu_l = cu.tolist()
@@ -121,13 +114,13 @@ for name, (lengths, pad, min_len, h, hkv, compact, *extra) in json.loads(sys.arg
             n = (hkv - kv_head0) if kv_heads is None else kv_heads
             dq_acc[own, : n * g] += truth[0][own][:, kv_head0 * g: (kv_head0 + n) * g].float() / 0.125
 
-    G.gluon_dkdv = fake_dkdv
+    GK.gluon_dkdv = fake_dkdv
     def fake_dq(*a, dq, **kw):
         assert not dqr, "the dQ programs ran although the dK/dV kernel reduces dQ"
         fake((dq, truth[0]))
 
-    G.gluon_dq = fake_dq
-    B._gluon_applies = lambda config, *a: config.bwd_gluon
+    GQ.gluon_dq = fake_dq
+    B._gluon_applies = lambda config, *a: config.gluon_bwd is not None
     empty = torch.empty
 
     def poisoned(*a, **kw):  # fresh float buffers start as NaN: the dQ accumulator must be zeroed by flash_bwd
@@ -140,18 +133,14 @@ for name, (lengths, pad, min_len, h, hkv, compact, *extra) in json.loads(sys.arg
                           config=cfg)
     finally:
         torch.empty = empty
-    if small:  # the skipped tokens come from the small tiles (another summation order): their own truth
-        from flamia_pack.kernels.config import SMALL_TILES
-        small_truth = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125,
-                                  config=replace(cfg, **SMALL_TILES))
-        for t, ts in zip(truth, small_truth):
-            t[skip] = ts[skip]
-    order, count, ranks = B.leftover_ranks(wl.items, wl.num_items, cu, min_len, cfg.wl_block_m)
+    # the skipped tokens come from the small tiles (another summation order): their own truth
+    small_truth = B.flash_bwd(do, q, k, v, o, lse, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125,
+                              config=replace(triton_cfg, bwd=B.SMALL_BWD))
+    for t, ts in zip(truth, small_truth):
+        t[skip] = ts[skip]
     # the forward's Triton launch for what the Gluon forward skips (merged items, 1-token documents)
-    import flamia_pack.kernels.gluon_attention as GF
-    fcfg = replace(cfg, fwd_gluon=True)
     o_truth, lse_truth = Fw.flash_fwd(q, k, v, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125,
-                                      config=replace(cfg, fwd_gluon=False))
+                                      config=triton_cfg)
     own1 = ~skip1
     own1[cu_l[-1]:] = False
 
@@ -163,93 +152,53 @@ for name, (lengths, pad, min_len, h, hkv, compact, *extra) in json.loads(sys.arg
 
     GF.gluon_fwd = fake_fwd
     Fw.gluon_applies = lambda enabled, *a: enabled
-    o_got, lse_got = Fw.flash_fwd(q, k, v, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125, config=fcfg)
+    o_got, lse_got = Fw.flash_fwd(q, k, v, cu, wl.items, wl.num_items, causal=True, softmax_scale=0.125, config=cfg)
     out[name] = {"equal": all(torch.equal(a, b) for a, b in zip(got, truth)),
                  "fwd_equal": torch.equal(o_got, o_truth) and torch.equal(lse_got, lse_truth),
-                 "skipped_tokens": int(skip[: cu_l[-1]].sum()), "count": int(count), "ranks": ranks,
-                 "rows": int(wl.num_items), "capacity": wl.items.shape[0], "n_docs": len(lengths),
-                 "chunks": chunks}
+                 "skipped_tokens": int(skip[: cu_l[-1]].sum()), "chunks": chunks}
 print("RESULTS " + json.dumps(out))
 """
 
 
 def test_leftover_launch_fills_exactly_what_gluon_skips(run_interpreter):
-    """Interpreter run of flash_bwd's Gluon branch with the Gluon kernels replaced by writers of the
-    Triton backward's own results for the tokens they own (NaN elsewhere): the Triton launch for the
-    rest -- over the whole list (default) or compacted (``bwd_leftover_compact``, ``leftover_ranks``)
-    -- must fill merged items and short documents exactly."""
+    """Interpreter run of flash_fwd's / flash_bwd's Gluon branches with the Gluon kernels replaced by
+    writers of the Triton kernels' own results for the tokens they own (NaN elsewhere): the Triton
+    launch for the rest (merged items, short documents; the backward's on the small tiles) must fill
+    exactly those, and the dQ accumulator path (in chunks of kv heads) must give the same dQ."""
     import json
 
-    cases = {"merged_and_one_token": ([70, 5, 33, 1, 1, 2, 40, 1], 7, 1, 4, 2, True),
-             "min_len_40": ([70, 5, 33, 1, 1, 2, 40, 90], 0, 40, 2, 2, True),
-             "no_short_docs": ([64, 96, 40], 3, 1, 2, 1, True),
-             "whole_list_launch": ([70, 5, 33, 1, 1, 2, 40, 1], 7, 1, 4, 2, False),
-             "small_leftover": ([70, 5, 33, 1, 1, 2, 40, 130], 3, 40, 2, 1, False, True),
-             "small_leftover_compact": ([150, 5, 33, 1, 64, 2, 40, 1], 0, 64, 2, 2, True, True),
-             "dq_reduce": ([70, 5, 33, 1, 1, 2, 40, 90], 5, 40, 4, 2, False, True, True),
+    big = 512 << 20
+    cases = {"merged_and_one_token": ([70, 5, 33, 1, 1, 2, 40, 1], 7, 1, 4, 2, False, big),
+             "min_len_40": ([70, 5, 33, 1, 1, 2, 40, 90], 0, 40, 2, 2, False, big),
+             "no_short_docs": ([64, 96, 40], 3, 1, 2, 1, False, big),
+             "dq_reduce": ([70, 5, 33, 1, 1, 2, 40, 90], 5, 40, 4, 2, True, big),
              # accumulator capped at one kv head's (4 * T * 2 * 64 bytes, T = 247): four chunks, one buffer
-             "dq_reduce_chunks": ([70, 5, 33, 1, 1, 2, 40, 90], 5, 40, 8, 4, False, True, True, 4 * 247 * 2 * 64)}
+             "dq_reduce_chunks": ([70, 5, 33, 1, 1, 2, 40, 90], 5, 40, 8, 4, True, 4 * 247 * 2 * 64)}
     res = run_interpreter(_LEFTOVER_SCRIPT, json.dumps(cases))
     for name, r in res.items():
         assert r["equal"] and r["fwd_equal"], (name, r)
-        assert r["count"] <= r["ranks"] <= r["capacity"], (name, r)
-    assert res["merged_and_one_token"]["skipped_tokens"] > 0 and res["merged_and_one_token"]["count"] > 0
-    assert res["no_short_docs"]["count"] == 0
+    assert res["merged_and_one_token"]["skipped_tokens"] > 0
     assert res["dq_reduce"]["chunks"] == [[0, 2]]
     assert res["dq_reduce_chunks"]["chunks"] == [[0, 1], [1, 1], [2, 1], [3, 1]]
-    # min_len 1: at most one leftover row per document, far fewer than the list's rows
-    assert res["merged_and_one_token"]["ranks"] <= res["merged_and_one_token"]["n_docs"]
 
 
-@pytest.mark.parametrize("kind,kw,async_ok,max_spill", [
-    ("dkdv", {}, True, 0),                         # shipped (retire-first): async and spill-free
-    ("dkdv", {"group": 4}, True, 0),             # spill-free since LSE / Delta are staged in shared memory
-    ("dkdv", {"retire_first": False}, False, 64),  # gluon_serial: ptxas serializes its wgmma (NOTES.md)
-    ("dkdv", {"retire_first": False, "group": 4}, False, 64),
-    ("dkdv", {"head_dim": 64}, True, 0),
-    # bwd_gluon_dq_reduce (the long-row default): 76 B of spills until the producer staged each step's
-    # LSE / Delta rows in shared memory (2026-11-29 night, third), 0 B since; GQA 72 -> 20 B, 28 B with
-    # the dK / dV stores through shared memory (2026-11-30: two more reloads per entry, none per step)
-    ("dkdv", {"dq_reduce": True}, True, 0),
-    ("dkdv", {"dq_reduce": True, "group": 4}, True, 28),
-    ("dkdv", {"dq_reduce": True, "head_dim": 64}, True, 0),
-    ("dkdv", {"persistent": True}, True, 0),       # bwd_gluon_persistent (unmeasured): two K/V slots, 197 KB
-    ("dkdv", {"persistent": True, "group": 4}, True, 0),
-    ("dkdv", {"persistent": True, "dq_reduce": True}, True, 16),
-    ("dkdv", {"persistent": True, "head_dim": 64}, True, 0),
-    ("dq", {"persistent": True, "stages": 2}, True, 0),  # persistent dQ: two Q/dO slots + 2-deep K/V ring
-    ("dq", {"persistent": True, "stages": 2, "group": 4}, True, 0),
-    # fwd_gluon_persistent: two Q slots + 2-deep K/V ring; since the one-compare masks (2026-11-30) ptxas
-    # keeps two per-thread row offsets on the stack: 8 B stored once, reloaded once per entry (not per tile)
-    ("fwd", {"persistent": True}, True, 8),
-    ("fwd", {"persistent": True, "causal": False}, True, 0),
-    # the two partitions taking turns (fwd_gluon_pingpong, the long-row default since 2026-11-30 (fourth);
-    # the row above is small_fwd_pers's kernel): 12 / 4 B as two row offsets above
-    ("fwd", {"persistent": True, "pingpong": True}, True, 12),
-    ("fwd", {"persistent": True, "pingpong": True, "causal": False}, True, 4),
-    ("fwd", {"pingpong": True}, True, 0),
-    ("fwd", {"persistent": True, "parts": 1}, True, 0),  # one 8-warp consumer (candidate fwd_parts1)
-    # whole 256-row items per claim (fwd_gluon_items, candidate small_fwd_pers_items): as the row above it
-    ("fwd", {"persistent": True, "items_whole": True, "wl_block_m": 256}, True, 8),
-    ("fwd", {"persistent": True, "items_whole": True, "wl_block_m": 256, "causal": False}, True, 0),
-    # ... each partition skipping the tiles all masked for its rows (fwd_gluon_part_skip, candidate
-    # small_fwd_pers_items_n64s5_skip); non-causal it compiles to the same SASS as without
-    ("fwd", {"persistent": True, "items_whole": True, "wl_block_m": 256, "block_n": 64, "stages": 5, "part_skip": True},
-     True, 0),
-    # ... dealt by the static snake (fwd_gluon_static, candidate small_fwd_pers_items_n64s5_static)
-    ("fwd", {"persistent": True, "items_whole": True, "wl_block_m": 256, "block_n": 64, "stages": 5, "static": True},
-     True, 0),
-    ("fwd", {"persistent": True, "block_n": 64, "stages": 4}, True, 0),  # candidates fwd_n64s4 (197 KB)
-    ("fwd", {"persistent": True, "block_n": 64, "stages": 5}, True, 0),  # fwd_n64s5 (230 KB)
-    ("fwd", {"persistent": True, "group": 4, "head_dim": 64}, True, 0),
-    ("dq", {}, True, 0),                           # 4 stages (197 KB)
-    ("dq", {"stages": 3}, True, 0),
-    ("dq", {"group": 4}, True, 0),
-    ("fwd", {}, True, 0),
-    ("fwd", {"causal": False, "head_dim": 64, "group": 2}, True, 0),
-    ("fwd", {"parts": 1}, True, 0),
+@pytest.mark.parametrize("kind,kw,max_spill", [
+    # the kernels the band table ships (GluonFwdConfig / GluonBwdConfig), with their spill bytes: a change
+    # that breaks compilation, adds spills or serializes an asynchronous wgmma pipeline fails here
+    ("fwd", {"pingpong": True}, 12),                 # default (long rows): two per-thread row offsets
+    ("fwd", {"pingpong": True, "causal": False}, 4),
+    ("fwd", {"pingpong": True, "group": 4}, 12),     # GQA
+    ("fwd", {}, 8),                                  # small_fwd_pers
+    ("fwd", {"items_whole": True, "wl_block_m": 256, "block_n": 64, "stages": 5, "part_skip": True}, 0),
+    ("dkdv", {"dq_reduce": True}, 0),                # default
+    ("dkdv", {"dq_reduce": True, "group": 4}, 28),
+    ("dkdv", {"dq_reduce": True, "head_dim": 64}, 0),
+    ("dkdv", {}, 0),                                 # deterministic=True
+    ("dkdv", {"persistent": True}, 0),               # all_pers_dqp
+    ("dq", {}, 0),                                   # deterministic=True
+    ("dq", {"persistent": True, "stages": 2}, 0),    # all_pers_dqp
 ])
-def test_gluon_kernels_compile_for_sm90_on_the_cpu(kind, kw, async_ok, max_spill):
+def test_gluon_kernels_compile_for_sm90_on_the_cpu(kind, kw, max_spill):
     """Every shipped Gluon kernel compiles for sm_90a without a GPU (triton's bundled ptxas), with the
     register behaviour recorded in benchmarks/NOTES.md: a change that breaks compilation, adds
     spills or serializes a wgmma pipeline that was asynchronous fails here, in CI, before any GPU run."""
@@ -258,13 +207,14 @@ def test_gluon_kernels_compile_for_sm90_on_the_cpu(kind, kw, async_ok, max_spill
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) != (3, 6):
         pytest.skip("the kernels are written against triton 3.6's Gluon API")
     try:
-        r = gluon_attention.compile_sm90(kind, **kw)
+        from flamia_pack.kernels.gluon_compile import compile_sm90
+
+        r = compile_sm90(kind, **kw)
     except FileNotFoundError as e:
         pytest.skip(str(e))
     assert r["shared"] <= 228 * 1024
     assert r["spill_bytes"] <= max_spill, r["ptxas"]
-    if async_ok:
-        assert not r["serialized"], r["ptxas"]
+    assert not r["serialized"], r["ptxas"]
     assert "HGMMA" in r["sass"] and "UTMALDG" in r["sass"]
 
 
@@ -329,12 +279,10 @@ def test_launchers_reject_a_ring_of_fewer_than_two_stages(fn, stages):
     items = torch.zeros(1, 4, dtype=torch.int32)
     lse = torch.zeros(2, 4)
     with pytest.raises(ValueError, match="stages"):
-        if fn == "gluon_dkdv":
-            gluon_attention.gluon_dkdv(x, x, x, x, lse, lse, cu, items, items[0, :1], 0.125, stages=stages)
-        elif fn == "gluon_dq":
-            gluon_attention.gluon_dq(x, x, x, x, lse, lse, cu, items, items[0, :1], 0.125, stages=stages)
+        if fn == "gluon_fwd":
+            LAUNCHERS[fn](x, x, x, cu, items, items[0, :1], 0.125, stages=stages)
         else:
-            gluon_attention.gluon_fwd(x, x, x, cu, items, items[0, :1], 0.125, stages=stages)
+            LAUNCHERS[fn](x, x, x, x, lse, lse, cu, items, items[0, :1], 0.125, stages=stages)
 
 
 def test_loop_local_memory_counts_spill_traffic_per_loop():
@@ -360,105 +308,16 @@ def test_loop_local_memory_counts_spill_traffic_per_loop():
     assert loop_local_memory("") == []
 
 
-def test_forward_parts_are_validated():
-    """``fwd_gluon_parts`` / ``gluon_fwd(parts=)`` accept 1 or 2 consumer partitions, nothing else."""
-    from flamia_pack.errors import FlamiaError
-    from flamia_pack.kernels.config import AttentionKernelConfig
-
-    assert AttentionKernelConfig().fwd_gluon_parts == 2
-    assert AttentionKernelConfig(fwd_gluon_parts=1).fwd_gluon_parts == 1
-    for bad in (0, 3, 4, True, 2.0, "2"):
-        with pytest.raises(FlamiaError, match="fwd_gluon_parts must be 1 or 2"):
-            AttentionKernelConfig(fwd_gluon_parts=bad)
-
-
-def test_forward_ring_fields_are_validated():
-    """``fwd_gluon_block_n`` (64 / 128) and ``fwd_gluon_stages`` (2-5) of the Gluon forward, and their
-    product within an sm_90 program's shared memory next to the two 128-row Q slots."""
-    from flamia_pack.errors import FlamiaError
-    from flamia_pack.kernels.config import AttentionKernelConfig, candidate_config
-
-    c = AttentionKernelConfig()
-    assert (c.fwd_gluon_block_n, c.fwd_gluon_stages) == (128, 2)
-    for bn, st in ((64, 4), (64, 5), (64, 2), (128, 2)):
-        AttentionKernelConfig(fwd_gluon_block_n=bn, fwd_gluon_stages=st)
-    for bad in (32, 256, 0, True, 64.0, "64"):
-        with pytest.raises(FlamiaError, match="fwd_gluon_block_n must be 64 or 128"):
-            AttentionKernelConfig(fwd_gluon_block_n=bad)
-    for bad in (1, 6, 0, True, 2.0):
-        with pytest.raises(FlamiaError, match=r"fwd_gluon_stages must be an int in \[2, 5\]"):
-            AttentionKernelConfig(fwd_gluon_stages=bad)
-    for st in (3, 4, 5):  # 128-key tiles: only two slots fit
-        with pytest.raises(FlamiaError, match="do not fit in an sm_90 program's shared memory"):
-            AttentionKernelConfig(fwd_gluon_block_n=128, fwd_gluon_stages=st)
-    n = candidate_config("fwd_n64s4", head_dim=128)
-    assert (n.fwd_gluon_block_n, n.fwd_gluon_stages, n.fwd_gluon, n.fwd_gluon_persistent) == (64, 4, True, True)
-    w = candidate_config("small_fwd_pers_n64s4", head_dim=128)
-    assert (w.fwd_gluon_block_n, w.fwd_gluon_stages, w.bwd_gluon, w.block_n) == (64, 4, False, 32)
-
-
-def test_gluon_fwd_rejects_bad_partitions_before_touching_the_gpu():
-    """``gluon_fwd(parts=)``: 1 or 2 (an int), and each partition a multiple of 64 query rows (wgmma)."""
+def test_gluon_fwd_rejects_bad_options_before_touching_the_gpu():
+    """``gluon_fwd``: each of the two partitions a multiple of 64 query rows (wgmma); ``part_skip`` only
+    with whole items and no turns."""
     x = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     items = torch.zeros(1, 4, dtype=torch.int32)
     n = torch.ones(1, dtype=torch.int32)
-    for bad in (0, 3, 2.0, True):
-        with pytest.raises(ValueError, match="parts must be the int 1 or 2"):
-            gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, parts=bad)
+    fwd = gluon_fwd_mod.gluon_fwd
     with pytest.raises(ValueError, match="multiple of 64 query rows"):
-        gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, block_m=64, parts=2)
-    with pytest.raises(ValueError, match="parts must be 1 or 2"):
-        gluon_attention.compile_sm90("fwd", parts=3)
-
-
-def test_whole_item_claims_are_validated():
-    """``fwd_gluon_items`` / ``gluon_fwd(items_whole=)`` only with the persistent two-partition forward;
-    its candidate pairs it with 256-row list items and keeps the Triton backward of ``small_fwd_pers``."""
-    from flamia_pack.errors import FlamiaError
-    from flamia_pack.kernels.config import AttentionKernelConfig, candidate_config
-
-    assert AttentionKernelConfig().fwd_gluon_items is False
-    for bad in (1, "yes", None):
-        with pytest.raises(FlamiaError, match="fwd_gluon_items must be bool"):
-            AttentionKernelConfig(fwd_gluon_items=bad)
-    ok = {"fwd_gluon": True, "fwd_gluon_persistent": True}
-    AttentionKernelConfig(fwd_gluon_items=True, **ok)
-    for kw in ({"fwd_gluon_persistent": False}, {"fwd_gluon_parts": 1}, {"fwd_gluon": False}):
-        with pytest.raises(FlamiaError, match="fwd_gluon_items needs the persistent two-partition Gluon forward"):
-            AttentionKernelConfig(fwd_gluon_items=True, **{**ok, **kw})
-    c = candidate_config("small_fwd_pers_items", head_dim=128)
-    base = candidate_config("small_fwd_pers", head_dim=128)
-    assert (c.fwd_gluon_items, c.wl_block_m, c.fwd_gluon_persistent, c.fwd_gluon_pingpong) == (True, 256, True, False)
-    assert (c.bwd_gluon, c.bwd_block_n1, c.bwd_block_m2) == (base.bwd_gluon, base.bwd_block_n1, base.bwd_block_m2)
-    x = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 4], dtype=torch.int32)
-    items = torch.zeros(1, 4, dtype=torch.int32)
-    n = torch.ones(1, dtype=torch.int32)
-    for kw in ({"persistent": False}, {"persistent": True, "parts": 1}):
-        with pytest.raises(ValueError, match="items_whole needs persistent=True and parts=2"):
-            gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, items_whole=True, **kw)
-    with pytest.raises(FlamiaError, match="fwd_gluon_head_inner needs fwd_gluon_items=True"):
-        AttentionKernelConfig(fwd_gluon_head_inner=True)
-    with pytest.raises(ValueError, match="head_inner needs items_whole=True"):
-        gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, persistent=True, head_inner=True)
-    with pytest.raises(FlamiaError, match="fwd_gluon_static needs fwd_gluon_items=True"):
-        AttentionKernelConfig(fwd_gluon_static=True, **ok)
-    with pytest.raises(FlamiaError, match="fwd_gluon_static must be bool"):
-        AttentionKernelConfig(fwd_gluon_static=1, fwd_gluon_items=True, **ok)
-    with pytest.raises(ValueError, match="static needs items_whole=True"):
-        gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, persistent=True, static=True)
-    with pytest.raises(FlamiaError, match="fwd_gluon_part_skip needs the whole-item Gluon forward without turns"):
-        AttentionKernelConfig(fwd_gluon_part_skip=True, fwd_gluon_items=True, fwd_gluon_pingpong=True, **ok)
-    with pytest.raises(FlamiaError, match="fwd_gluon_part_skip needs"):
-        AttentionKernelConfig(fwd_gluon_part_skip=True, fwd_gluon_pingpong=False, **ok)
-    AttentionKernelConfig(fwd_gluon_part_skip=True, fwd_gluon_items=True, fwd_gluon_pingpong=False, **ok)
-    for kw in ({"persistent": True}, {"persistent": True, "items_whole": True, "pingpong": True}):
+        fwd(x, x, x, cu, items, n, 0.1, block_m=64)
+    for kw in ({}, {"items_whole": True, "pingpong": True}):
         with pytest.raises(ValueError, match="part_skip needs items_whole=True and pingpong=False"):
-            gluon_attention.gluon_fwd(x, x, x, cu, items, n, 0.1, part_skip=True, **kw)
-    sk = candidate_config("small_fwd_pers_items_n64s5_skip", head_dim=128)
-    assert sk == dataclasses.replace(candidate_config("small_fwd_pers_items_n64s5", head_dim=128), fwd_gluon_part_skip=True)
-    st = candidate_config("small_fwd_pers_items_n64s5_static", head_dim=128)
-    assert st == dataclasses.replace(candidate_config("small_fwd_pers_items_n64s5", head_dim=128), fwd_gluon_static=True)
-    hi = candidate_config("small_fwd_pers_items_n64s5_hi", head_dim=128)
-    assert (hi.fwd_gluon_head_inner, hi.fwd_gluon_block_n, hi.fwd_gluon_stages, hi.wl_block_m) == (True, 64, 5, 256)
+            fwd(x, x, x, cu, items, n, 0.1, part_skip=True, **kw)

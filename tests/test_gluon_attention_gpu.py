@@ -1,4 +1,4 @@
-"""GPU tests of the warp-specialized Gluon backward (``kernels/gluon_attention.py``, config ``bwd_gluon``).
+"""GPU tests of the warp-specialized Gluon kernels (``gluon_fwd.py``, ``gluon_dkdv.py``, ``gluon_dq.py``).
 
 Same acceptance rule as tests/test_attention_gpu.py (``kernels.check``: dQ, dK, dV within 2x the
 bf16-torch error + atol of the fp32 reference, NaN-poisoned outputs, padding rows zero). Rows are
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flamia_pack.kernels.check import compare_with_reference
-from flamia_pack.kernels.config import candidate_config
+from flamia_pack.kernels.config import GluonBwdConfig, GluonFwdConfig, candidate_config
 
 pytestmark = pytest.mark.gpu
 
@@ -26,15 +26,22 @@ if not torch.cuda.is_available():
 _HOPPER = torch.cuda.get_device_capability()[0] == 9
 
 
-def _gluon(d: int, name: str = "gluon"):
-    cfg = candidate_config(name, head_dim=d)
-    assert cfg.bwd_gluon and (cfg.fwd_gluon or name != "gluon_fwd")
+_BWD = {  # the Gluon backward's shipped modes, and min_len at its edges (which documents go to Triton)
+    "default": GluonBwdConfig(),
+    "dq_programs": GluonBwdConfig(dq_reduce=False),  # deterministic=True
+    "persistent": GluonBwdConfig(dq_reduce=False, persistent=True),  # all_pers_dqp
+    "min_len_1": GluonBwdConfig(min_len=1),
+    "min_len_256": GluonBwdConfig(min_len=256),
+}
+
+
+def _gluon(d: int, bwd: str = "default"):
+    cfg = dataclasses.replace(candidate_config("default", head_dim=d), gluon_bwd=_BWD[bwd])
+    assert cfg.gluon_bwd is not None and (cfg.gluon_fwd is not None or d == 64)
     return cfg
 
 
-@pytest.mark.parametrize("name", ["gluon", "gluon_l1", "gluon_l256", "gluon_serial", "gluon_compact", "gluon_next",
-                                  "gluon_dqr", "gluon_dq_programs", "gluon_pers", "gluon_pers_dqp",
-                                  "gluon_fwd_pers", "all_pers_dqp", "gluon_split512"])
+@pytest.mark.parametrize("name", sorted(_BWD))
 @pytest.mark.parametrize("lengths,h,hkv,d,pad", [
     ([2048, 2048], 8, 8, 128, 0),
     ([300, 129, 1000, 77, 700, 1890], 4, 4, 128, 37),
@@ -64,21 +71,21 @@ def test_gluon_matches_triton_backward_and_is_deterministic():
     g = torch.Generator(device="cuda").manual_seed(5)
     q, k, v, do = (torch.randn((T, hh, 128), device="cuda", generator=g, dtype=torch.bfloat16) for hh in (8, 2, 2, 8))
     grads = {}
-    for name in ("gluon", "gluon2", "triton_bwd"):
+    for name in ("gluon", "gluon2", "triton"):
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
-        cfg = candidate_config("gluon_dq_programs" if name.startswith("gluon") else name, head_dim=128)
+        cfg = _gluon(128, "dq_programs") if name.startswith("gluon") else candidate_config("triton", head_dim=128)
         o = varlen_attention(*xs, cu, max(lengths), config=cfg)
         o.backward(do)
         grads[name] = [x.grad for x in xs]
     for a, b in zip(grads["gluon"], grads["gluon2"]):
         assert torch.equal(a, b)
-    for a, b in zip(grads["gluon"], grads["triton_bwd"]):
+    for a, b in zip(grads["gluon"], grads["triton"]):
         err = ((a.float() - b.float()).norm() / b.float().norm()).item()
         assert err < 2e-3, err
 
 
 def test_dq_reduce_agrees_and_deterministic_turns_it_off():
-    """``bwd_gluon_dq_reduce`` (dQ partials by TMA bulk reduce from the dK/dV programs) computes the
+    """``GluonBwdConfig.dq_reduce`` (dQ partials by TMA bulk reduce from the dK/dV programs) computes the
     same dQ as the dQ programs up to fp32 summation order; ``deterministic=True`` runs without it
     (bitwise equal to the default backward)."""
     if not _HOPPER:
@@ -91,13 +98,13 @@ def test_dq_reduce_agrees_and_deterministic_turns_it_off():
     g = torch.Generator(device="cuda").manual_seed(6)
     q, k, v, do = (torch.randn((T, hh, 128), device="cuda", generator=g, dtype=torch.bfloat16) for hh in (8, 4, 4, 8))
     grads = {}
-    # "chunks": the accumulator capped at one kv head's bytes (bwd_dq_reduce_max_bytes): 4 launches, one buffer
+    # "chunks": the accumulator capped at one kv head's bytes (dq_reduce_max_bytes): 4 launches, one buffer
     one_head = 4 * T * 2 * 128
     for name, det in (("gluon_dq_programs", False), ("gluon_dqr", False), ("gluon_dqr", True), ("chunks", False)):
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
-        cfg = candidate_config("gluon_dqr" if name == "chunks" else name, head_dim=128)
+        cfg = _gluon(128, "dq_programs" if name == "gluon_dq_programs" else "default")
         if name == "chunks":
-            cfg = dataclasses.replace(cfg, bwd_dq_reduce_max_bytes=one_head)
+            cfg = dataclasses.replace(cfg, gluon_bwd=GluonBwdConfig(dq_reduce_max_bytes=one_head))
         o = varlen_attention(*xs, cu, max(lengths), config=cfg, deterministic=det)
         o.backward(do)
         grads[(name, det)] = [x.grad for x in xs]
@@ -116,7 +123,13 @@ def test_noncausal_falls_back_to_triton():
     assert r["ok"] and r["pad_ok"], r
 
 
-@pytest.mark.parametrize("name", ["gluon_fwd", "fwd_parts1", "fwd_n64s4", "fwd_n64s5", "fwd_no_pingpong"])
+_FWD = {  # the Gluon forward's shipped variants (the default's ping-pong, small_fwd_pers's without turns)
+    "pingpong": GluonFwdConfig(pingpong=True),
+    "no_pingpong": GluonFwdConfig(pingpong=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FWD))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("lengths,h,hkv,d,pad", [
     ([2048, 2048], 8, 8, 128, 0),
@@ -125,15 +138,14 @@ def test_noncausal_falls_back_to_triton():
     ([1500, 65, 2, 700, 1890], 4, 2, 64, 9),
 ])
 def test_gluon_forward_vs_reference(lengths, h, hkv, d, pad, causal, name):
-    """The Gluon forward: one program per entry with two consumer partitions taking turns (candidate
-    ``gluon_fwd``), the persistent one with a single 8-warp consumer (``fwd_parts1``), with 64-key rings
-    of 4 / 5 slots (``fwd_n64s4`` / ``fwd_n64s5``) and with the partitions not taking turns
-    (``fwd_no_pingpong``, the kernel of ``small_fwd_pers``); the persistent two-partition ping-pong
-    default runs in every default-config test of rows longer than 512 tokens."""
+    """The persistent Gluon forward with its two partitions taking turns (the default) and not
+    (``small_fwd_pers``'s kernel), head_dim 64 and 128, causal or not, GQA / MQA, merged items and
+    1-token documents (the Triton leftover launch)."""
     if not _HOPPER:
         pytest.skip("sm_90 only")
     r = compare_with_reference(lengths, num_heads=h, num_kv_heads=hkv, head_dim=d, causal=causal, pad=pad,
-                               device="cuda", seed=len(lengths), config=_gluon(d, name), with_lse_grad=True)
+                               device="cuda", seed=len(lengths), with_lse_grad=True,
+                               config=dataclasses.replace(candidate_config("default", head_dim=d), gluon_fwd=_FWD[name]))
     assert r["ok"] and r["pad_ok"], r
 
 
@@ -143,23 +155,17 @@ _ITEM_ROWS = [
     ([200, 128, 255, 130, 129, 256, 64, 200], 4, 2, 5),  # cut last tiles, one-tile items, GQA
     ([256] * 40 + [100], 8, 8, 11),  # more items than programs: the ring and the Q slots wrap
 ]
-_ITEM_VARIANT_ROWS = [([256] * 40 + [100], 8, 8, 11), ([200, 128, 255, 130, 129, 256, 64, 200, 300, 1, 3, 511], 4, 2, 5)]
-_ITEM_CASES = ([(n, c, *row) for n in ("small_fwd_pers_items", "small_fwd_pers_w256") for c in (True, False)
-                for row in _ITEM_ROWS]
-               + [(n, True, *row) for n in ("small_fwd_pers_items_hi", "small_fwd_pers_items_n64s5",
-                                            "small_fwd_pers_items_n64s5_hi", "small_fwd_pers_items_n64s5_pp",
-                                            "small_fwd_pers_items_n64s5_static", "small_fwd_pers_items_n64s5_skip")
-                  for row in _ITEM_VARIANT_ROWS])
+_ITEM_CASES = ([("small_fwd_pers_items_n64s5_skip", c, *row) for c in (True, False) for row in _ITEM_ROWS]
+               + [("small_fwd_pers", True, *row) for row in _ITEM_ROWS[:2]])
 
 
 @pytest.mark.parametrize("name,causal,lengths,h,hkv,pad", _ITEM_CASES)
 def test_forward_claiming_whole_items(name, causal, lengths, h, hkv, pad):
-    """The persistent Gluon forward claiming whole 256-row list items (``fwd_gluon_items``, candidate
-    ``small_fwd_pers_items``; ``small_fwd_pers_w256`` the same list with one claim per query tile; the
-    heads of one item side by side, ``_hi``; a 5-slot ring of 64-key tiles, ``_n64s5``; with ping-pong
-    turns, ``_pp``; items dealt by the static snake, ``_static``; each partition skipping the tiles all
-    masked for its rows, ``_skip``, the band's config), vs the fp32 reference with the Triton backward
-    on the same list: every query tile run once, the shared K / V tiles released only by the item's last query
+    """The persistent Gluon forward claiming whole 256-row list items (``GluonFwdConfig.whole_items``, a
+    5-slot ring of 64-key tiles, each partition skipping the tiles all masked for its rows: the
+    ``small_fwd_pers_items_n64s5_skip`` band config; ``small_fwd_pers`` the 128-row claims), vs the fp32
+    reference with the Triton backward on the same list: every query tile run once, the shared K / V
+    tiles released only by the item's last query
     tile (a release too early would let the producer overwrite them: wrong rows; too late or never: a
     hang, so run under ``timeout``)."""
     if not _HOPPER:

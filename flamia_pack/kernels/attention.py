@@ -45,8 +45,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from flamia_pack.errors import FlamiaError, MetadataError
-from flamia_pack.kernels.config import (SCHEDULES, AttentionKernelConfig, check_row_hints, env_candidate, host_cache,
-                                        kernel_config, work_list_tile_config)
+from flamia_pack.kernels.config import (AttentionKernelConfig, GluonBwdConfig, GluonFwdConfig, check_row_hints,
+                                        env_candidate, host_cache, kernel_config, work_list_tile_config)
 
 __all__ = ["varlen_attention", "build_attention_work_list", "check_attention_inputs", "kernels_available"]
 
@@ -207,9 +207,9 @@ def leftover_bits(cfg: AttentionKernelConfig, min_seqlen: int | None) -> int:
     document has ``min_seqlen`` tokens (None: unknown -> both): a bit mask of :data:`LEFTOVER_FWD`
     and :data:`LEFTOVER_BWD`.
 
-    The Gluon forward leaves merged items and documents of at most ``max(1, fwd_short_len)`` tokens
-    to a Triton launch, the Gluon backward merged items and documents of at most
-    ``bwd_gluon_min_len`` tokens (``gluon_attention._item_span``; ``tiles_triton.program_geometry``
+    The Gluon forward leaves merged items and 1-token documents to a Triton launch, the Gluon backward
+    merged items and documents of at most ``GluonBwdConfig.min_len`` tokens
+    (``gluon_common._item_span``; ``tiles_triton.program_geometry``
     selects the same rows with ``sel < 0``). A merged item holds >= 2 whole documents inside one
     aligned window of ``wl_block_m`` tokens (``scheduler.worklist.build_work_list_host``), so it needs
     a document shorter than ``wl_block_m``. Without such documents every program of the launch
@@ -220,9 +220,9 @@ def leftover_bits(cfg: AttentionKernelConfig, min_seqlen: int | None) -> int:
         return LEFTOVER_FWD | LEFTOVER_BWD
     merged_possible = min_seqlen < cfg.wl_block_m
     bits = 0
-    if merged_possible or min_seqlen <= max(1, cfg.fwd_short_len):
+    if merged_possible or min_seqlen <= 1:
         bits |= LEFTOVER_FWD
-    if merged_possible or min_seqlen <= cfg.bwd_gluon_min_len:
+    if merged_possible or min_seqlen <= (cfg.gluon_bwd or GluonBwdConfig()).min_len:
         bits |= LEFTOVER_BWD
     return bits
 
@@ -318,11 +318,8 @@ def _config_for_list(cfg: AttentionKernelConfig, work_list) -> AttentionKernelCo
     128-row programs (``small_fwd_pers``: one claim per query tile, the default 2 x 128-key ring);
     anything else is left to ``_check_work_list``'s error."""
     block_m = getattr(getattr(work_list, "config", None), "block_m", None)
-    if block_m == 128 and cfg.wl_block_m == 256 and cfg.fwd_gluon_items:
-        base = AttentionKernelConfig()
-        return dataclasses.replace(cfg, wl_block_m=128, fwd_gluon_items=False, fwd_gluon_head_inner=False,
-                                   fwd_gluon_static=False, fwd_gluon_part_skip=False,
-                                   fwd_gluon_block_n=base.fwd_gluon_block_n, fwd_gluon_stages=base.fwd_gluon_stages)
+    if block_m == 128 and cfg.wl_block_m == 256 and cfg.gluon_fwd is not None and cfg.gluon_fwd.whole_items:
+        return dataclasses.replace(cfg, wl_block_m=128, gluon_fwd=GluonFwdConfig(pingpong=False))
     return cfg
 
 
@@ -367,14 +364,14 @@ def _config_to_ints(cfg: AttentionKernelConfig) -> list[int]:
 # cached (host_cache): the conversion and its inverse cost ~30 us per call on the host
 @host_cache
 def _config_ints(cfg: AttentionKernelConfig) -> tuple[int, ...]:
-    return tuple(SCHEDULES.index(x) if isinstance(x, str) else int(x) for x in cfg.key())
+    return cfg.key()
 
 
 def _config_from_ints(vals) -> AttentionKernelConfig:
     return _config_from_tuple(tuple(int(x) for x in vals))
 
 
-_N_CONFIG_FIELDS = len(AttentionKernelConfig.__dataclass_fields__)
+_N_CONFIG_FIELDS = AttentionKernelConfig.key_length()
 
 
 def launch_bits(cfg: AttentionKernelConfig, min_seqlen: int | None, doc_tokens: int | None, T: int) -> int:
@@ -402,16 +399,7 @@ def _op_config(vals) -> tuple[AttentionKernelConfig, int]:
 
 @host_cache
 def _config_from_tuple(vals: tuple[int, ...]) -> AttentionKernelConfig:
-    names = list(AttentionKernelConfig.__dataclass_fields__)
-    kw = {}
-    for n, x in zip(names, vals):
-        if n == "schedule":
-            kw[n] = SCHEDULES[int(x)]
-        elif isinstance(AttentionKernelConfig.__dataclass_fields__[n].default, bool):
-            kw[n] = bool(x)
-        else:
-            kw[n] = int(x)
-    return AttentionKernelConfig(**kw)
+    return AttentionKernelConfig.from_key(vals)
 
 
 @host_cache
@@ -422,7 +410,7 @@ def _resolve_policy(cfg: AttentionKernelConfig, causal: bool, max_seqlen: int, T
     from flamia_pack.scheduler.policy import policy_name_for_call
 
     policy = policy_name_for_call(bool(causal), max_seqlen, T, n_docs)
-    return dataclasses.replace(cfg, schedule="static" if policy == "static" else "persistent")
+    return dataclasses.replace(cfg, fwd=dataclasses.replace(cfg.fwd, schedule="static" if policy == "static" else "persistent"))
 
 
 # softmax_scale * log2(e) must be a normal float32 (the kernels' qk_scale): 2**-126 <= it <= 2**127
@@ -607,12 +595,12 @@ def varlen_attention(
             host (one sync) and a list is built on the device.
         return_lse: also return the LSE ``(H_q, T)`` float32 (float64 for float64 inputs on the CPU
             fallback; natural log; differentiable).
-        deterministic: bitwise reproducible gradients. With ``False`` (default) a configuration
-            with ``bwd_dq_atomic`` (Triton) or ``bwd_gluon_dq_reduce`` (Gluon, TMA bulk reduce)
-            accumulates dQ in fp32 from the dK/dV programs (5 matrix products per tile pair, the
-            order of the additions varies run to run); ``True`` turns that off and runs the
-            atomic-free backward (separate dQ programs, 7 products; FlashAttention's
-            ``deterministic`` flag). The forward, dK and dV are deterministic either way.
+        deterministic: bitwise reproducible gradients. With ``False`` (default) the Gluon
+            backward's dK/dV programs also accumulate dQ in fp32 by TMA bulk reduces
+            (``GluonBwdConfig.dq_reduce``: 5 matrix products per tile pair, the order of the
+            additions varies run to run); ``True`` runs its separate dQ programs instead (7
+            products; FlashAttention's ``deterministic`` flag). The forward, dK and dV, and the
+            Triton backward are deterministic either way.
         config: tile/launch configuration, an ``AttentionKernelConfig`` (by name:
             ``candidate_config(name)``; default :func:`flamia_pack.kernels.config.kernel_config`
             for ``head_dim``, ``causal``, ``max_seqlen`` and the GQA group, at ``D == 128``: MHA rows
@@ -697,9 +685,9 @@ def varlen_attention(
     if use_kernels:
         cfg = config if config is not None else kernel_config(D, causal, max_seqlen=max_seqlen,
                                                                num_kv_groups=q.shape[1] // k.shape[1])
-        if deterministic and (cfg.bwd_dq_atomic or cfg.bwd_gluon_dq_reduce):
-            cfg = dataclasses.replace(cfg, bwd_dq_atomic=False, bwd_gluon_dq_reduce=False)
-        if cfg.schedule == "policy":  # the scheduler's static / dynamic rule, from host ints
+        if deterministic and cfg.gluon_bwd is not None and cfg.gluon_bwd.dq_reduce:
+            cfg = dataclasses.replace(cfg, gluon_bwd=dataclasses.replace(cfg.gluon_bwd, dq_reduce=False))
+        if cfg.fwd.schedule == "policy":  # the scheduler's static / dynamic rule, from host ints
             cfg = _resolve_policy(cfg, causal, max_seqlen, T, cu32.numel() - 1)
         if work_list is None:
             items, num_items = _default_work_list(cu32, T, max_seqlen, causal, cfg)

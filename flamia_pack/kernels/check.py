@@ -18,7 +18,18 @@ import torch
 from flamia_pack.kernels.attention import varlen_attention
 from flamia_pack.kernels.reference import packed_attention_reference
 
-__all__ = ["compare_with_reference", "random_lengths"]
+__all__ = ["compare_with_reference", "random_lengths", "small_test_config"]
+
+
+def small_test_config(*, schedule: str = "grid_head_major", tile: int = 32):
+    """The shipped Triton kernel families on tiles scaled to small rows, for interpreter runs:
+    ``wl_block_m = tile`` (32 or 16), a ``tile x 16`` forward, ``tile``-key x 16-query dK/dV and
+    ``tile x 16`` dQ programs, the forward launched in ``schedule`` order; the Gluon families kept
+    (they run only on sm_90, so on the CPU the Triton kernels of the same config run)."""
+    from flamia_pack.kernels.config import AttentionKernelConfig, TritonBwdConfig, TritonFwdConfig
+
+    return AttentionKernelConfig(wl_block_m=tile, fwd=TritonFwdConfig(block_m=tile, block_n=16, schedule=schedule),
+                                 bwd=TritonBwdConfig(block_n1=tile, block_m1=16, block_m2=tile, block_n2=16))
 
 
 def random_lengths(rng: np.random.Generator, total: int, max_docs: int) -> list[int]:

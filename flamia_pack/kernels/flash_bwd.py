@@ -15,40 +15,27 @@ both start with their most expensive work:
   heads of the group, so dK/dV are summed in registers and written once (no atomics);
 - dQ programs own ``bwd_block_m2`` queries of one query head and walk the visible key tiles.
 
-Options (``AttentionKernelConfig``): ``bwd_head_major`` launches one kv head after the other
-(its dK/dV programs and its group's dQ programs interleaved rank by rank) instead of every head of
-a rank side by side; ``bwd_tma`` loads the walked tiles (Q/dO in dK/dV programs, K/V in dQ
-programs) through in-kernel TMA descriptors bounded at the walked span's end (rows past it read as
-zero, replacing the load masks); ``bwd_masked_stages`` sets the pipelining depth of the masked
-loops; ``bwd_fused=False`` runs the two program kinds as two launches, the dQ launch with its own
-``bwd_dq_num_warps`` / ``bwd_dq_num_stages``.
+Programs launch kv head after kv head (its dK/dV programs and its group's dQ programs interleaved
+rank by rank). The Triton path uses no atomics: it is deterministic (bitwise reproducible run to
+run); the price is recomputing QK^T and dO V^T in both program kinds (7 matrix products per tile pair
+instead of 5), as in FlashAttention-2's Triton kernels and FlexAttention. Padding rows
+(``>= cu_seqlens[-1]``) get zero gradients.
 
-The Triton path uses no atomics: it is deterministic (bitwise reproducible run to run). (On
-Hopper the default backward of documents > 512 tokens is the Gluon one, whose dK/dV programs also
-add dQ by TMA bulk reduces, ``bwd_gluon_dq_reduce``: not bitwise reproducible, so
-``deterministic=True`` runs its separate dQ programs instead.) The price is recomputing QK^T and dO V^T in both program kinds (7 matrix products per tile
-pair instead of 5), as in FlashAttention-2's Triton kernels and FlexAttention. The option
-``bwd_dq_atomic`` (off under ``deterministic=True``) drops the dQ programs: the dK/dV programs add
-``dS^T K`` into an fp32 accumulator with vector atomics, or with one TMA bulk reduce-add per tile
-(``bwd_dq_tma``, as FlashAttention-3); measured 0.95-1.02x of the default on the H200
-(benchmarks/NOTES.md), so not the default. ``hybrid_short_len`` and ``doc_major`` change which
-items a launch runs and in which order (``tiles_triton.program_geometry``).
-Padding rows (``>= cu_seqlens[-1]``) get zero gradients.
-
-With ``bwd_gluon`` (the default tiles' default) causal calls on sm_90 run both program kinds as the
-warp-specialized Gluon kernels of ``gluon_attention.py`` instead, and this file's kernel only for merged
-items and short documents (``bwd_gluon_min_len``), in one launch with ``sel = -bwd_gluon_min_len``.
+With ``config.gluon_bwd`` (the default on sm_90) causal calls run both program kinds as the
+warp-specialized Gluon kernels of ``gluon_dkdv.py`` / ``gluon_dq.py`` instead (by default the dK/dV
+programs also reduce dQ, ``GluonBwdConfig.dq_reduce``), and this file's kernel only for merged items
+and documents of at most ``GluonBwdConfig.min_len`` tokens, on ``config.SMALL_BWD`` tiles, in one
+launch with ``sel = -min_len``.
 """
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
-from flamia_pack.kernels.config import SMALL_TILES, AttentionKernelConfig
-from flamia_pack.kernels.flash_fwd import LOG2E, doc_major_order, fill_tails, gluon_applies
+from flamia_pack.kernels.config import SMALL_BWD, AttentionKernelConfig, GluonBwdConfig
+from flamia_pack.kernels.constants import LOG2E
+from flamia_pack.kernels.flash_fwd import fill_tails, gluon_applies
 from flamia_pack.kernels.tiles_triton import masked_tile_index, program_geometry, relative_doc, tile_visible
 
 
@@ -407,55 +394,10 @@ def _bwd_kernel(
                      DOC_MAJOR, REG_OPS, DQ_DELTA, HAS_DLSE)
 
 
-def _tma_scratch(size: int, alignment: int, stream):
-    """Global scratch for in-kernel TMA descriptors (``triton.set_allocator``; 128 B per descriptor)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """True if TMA descriptors can address q, k, v, dO: 16-byte aligned bases and token/head strides.
-
-    On CUDA this also installs the scratch allocator that in-kernel descriptors need. Triton keeps
-    the allocator in a ``ContextVar`` (per thread), and autograd runs the backward on its own
-    device thread, so it is set on every call, in the launching thread. Under the interpreter (CPU
-    tensors) descriptors are emulated and need none.
-    """
-    for x in (q, k, v, do):
-        if x.data_ptr() % 16 or x.stride(0) % 8 or x.stride(1) % 8:
-            return False
-    if q.device.type == "cuda":
-        triton.set_allocator(_tma_scratch)
-    return True
-
-
 def _gluon_applies(config: AttentionKernelConfig, causal: bool, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> bool:
-    """True if ``config.bwd_gluon`` asks for the Gluon backward and it can run this call (see the field)."""
-    return causal and gluon_applies(config.bwd_gluon and not config.bwd_dq_atomic, config, q, k, v)
-
-
-def leftover_ranks(items: torch.Tensor, num_items: torch.Tensor, cu_seqlens: torch.Tensor, min_len: int,
-                   wl_block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The work-list rows the Gluon backward leaves to the Triton kernel, compacted (no host sync).
-
-    Rows of merged items and of documents of at most ``min_len`` tokens come first in ``order``
-    (``(max_items,)`` int32, a stable argsort), ``count`` (``(1,)`` int32) says how many there are,
-    and ``ranks`` (host int) bounds it from the host-known shapes: a merged item holds >= 2 whole
-    documents and a document of at most ``min_len`` tokens has ``ceil(min_len / wl_block_m)`` items,
-    so at most ``n_docs * max(1, ceil(min_len / wl_block_m))`` rows qualify. Launching ``ranks``
-    instead of every row of the list keeps the Triton launch from spending one exit-at-once program
-    per (row, head) (W1: 512 instead of 16,896 programs).
-    """
-    n = items.shape[0]
-    n_docs = cu_seqlens.numel() - 1
-    cu = cu_seqlens.long()
-    doc = items[:, 0].long().clamp_min(0)
-    ds, de = cu[doc], cu[doc + 1]
-    valid = torch.arange(n, device=items.device) < num_items.long()
-    flag = valid & ((items[:, 2].long() > de) | (de - ds <= min_len))
-    order = torch.argsort((~flag).to(torch.int8), stable=True).to(torch.int32)
-    count = flag.sum(dtype=torch.int32).reshape(1)
-    return order, count, min(n, n_docs * max(1, -(-min_len // wl_block_m)))
+    """True if the config has a Gluon backward and it can run this call (causal, ``gluon_applies``)."""
+    return causal and gluon_applies(config.gluon_bwd is not None, config, q, k, v)
 
 
 def flash_bwd(
@@ -472,7 +414,7 @@ def flash_bwd(
         cu_seqlens, items, num_items: as the forward.
         dlse: optional ``(H_q, T)`` float32 gradient of the LSE output.
         leftover: False when the row is known to hold no merged item and no document of at most
-            ``bwd_gluon_min_len`` tokens (``attention.leftover_bits``): the Triton launch behind the
+            ``GluonBwdConfig.min_len`` tokens (``attention.leftover_bits``): the Triton launch behind the
             Gluon programs is skipped.
         tail: False when the row is known to have no row-end padding (``cu_seqlens[-1] == T``,
             ``attention.PAD_TAIL``): the launch that zeroes the padding rows of dq / dk / dv is skipped.
@@ -487,109 +429,71 @@ def flash_bwd(
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty((H, T), dtype=torch.float32, device=q.device)
     gluon = _gluon_applies(config, causal, q, k, v)
+    g = config.gluon_bwd
     has_dlse = dlse is not None
-    # bwd_dq_delta: no preprocess; the dQ programs (their own launch, first) compute and store Delta
-    dq_delta = bool(config.bwd_dq_delta) and not gluon and not config.bwd_dq_atomic
-    # with bwd_gluon_dq_reduce the Gluon dK/dV programs add their dQ partials to an fp32 accumulator (TMA
-    # bulk reduce); the preprocess zeroes it and one cast replaces the dQ programs, both only on the
-    # rows those programs own (documents > bwd_gluon_min_len tokens, and padding rows)
-    # (heads in chunks of chunk_kv kv heads when the whole accumulator would pass bwd_dq_reduce_max_bytes)
+    # with dq_reduce the Gluon dK/dV programs add their dQ partials to an fp32 accumulator (TMA bulk
+    # reduce); the preprocess zeroes it and one cast replaces the dQ programs, both only on the rows
+    # those programs own (documents > min_len tokens, and padding rows); heads in chunks of chunk_kv
+    # kv heads when the whole accumulator would pass dq_reduce_max_bytes
     dq_red = None
     n_docs = cu_seqlens.shape[0] - 1
     n_steps = max(1, int(n_docs).bit_length() + 1)
     group = H // Hkv
     chunk_kv = Hkv  # one Gluon launch over every kv head unless the accumulator is bounded
-    if gluon and config.bwd_gluon_dq_reduce and config.bwd_gluon_retire_first:
-        chunk_kv = max(1, min(Hkv, config.bwd_dq_reduce_max_bytes // max(1, 4 * T * group * D)))
+    min_len = g.min_len if g is not None else GluonBwdConfig().min_len
+    if gluon and g.dq_reduce:
+        chunk_kv = max(1, min(Hkv, g.dq_reduce_max_bytes // max(1, 4 * T * group * D)))
         dq_red = torch.empty((T, chunk_kv * group, D), dtype=torch.float32, device=q.device)
-    if T > 0 and not dq_delta:
+    if T > 0:
         blk = 64
         _bwd_preprocess[(triton.cdiv(T, blk), H)](
             o, do, dlse if has_dlse else lse, delta, T, o.stride(0), o.stride(1), do.stride(0), do.stride(1),
             delta.stride(0), dq_red if dq_red is not None else delta, cu_seqlens, n_docs,
-            config.bwd_gluon_min_len, n_steps, chunk_kv * group, HAS_DLSE=has_dlse, BLOCK=blk, HEAD_DIM=D,
+            min_len, n_steps, chunk_kv * group, HAS_DLSE=has_dlse, BLOCK=blk, HEAD_DIM=D,
             ZERO_DQ=dq_red is not None, num_warps=4)
-    atomic = bool(config.bwd_dq_atomic)  # never with hybrid_short_len (config validation)
-    dq_desc = None
-    dq_acc = delta  # unused unless atomic
-    if atomic:
-        # dQ accumulated in fp32 by the dK/dV programs (5 products per tile pair), cast at the end
-        dq_acc = torch.zeros((T, H, D), dtype=torch.float32, device=q.device)
-        if config.bwd_dq_tma and T > 0:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            # (T, H * D) view: tile rows are tokens, columns one head's D features
-            dq_desc = TensorDescriptor(dq_acc, [T, H * D], [H * D, 1], [config.bwd_block_m1, D])
-    use_tma = bool(config.bwd_tma) and _tma_ok(q, k, v, do)
-    order = doc_major_order(items) if config.doc_major else items
-    # Triton launches: (config, sel, rank order, valid-rank count, ranks launched)
-    parts = [(cfg, sel, order, num_items, items.shape[0]) for cfg, sel in config.launch_parts()]
+    cfg, sel = config.bwd, 0  # the Triton launch: its tiles and which items it runs
+    launch = True
     if gluon:
-        from flamia_pack.kernels import gluon_attention
+        from flamia_pack.kernels.gluon_dkdv import gluon_dkdv
+        from flamia_pack.kernels.gluon_dq import gluon_dq
 
         do_c = do if do.is_contiguous() else do.contiguous()
-        skip = config.bwd_gluon_min_len
         for kv0 in range(0, Hkv, chunk_kv):
             n_kv = min(Hkv - kv0, chunk_kv)
-            gluon_attention.gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
-                                       wl_block_m=config.wl_block_m, skip_len=skip,
-                                       retire_first=config.bwd_gluon_retire_first, dk=dk, dv=dv, dq_acc=dq_red,
-                                       kv_head0=kv0, kv_heads=n_kv, persistent=config.bwd_gluon_persistent)
+            gluon_dkdv(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
+                       wl_block_m=config.wl_block_m, skip_len=min_len, dk=dk, dv=dv, dq_acc=dq_red,
+                       kv_head0=kv0, kv_heads=n_kv, persistent=g.persistent)
             if dq_red is not None and T > 0:  # the chunk's dQ rows; its accumulator zeroed for the next chunk
                 _dq_reduce_cast[(triton.cdiv(T, 64), n_kv * group)](
-                    dq_red, dq, cu_seqlens, n_docs, skip, n_steps, T, chunk_kv * group, kv0 * group,
+                    dq_red, dq, cu_seqlens, n_docs, min_len, n_steps, T, chunk_kv * group, kv0 * group,
                     dq.stride(0), dq.stride(1), softmax_scale, BLOCK=64, HEAD_DIM=D,
                     ZERO_AFTER=kv0 + n_kv < Hkv, num_warps=4)
         if dq_red is None:
-            gluon_attention.gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
-                                     wl_block_m=config.wl_block_m, skip_len=skip, dq=dq,
-                                     persistent=config.bwd_gluon_persistent)
-        # merged items and documents of <= bwd_gluon_min_len tokens (skipped by the Gluon programs)
-        left = replace(config, **SMALL_TILES) if config.bwd_gluon_leftover_small else config
-        if not leftover:  # no merged item and no document of <= skip tokens (attention.leftover_bits)
-            parts = []
-        elif config.bwd_leftover_compact:
-            left_order, left_count, left_ranks = leftover_ranks(items, num_items, cu_seqlens, skip, config.wl_block_m)
-            parts = [(replace(left, doc_major=True, bwd_head_major=False), -skip, left_order, left_count, left_ranks)]
-        else:
-            parts = [(left, -skip, order, num_items, items.shape[0])]
-    launches = []  # (part, f1, f2, kind, programs per rank, warps, stages)
-    for part in parts:
-        cfg = part[0]
-        f1 = cfg.wl_block_m // cfg.bwd_block_n1
-        f2 = cfg.wl_block_m // cfg.bwd_block_m2
-        nw, ns = cfg.bwd_num_warps, cfg.bwd_num_stages
-        nw2, ns2 = cfg.bwd_dq_num_warps or nw, cfg.bwd_dq_num_stages or ns
-        if atomic:
-            launches.append((part, f1, f2, 1, f1 * Hkv, nw, ns))
-        elif cfg.bwd_fused and not dq_delta:
-            launches.append((part, f1, f2, 0, f1 * Hkv + f2 * H, nw, ns))
-        else:
-            launches += [(part, f1, f2, 2, f2 * H, nw2, ns2), (part, f1, f2, 1, f1 * Hkv, nw, ns)]
-    if dq_delta:  # every dQ launch (they write Delta) before any dK/dV launch (it reads Delta)
-        launches.sort(key=lambda x: x[3] != 2)
-    for (cfg, sel, order, valid_ranks, ranks), f1, f2, kind, per_rank, warps, stages in launches:
-        n_prog = ranks * per_rank
-        if n_prog == 0:
-            continue
+            gluon_dq(q, k, v, do_c, lse, delta, cu_seqlens, items, num_items, softmax_scale,
+                     wl_block_m=config.wl_block_m, skip_len=min_len, dq=dq, persistent=g.persistent)
+        # merged items and documents of <= min_len tokens (skipped by the Gluon programs), small tiles;
+        # none at all when the row is known to hold neither (attention.leftover_bits)
+        cfg, sel, launch = SMALL_BWD, -min_len, leftover
+    f1 = config.wl_block_m // cfg.block_n1
+    f2 = config.wl_block_m // cfg.block_m2
+    n_prog = items.shape[0] * (f1 * Hkv + f2 * H)
+    if launch and n_prog > 0:
         _bwd_kernel[(n_prog,)](
-            q, k, v, do, lse, delta, o, dlse if has_dlse else lse, dq, dk, dv, dq_acc, dq_desc, items, valid_ranks,
-            cu_seqlens, cu_seqlens.numel() - 1, ranks, H, Hkv, sel, order,
+            q, k, v, do, lse, delta, o, lse, dq, dk, dv, delta, None, items, num_items,
+            cu_seqlens, cu_seqlens.numel() - 1, items.shape[0], H, Hkv, sel, items,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
             o.stride(0), o.stride(1),
             dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            dq_acc.stride(0) if atomic else 0, dq_acc.stride(1) if atomic else 0, delta.stride(0),
+            0, 0, delta.stride(0),
             float(softmax_scale) * LOG2E, float(softmax_scale),
-            HEAD_DIM=D, BLOCK_M1=cfg.bwd_block_m1, BLOCK_N1=cfg.bwd_block_n1,
-            BLOCK_M2=cfg.bwd_block_m2, BLOCK_N2=cfg.bwd_block_n2,
-            F1=f1, F2=f2, WL_BM=cfg.wl_block_m, CAUSAL=bool(causal), KIND=kind,
-            MASKED_STAGES=cfg.bwd_masked_stages or stages, USE_TMA=use_tma, HEAD_MAJOR=cfg.bwd_head_major,
-            DQ_ATOMIC=atomic, DQ_TMA=int(cfg.bwd_dq_tma) if dq_desc is not None else 0, DOC_MAJOR=bool(cfg.doc_major),
-            GROUP=H // Hkv, REG_OPS=cfg.bwd_reg_operands, DQ_DELTA=dq_delta and kind == 2,
-            HAS_DLSE=dq_delta and has_dlse, num_warps=warps, num_stages=stages,
+            HEAD_DIM=D, BLOCK_M1=cfg.block_m1, BLOCK_N1=cfg.block_n1,
+            BLOCK_M2=cfg.block_m2, BLOCK_N2=cfg.block_n2,
+            F1=f1, F2=f2, WL_BM=config.wl_block_m, CAUSAL=bool(causal), KIND=0,
+            MASKED_STAGES=cfg.num_stages, USE_TMA=False, HEAD_MAJOR=True,
+            DQ_ATOMIC=False, DQ_TMA=0, DOC_MAJOR=False,
+            GROUP=H // Hkv, REG_OPS=0, DQ_DELTA=False,
+            HAS_DLSE=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    if atomic:
-        dq.copy_(dq_acc)  # padding rows are zero in the accumulator
     if tail:
-        fill_tails(([] if atomic else [(dq, 0.0, 0)]) + [(dk, 0.0, 0), (dv, 0.0, 0)], cu_seqlens)
+        fill_tails([(dq, 0.0, 0), (dk, 0.0, 0), (dv, 0.0, 0)], cu_seqlens)
     return dq, dk, dv

@@ -13,19 +13,11 @@ the causal diagonal (tiles.py) build a mask. GQA: query head h reads kv head ``h
 Rows past ``cu_seqlens[-1]`` (row-end padding) get ``o = 0`` and ``lse = +inf`` from a small fill
 kernel that only touches those rows.
 
-Launch orders (``AttentionKernelConfig.schedule``): ``grid`` = one program per (entry, head) in
-the list's decreasing-cost order, the head index fastest (heads of one GQA group run side by side
-and share K/V in L2); ``persistent`` = one program per SM slot taking the next (entry, head) from a
-global atomic counter (the dynamic policy); ``grid_head_major`` = the grid with the kv head index
-slowest (all entries of kv head 0 in decreasing-cost order, its GQA query heads side by side, then
-kv head 1, ...: the programs in flight share one head's K/V in L2, FlexAttention's grid order).
-
-``fwd_gluon`` (with ``fwd_gluon_persistent``: the head_dim 128 default) runs the programs as the warp-specialized Gluon
-kernel of ``gluon_attention.py`` where it applies, this file's kernel only for merged items and 1-token
-documents (``sel = -1``; with ``fwd_short_len = L``, documents of at most L tokens, ``sel = -L``).
-Without ``fwd_short_len`` that leftover launch runs one program per (entry, chunk of 8 / 4 / 2 heads)
-(``HEADS_PER_PROGRAM``): most of its programs find nothing to do, and at one 8-warp program per SM the
-12,288 programs of W7's rows took 42 us; 8 heads per program measured 11.9 us (H200, 2026-11-30).
+Launch orders: ``config.fwd.schedule`` (``config.SCHEDULES``). With ``config.gluon_fwd`` (the head_dim 128
+default on sm_90) the programs run as the warp-specialized Gluon kernel of ``gluon_fwd.py``, and this file's
+kernel only for merged items and 1-token documents (``sel = -1``), one program per (entry, chunk of 8 / 4 / 2
+heads) (``HEADS_PER_PROGRAM``): most of those programs find nothing to do, and chunks of 8 heads make the
+launch 8x smaller (W7: 42 -> 11.9 us).
 """
 from __future__ import annotations
 
@@ -39,10 +31,9 @@ import triton.language as tl
 
 from flamia_pack.errors import FlamiaError
 from flamia_pack.kernels.config import AttentionKernelConfig
+from flamia_pack.kernels.constants import LN2, LOG2E  # noqa: F401 (LN2: re-exported)
 from flamia_pack.kernels.tiles_triton import masked_tile_index, program_geometry, relative_doc, tile_visible
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -256,20 +247,6 @@ def fill_tails(targets: list[tuple[torch.Tensor, float, int]], cu_seqlens: torch
         NUM=num, BLOCK_R=block_r, BLOCK_C0=slots[0][6], BLOCK_C1=slots[1][6], BLOCK_C2=slots[2][6], num_warps=4)
 
 
-def doc_major_order(items: torch.Tensor) -> torch.Tensor:
-    """Rows of the cost-sorted work list stably sorted by document: ``(max_items,)`` int32.
-
-    Valid rows (``doc >= 0``) first, by document, each document's rows in the list's decreasing-cost
-    order; unused rows (``-1``) last. With ``config.doc_major`` the kernels launch ranks in this
-    order, so the programs in flight work on one or a few documents and share their tiles in L2
-    (FlexAttention's sequence-order grid); only the end of the grid loses the cost order's balance.
-    No host sync (one device sort, CUDA-graph capturable).
-    """
-    doc = items[:, 0]
-    key = torch.where(doc < 0, torch.full_like(doc, torch.iinfo(torch.int32).max), doc)
-    return torch.sort(key, stable=True).indices.to(torch.int32)
-
-
 _NUM_SMS: dict = {}
 
 
@@ -284,7 +261,7 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.cache
 def gluon_available() -> bool:
-    """True if this triton has the Gluon API ``gluon_attention.py`` is written and tested against.
+    """True if this triton has the Gluon API the ``gluon_*.py`` kernels are written and tested against.
 
     Gluon is experimental and its API changes between triton releases, so only 3.6.x qualifies; any
     other version runs the Triton kernels (same results, the measured Triton speed). Answered once per
@@ -302,11 +279,11 @@ def gluon_available() -> bool:
 
 def gluon_applies(enabled: bool, config: AttentionKernelConfig, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> bool:
-    """True if a Gluon path (``enabled``: its config flag) can run this call: a CUDA device of compute
+    """True if a Gluon family (``enabled``: the config has it) can run this call: a CUDA device of compute
     capability 9.x, bf16, head_dim 64 / 128, contiguous 16-byte aligned q / k / v, ``wl_block_m`` a
-    multiple of 128, no ``hybrid_short_len``, triton 3.6 (config ``bwd_gluon`` / ``fwd_gluon``)."""
+    multiple of 128, triton 3.6."""
     if not (enabled and q.is_cuda and q.dtype == torch.bfloat16 and q.shape[0] > 0 and q.shape[2] in (64, 128)
-            and not config.hybrid_short_len and config.wl_block_m % 128 == 0):
+            and config.wl_block_m % 128 == 0):
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
@@ -343,53 +320,40 @@ def flash_fwd(
     o = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((H, T), dtype=torch.float32, device=q.device)
     n_docs = cu_seqlens.numel() - 1
-    order = doc_major_order(items) if config.doc_major else items
-    parts = config.launch_parts(forward=True)
-    if gluon_applies(config.fwd_gluon, config, q, k, v):
-        from flamia_pack.kernels import gluon_attention
+    cfg = config.fwd
+    sel, hpp, launch = 0, 1, True
+    if gluon_applies(config.gluon_fwd is not None, config, q, k, v):
+        from flamia_pack.kernels.gluon_fwd import gluon_fwd
 
-        # merged items and documents of at most skip_len tokens: the Triton kernel (with fwd_short_len,
-        # SHORT_FWD_TILES for the short documents: three programs per SM where the Gluon programs'
-        # 128 x 128 tiles run one)
-        skip_len = max(1, config.fwd_short_len)
-        # doc_major: the Gluon programs take the list's rows in document order (a gathered copy)
-        g_items = items.index_select(0, order) if config.doc_major else items
-        gluon_attention.gluon_fwd(q, k, v, cu_seqlens, g_items, num_items, softmax_scale, causal=causal,
-                                  wl_block_m=config.wl_block_m, skip_len=skip_len, o=o, lse=lse,
-                                  persistent=config.fwd_gluon_persistent, parts=config.fwd_gluon_parts,
-                                  block_n=config.fwd_gluon_block_n, stages=config.fwd_gluon_stages,
-                                  pingpong=config.fwd_gluon_pingpong, items_whole=config.fwd_gluon_items,
-                                  head_inner=config.fwd_gluon_head_inner, static=config.fwd_gluon_static,
-                                  part_skip=config.fwd_gluon_part_skip)
-        parts = [(parts[-1][0] if config.fwd_short_len else config, -skip_len)] if leftover else []
-        # only merged items and the shortest documents are left: a few heads per program (fewer programs
-        # that exit at once), unless the short-document launch of fwd_short_len has real work per head
-        hpp = 1 if config.fwd_short_len else next(c for c in (8, 4, 2, 1) if H % c == 0)
-    else:
-        hpp = 1
-    for cfg, sel in parts:
-        f = cfg.wl_block_m // cfg.block_m
-        n_entries = items.shape[0] * f * H
-        if cfg.schedule == "policy":
-            raise FlamiaError("schedule='policy' must be resolved to 'static' or 'persistent' before the launch "
-                              "(varlen_attention does it with scheduler.policy.policy_for_call)")
-        static = cfg.schedule == "static"
-        persistent = cfg.schedule == "persistent" or static
+        g = config.gluon_fwd
+        gluon_fwd(q, k, v, cu_seqlens, items, num_items, softmax_scale, causal=causal, wl_block_m=config.wl_block_m,
+                  skip_len=1, o=o, lse=lse, block_n=g.block_n, stages=g.stages, pingpong=g.pingpong,
+                  items_whole=g.whole_items, part_skip=g.part_skip)
+        # left: merged items and 1-token documents, a few heads per program (fewer programs that exit at once)
+        sel, launch = -1, leftover
+        hpp = next(c for c in (8, 4, 2, 1) if H % c == 0)
+    f = config.wl_block_m // cfg.block_m
+    n_entries = items.shape[0] * f * H
+    if cfg.schedule == "policy":
+        raise FlamiaError("schedule='policy' must be resolved to 'static' or 'persistent' before the launch "
+                          "(varlen_attention does it with scheduler.policy.policy_for_call)")
+    static = cfg.schedule == "static"
+    persistent = cfg.schedule == "persistent" or static
+    if launch and n_entries > 0:
         # the atomic counter only for the dynamic schedule (the static snake deals units by program id)
         counter = torch.zeros((1,), dtype=torch.int32, device=q.device) if persistent and not static else num_items
         hpp = hpp if not persistent else 1
         grid = (max(1, min(n_entries, 2 * _num_sms(q.device))),) if persistent else (max(1, n_entries // hpp),)
-        if n_entries > 0:
-            _fwd_kernel[grid](
-                q, k, v, o, lse, items, num_items, cu_seqlens, counter, n_docs, items.shape[0] * f, H, H // Hkv, sel, order,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                o.stride(0), o.stride(1), lse.stride(0),
-                float(softmax_scale) * LOG2E,
-                HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, F=f, WL_BM=cfg.wl_block_m,
-                CAUSAL=bool(causal), PERSISTENT=persistent, HEAD_MAJOR=cfg.schedule == "grid_head_major",
-                DOC_MAJOR=bool(cfg.doc_major), STATIC=static, HEADS_PER_PROGRAM=hpp,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.fwd_maxnreg} if cfg.fwd_maxnreg else {}),
-            )
+        _fwd_kernel[grid](
+            q, k, v, o, lse, items, num_items, cu_seqlens, counter, n_docs, items.shape[0] * f, H, H // Hkv, sel, items,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            o.stride(0), o.stride(1), lse.stride(0),
+            float(softmax_scale) * LOG2E,
+            HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, F=f, WL_BM=config.wl_block_m,
+            CAUSAL=bool(causal), PERSISTENT=persistent, HEAD_MAJOR=cfg.schedule == "grid_head_major",
+            DOC_MAJOR=False, STATIC=static, HEADS_PER_PROGRAM=hpp,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        )
     if tail:
         fill_tails([(o, 0.0, 0), (lse, math.inf, 1)], cu_seqlens)
     return o, lse

@@ -1,0 +1,93 @@
+"""Compile the Gluon attention kernels for sm_90a without a GPU (triton's bundled ptxas) and report
+shared memory, registers, spills and whether the wgmma products stay asynchronous.
+
+For screening a kernel change before spending device time (``benchmarks/probes/gluon_compile_report.py``
+prints it) and for the CPU tests that keep the shipped kernels compiling spill-free.
+"""
+from __future__ import annotations
+
+import torch
+
+from flamia_pack.kernels.gluon_common import CONSUMER_WARPS, MAXNREG, descriptor
+
+__all__ = ["compile_sm90"]
+
+
+def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None = None, block_n: int | None = None,
+                 stages: int | None = None, group: int = 1, causal: bool = True, dq_reduce: bool = False,
+                 persistent: bool = False, pingpong: bool = False, items_whole: bool = False,
+                 wl_block_m: int = 128, part_skip: bool = False) -> dict:
+    """Compile one Gluon attention kernel for sm_90a and report (no GPU needed).
+
+    Pointer and stride arguments are marked divisible by 16 as the launcher's specialization does at
+    run time.
+
+    Args:
+        kind: ``"dkdv"``, ``"dq"`` or ``"fwd"``; the other arguments default to the tiles of
+            ``gluon_dkdv`` / ``gluon_dq`` / ``gluon_fwd``.
+        group: the GQA group (``H_q // H_kv``), a compile-time constant of every kernel.
+        dq_reduce, persistent: the dK/dV kernel's dQ reduce and the backward kernels' persistent mode.
+        pingpong, items_whole, wl_block_m, part_skip: the forward's ``gluon_fwd(pingpong=,
+            items_whole=, wl_block_m=, part_skip=)`` (the forward is always persistent).
+
+    Returns:
+        dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
+        (ptxas warning C7512/C7515: the wgmma products were serialized), ``sass`` (cuobjdump text),
+        ``ptx``, ``ttgir``.
+
+    Raises:
+        ValueError: unknown kind; FileNotFoundError: no ptxas in the triton wheel;
+        triton.compiler.errors.CompilationError: the kernel does not compile.
+    """
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    if kind not in ("dkdv", "dq", "fwd"):
+        raise ValueError(f"compile_sm90: kind must be 'dkdv', 'dq' or 'fwd', got {kind!r}")
+    from flamia_pack.kernels.gluon_dkdv import _dkdv_kernel
+    from flamia_pack.kernels.gluon_dq import _dq_kernel
+    from flamia_pack.kernels.gluon_fwd import _fwd_kernel
+
+    bm = block_m or (64 if kind == "dkdv" else 128)
+    bn = block_n or {"dkdv": 128, "dq": 64, "fwd": 128}[kind]
+    st = stages or {"dkdv": 2, "dq": 4, "fwd": 2}[kind]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        raise FileNotFoundError(f"compile_sm90: no ptxas at {ptxas}")
+    x = torch.zeros(256, 16, head_dim, dtype=torch.bfloat16)
+    rows, walked = mangle_type(descriptor(x, bm)), mangle_type(descriptor(x, bn))
+    acc = mangle_type(descriptor(x.float(), bm)) if dq_reduce else rows
+    fn = {"dkdv": _dkdv_kernel, "dq": _dq_kernel, "fwd": _fwd_kernel}[kind]
+    types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": walked, "LSE": "*fp32", "DELTA": "*fp32",
+             "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",
+             "cu_ptr": "*i32", "counter_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc}
+    consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=wl_block_m, STAGES=st,
+                  CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce), PERSISTENT=bool(persistent),
+                  PINGPONG=bool(pingpong), ITEMS=bool(items_whole), PART_SKIP=bool(part_skip))
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or n.startswith("stride")}
+    compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": CONSUMER_WARPS.value // (2 if kind == "fwd" else 1),
+                                       "maxnreg": MAXNREG})
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True, check=True)
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", os.path.join(d, "k.o")],
+                              capture_output=True, text=True).stdout
+    spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+    return {"shared": compiled.metadata.shared, "ptxas": r.stderr, "spill_bytes": sum(int(b) for b in spills),
+            "serialized": "serialized" in r.stderr, "sass": sass, "ptx": compiled.asm["ptx"],
+            "ttgir": compiled.asm["ttgir"]}
