@@ -92,7 +92,7 @@ def graph_ms(fn, rep: int = 100) -> float | str:
 
 
 def host_probe(fn, bench_fn=None, grad_to_none=None, rep: int = 100, calls: int = 100) -> dict:
-    """Is ``fn`` GPU-bound or host-bound? (benchmarks/fwd_host_probe.py, train_host_probe.py)
+    """Is ``fn`` GPU-bound or host-bound? (benchmarks/probes/train_host_probe.py)
 
     Returns ``bench`` (ms, :func:`time_ms` of ``bench_fn``, default ``fn``), ``graph`` (ms of ``fn``
     captured in a CUDA graph and replayed: no host work; a string if capture failed), ``host_us``

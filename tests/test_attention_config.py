@@ -201,47 +201,6 @@ def test_candidates_in_interpreter(interp_results, name, causal):
     assert (r["descriptor_loads"] > 0) == tma
 
 
-def test_sweep_summary_ranks_only_correct_complete_candidates():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-    import gpu_bwd_sweep as G
-
-    res = {
-        "default": {"correct": True, "train_ms": {"W1": 10.0, "W7": 2.0}, "fwd_ms": {"W1": 3.0, "W7": 0.6}},
-        "a": {"correct": True, "train_ms": {"W1": 9.0, "W7": 1.9}},  # 1.111x, 1.053x -> geo 1.081
-        "b": {"correct": False, "train_ms": {"W1": 5.0, "W7": 1.0}},  # fastest but wrong: never picked
-        "c": {"correct": True, "train_ms": {"W1": 8.0}},  # a workload missing: not ranked
-        "d": {"correct": True, "train_ms": {"W1": 9.9, "W7": 1.98}},  # 1.01x: does not beat by 5%
-    }
-    text, s = G.summarize(res, ["default", "a", "b", "c", "d"], ["W1", "W7"])
-    assert s["fastest"] == "a" and s["beats_default_by_5pct"] and s["recommended"] == "a"
-    assert abs(s["fastest_geo_speedup_vs_default"] - (10 / 9 * 2 / 1.9) ** 0.5) < 1e-9
-    assert "| b | False |" in text and "9.000 (1.111)" in text
-    del res["a"]
-    _, s = G.summarize(res, ["default", "b", "c", "d"], ["W1", "W7"])
-    assert s["fastest"] == "d" and not s["beats_default_by_5pct"] and s["recommended"] == "default"
-    assert "fwd graph" not in text  # no --graph: no graph columns
-
-
-def test_sweep_summary_graph_columns():
-    """``gpu_bwd_sweep.py --graph``: the forward's CUDA-graph times get their own columns and ratios vs
-    the default; a candidate without them shows '-'; the ranking stays on the training call."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-    import gpu_bwd_sweep as G
-
-    res = {
-        "default": {"correct": True, "train_ms": {"W7": 2.0}, "fwd_ms": {"W7": 0.6}, "fwd_graph_ms": {"W7": 0.42}},
-        "a": {"correct": True, "train_ms": {"W7": 1.9}, "fwd_ms": {"W7": 0.7}, "fwd_graph_ms": {"W7": 0.35}},
-        "b": {"correct": True, "train_ms": {"W7": 2.1}},
-    }
-    text, s = G.summarize(res, ["default", "a", "b"], ["W7"])
-    head, rule, row_d, row_a, row_b = text.splitlines()
-    assert head.endswith("| fwd W7 ms (x) | fwd graph W7 ms (x) |")
-    assert rule.count("---") == head.count("|") - 1
-    assert row_a.endswith("| 0.700 (0.857) | 0.350 (1.200) |")  # eager slower, graph faster: both shown
-    assert row_b.endswith("| - | - |")
-    assert s["fastest"] == "a"
-
-
 def test_hybrid_launch_parts_and_validation():
     from flamia_pack.kernels.config import SMALL_TILES
 
@@ -329,12 +288,12 @@ def test_default_forward_is_the_persistent_gluon_kernel_at_head_dim_128(monkeypa
 
 
 def test_kernel_breakdown_table_and_cpu_smoke(capsys):
-    """benchmarks/kernel_breakdown.py: the aggregation is per call and sorted; the CPU smoke run prints a table."""
+    """benchmarks/probes/kernel_breakdown.py: the aggregation is per call and sorted; the CPU smoke run prints a table."""
     from types import SimpleNamespace
 
     import torch
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes"))
     import kernel_breakdown as K
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
@@ -354,9 +313,9 @@ def test_kernel_breakdown_table_and_cpu_smoke(capsys):
 
 
 def test_ab_kernel_file_helpers(tmp_path, capsys):
-    """benchmarks/ab_kernel_file.py: variant specs are validated, medians and ratios vs ``current``
+    """benchmarks/probes/ab_kernel_file.py: variant specs are validated, medians and ratios vs ``current``
     are per (variant, workload, metric), and without a GPU nothing is touched or measured."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes"))
     import ab_kernel_file as A
 
     f = tmp_path / "v.py"

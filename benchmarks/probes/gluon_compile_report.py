@@ -1,7 +1,7 @@
 """Compile the Gluon attention kernels for sm_90a WITHOUT a GPU: errors, shared memory, registers, spills,
 and whether ptxas keeps the wgmma products asynchronous.
 
-    PYTHONPATH=. python benchmarks/gluon_compile_report.py '[{"KIND": "dkdv", "BM": 64, "STAGES": 2},
+    PYTHONPATH=. python benchmarks/probes/gluon_compile_report.py '[{"KIND": "dkdv", "BM": 64, "STAGES": 2},
         {"KIND": "dq", "BM": 128, "BN": 64, "STAGES": 3, "GROUP": 4}]'
 
 Keys: KIND (dkdv | dq | fwd), D, BM, BN, STAGES, GROUP (GQA),

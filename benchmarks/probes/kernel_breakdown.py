@@ -1,7 +1,7 @@
 """Where one training call's (or forward's) GPU time goes, kernel by kernel, for benchmark rows.
 
 Run on the GPU machine (one process, ~10 s per row):
-    ROWS=W2,W3 PYTHONPATH=. python3 benchmarks/kernel_breakdown.py [--mode train|fwd] [--calls 5]
+    ROWS=W2,W3 PYTHONPATH=. python3 benchmarks/probes/kernel_breakdown.py [--mode train|fwd] [--calls 5]
 
 For each row of ``../shared/WORKLOADS.md`` (``flamia_pack.scheduler.workloads``) it builds the row's
 inputs and work list as ``bench_attention.py`` does, runs three warm-up calls, then profiles
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.calls < 1:
         ap.error("--calls must be >= 1")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_attention
     import bench_attention as B
     from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
 
