@@ -1,7 +1,8 @@
-"""BF16 packed attention (issue 5): our kernels vs FlexAttention, varlen_attn and padded SDPA.
+"""BF16 packed attention: our kernels vs FlashAttention-4 (sm90), FlexAttention, varlen_attn and padded SDPA.
 
 Run on the GPU machine:
-    PYTHONPATH=. python3 benchmarks/bench_attention.py [--workloads W1,W2,...] [--no-peers] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/bench_attention.py [--workloads W1,W2,...] [--peers fa4,flex,varlen,sdpa]
+        [--no-peers] [--out DIR]
 Offline calibration fit from a saved run (CPU is enough):
     python benchmarks/bench_attention.py --fit DIR/bench_attention.json
 
@@ -14,10 +15,13 @@ once per row (as a training loop does: built with the batch, reused by forward a
 build time is reported separately. S2: peak memory of one training call vs the bytes of the call's
 own tensors (q, k, v, o, dO, dq, dk, dv, lse).
 
-Peers: FlexAttention (``torch.compile``d ``flex_attention`` + ``create_block_mask`` from document ids
+Peers: FlashAttention-4's CuTe DSL kernels (``fa4``: ``flash_attn.cute.interface.flash_attn_varlen_func``
+on the packed tensors, causal; on Hopper they are FlashAttention-3's design; PyPI ``flash-attn-4``; skipped
+with one line when not importable), FlexAttention (``torch.compile``d ``flex_attention`` + ``create_block_mask`` from document ids
 and causal), ``torch.nn.attention.varlen.varlen_attn`` (``window_size=(-1, 0)`` = causal; signature
 read at run time), ``scaled_dot_product_attention`` on the dense (B, H, L, D) view where all
-documents have one length. Failures (out of memory, invalid argument) are reported as such.
+documents have one length. The packed peers are fa4, flex and varlen. Failures (out of memory, invalid
+argument) are reported as such.
 """
 from __future__ import annotations
 
@@ -92,7 +96,7 @@ def graph_ms(fn, rep: int = 100) -> float | str:
 
 
 def host_probe(fn, bench_fn=None, grad_to_none=None, rep: int = 100, calls: int = 100) -> dict:
-    """Is ``fn`` GPU-bound or host-bound? (benchmarks/fwd_host_probe.py, train_host_probe.py)
+    """Is ``fn`` GPU-bound or host-bound? (benchmarks/probes/train_host_probe.py)
 
     Returns ``bench`` (ms, :func:`time_ms` of ``bench_fn``, default ``fn``), ``graph`` (ms of ``fn``
     captured in a CUDA graph and replayed: no host work; a string if capture failed), ``host_us``
@@ -240,6 +244,26 @@ def varlen(inp):
     return _fwd_bwd_fns(call, inp)
 
 
+def fa4_func():
+    """FlashAttention-4's packed varlen entry point; raises ImportError when the package is not installed."""
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
+
+
+def fa4(inp):
+    """FlashAttention-4 (CuTe DSL; the sm90 kernels on Hopper) on the packed ``(T, H, D)`` tensors, causal, GQA
+    native. Its return is ``out`` or ``(out, lse)`` depending on the version: both are handled."""
+    fn = fa4_func()
+    cu, m = inp["cu"], inp["max_seqlen"]
+
+    def call(q, k, v):
+        out = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, causal=True)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    return _fwd_bwd_fns(call, inp)
+
+
 def sdpa_padded_call(inp):
     """The bare call ``(q, k, v) -> o`` of padded SDPA on the packed ``(T, H, D)`` tensors of ``inp``
     (a dense ``(B, H, L, D)`` view), or None where documents differ in length."""
@@ -265,7 +289,27 @@ def sdpa_padded(inp):
     return None if call is None else _fwd_bwd_fns(call, inp)
 
 
-PEERS = {"flex": flex, "varlen": varlen, "sdpa": sdpa_padded}
+PEERS = {"fa4": fa4, "flex": flex, "varlen": varlen, "sdpa": sdpa_padded}
+PACKED_PEERS = ("fa4", "flex", "varlen")
+PEER_LABELS = {"fa4": "FA4-sm90", "flex": "FlexAttention", "varlen": "varlen_attn", "sdpa": "padded SDPA"}
+# peers that need an optional package: name -> the function that imports it
+OPTIONAL_PEERS = {"fa4": fa4_func}
+
+
+def available_peers(peers: list[str]) -> list[str]:
+    """``peers`` without the optional ones whose package does not import (one line printed for each)."""
+    out = []
+    for p in peers:
+        if p not in PEERS:
+            raise SystemExit(f"unknown peer {p!r} (known: {', '.join(PEERS)})")
+        if p in OPTIONAL_PEERS:
+            try:
+                OPTIONAL_PEERS[p]()
+            except Exception as e:  # noqa: BLE001 - any import failure means: not runnable here
+                print(f"peer {p} skipped: {_short_error(e)}", flush=True)
+                continue
+        out.append(p)
+    return out
 
 
 def _short_error(e: BaseException) -> str:
@@ -343,25 +387,31 @@ def markdown(rows) -> str:
     out = []
     for key, label in (("fwd_ms", "forward"), ("train_ms", "training call (fwd+bwd)")):
         out.append(f"\n### {label}: ms (TFLOP/s); ratio = peer time / our time (> 1: we are faster)\n")
-        out.append("| wl | ours | TFLOP/s | FlexAttention | varlen_attn | padded SDPA | vs best packed | vs padded SDPA |")
-        out.append("|---|---|---|---|---|---|---|---|")
+        names = ("fa4", "flex", "varlen", "sdpa")
+        out.append("| wl | ours | TFLOP/s | " + " | ".join(PEER_LABELS[p] for p in names)
+                   + " | vs FA4-sm90 | vs best packed | vs padded SDPA |")
+        out.append("|---|" + "---|" * (len(names) + 5))
         for r in rows:
             o = r["impl"].get("ours", {})
             flops = r["flops_fwd"] * (3.5 if key == "train_ms" else 1.0)
             t = o.get(key)
             tf = f"{flops / (t * 1e-3) / 1e12:.0f}" if t else "-"
-            peers = {p: r["impl"].get(p, {}) for p in ("flex", "varlen", "sdpa")}
-            packed = [peers[p][key] for p in ("flex", "varlen") if key in peers[p]]
+            peers = {p: r["impl"].get(p, {}) for p in names}
+            packed = [peers[p][key] for p in PACKED_PEERS if key in peers[p]]
             best = min(packed) if packed else None
-            rb = f"{best / t:.2f}x" if (t and best) else "-"
-            rs = f"{peers['sdpa'][key] / t:.2f}x" if (t and key in peers["sdpa"]) else "-"
-            out.append(f"| {r['name']} | {_fmt_ms(o, key)} | {tf} | {_fmt_ms(peers['flex'], key)} | "
-                       f"{_fmt_ms(peers['varlen'], key)} | {_fmt_ms(peers['sdpa'], key)} | {rb} | {rs} |")
+
+            def ratio(x):
+                return f"{x / t:.2f}x" if (t and x) else "-"
+
+            cells = [_fmt_ms(peers[p], key) for p in names]
+            out.append(f"| {r['name']} | {_fmt_ms(o, key)} | {tf} | " + " | ".join(cells) + " | "
+                       f"{ratio(peers['fa4'].get(key))} | {ratio(best)} | {ratio(peers['sdpa'].get(key))} |")
     mem = [r for r in rows if "memory" in r]
     if mem:
         out.append("\n### peak memory of one training call (GB; own tensors = q,k,v,o,dO,dq,dk,dv,lse)\n")
-        out.append("| wl | own tensors | ours peak | ratio | varlen_attn peak | ratio | padded-to-longest tokens |")
-        out.append("|---|---|---|---|---|---|---|")
+        out.append("| wl | own tensors | ours peak | ratio | FA4-sm90 peak | ratio | varlen_attn peak | ratio | "
+                   "padded-to-longest tokens |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
         for r in mem:
             m = r["memory"]
             own = m["ours"]["own_bytes"]
@@ -372,8 +422,10 @@ def markdown(rows) -> str:
                 return f"{x['peak_bytes'] / 1e9:.2f}", f"{x['peak_bytes'] / own:.2f}x"
 
             a, ar = cell(m["ours"])
+            f4, f4r = cell(m.get("fa4", {}))
             b, br = cell(m.get("varlen", {}))
-            out.append(f"| {r['name']} | {own / 1e9:.2f} | {a} | {ar} | {b} | {br} | {r['pad_factor']:.1f}x |")
+            out.append(f"| {r['name']} | {own / 1e9:.2f} | {a} | {ar} | {f4} | {f4r} | {b} | {br} | "
+                       f"{r['pad_factor']:.1f}x |")
     wlb = [r for r in rows if "worklist_ms" in r]
     if wlb:
         out.append("\nwork-list build (GPU, validate=False, per row): " +
@@ -406,8 +458,9 @@ def run(workloads, peers, rep, out_dir, memory_for=("S2",), config=None):
             row["impl"][p] = measure(p, PEERS[p], inp, rep=rep)
         if name in memory_for:
             row["memory"] = {"ours": peak_memory(mk, inp)}
-            if "varlen" in peers:
-                row["memory"]["varlen"] = peak_memory(varlen, inp)
+            for p in ("fa4", "varlen"):
+                if p in peers:
+                    row["memory"][p] = peak_memory(PEERS[p], inp)
         row["seconds"] = time.time() - t0
         print(f"[{name}] {json.dumps(row['impl'])} ({row['seconds']:.0f} s)", flush=True)
         rows.append(row)
@@ -477,7 +530,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="W1,W2,W3,W4,W5,W6,W7,W8,W9,S1,S2")
     ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--peers", default="flex,varlen,sdpa")
+    ap.add_argument("--peers", default="fa4,flex,varlen,sdpa",
+                    help="comma-separated: fa4 (skipped when flash_attn.cute is not importable), flex, varlen, sdpa")
     ap.add_argument("--rep", type=int, default=200, help="do_bench rep (ms of timed runs per measurement)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--config", default=None, help="JSON dict of AttentionKernelConfig overrides for our kernels")
@@ -489,7 +543,7 @@ def main(argv=None) -> int:
         text, _ = fit_and_report(data["rows"])
         print(text)
         return 0
-    peers = [] if args.no_peers else [p for p in args.peers.split(",") if p]
+    peers = [] if args.no_peers else available_peers([p.strip() for p in args.peers.split(",") if p.strip()])
     os.makedirs(args.out, exist_ok=True)  # run() writes its partial JSON there after each row
     wls = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
     header = _header()

@@ -197,12 +197,12 @@ def test_candidate_config_name_must_be_a_str(bad):
 
 
 def test_kernel_breakdown_table_and_cpu_smoke(capsys):
-    """benchmarks/kernel_breakdown.py: the aggregation is per call and sorted; the CPU smoke run prints a table."""
+    """benchmarks/probes/kernel_breakdown.py: the aggregation is per call and sorted; the CPU smoke run prints a table."""
     from types import SimpleNamespace
 
     import torch
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes"))
     import kernel_breakdown as K
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
@@ -222,9 +222,9 @@ def test_kernel_breakdown_table_and_cpu_smoke(capsys):
 
 
 def test_ab_kernel_file_helpers(tmp_path, capsys):
-    """benchmarks/ab_kernel_file.py: variant specs are validated, medians and ratios vs ``current``
+    """benchmarks/probes/ab_kernel_file.py: variant specs are validated, medians and ratios vs ``current``
     are per (variant, workload, metric), and without a GPU nothing is touched or measured."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes"))
     import ab_kernel_file as A
 
     f = tmp_path / "v.py"

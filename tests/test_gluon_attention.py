@@ -286,12 +286,12 @@ def test_launchers_reject_a_ring_of_fewer_than_two_stages(fn, stages):
 
 
 def test_loop_local_memory_counts_spill_traffic_per_loop():
-    """benchmarks/gluon_compile_report.py's loop scan: local loads / stores counted inside each
+    """benchmarks/probes/gluon_compile_report.py's loop scan: local loads / stores counted inside each
     backward branch's body, not elsewhere (a synthetic cuobjdump listing; no compiler needed)."""
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes"))
     from gluon_compile_report import loop_local_memory
 
     sass = "\n".join([

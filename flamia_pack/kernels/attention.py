@@ -372,6 +372,8 @@ def _config_from_ints(vals) -> AttentionKernelConfig:
 
 
 _N_CONFIG_FIELDS = AttentionKernelConfig.key_length()
+_DEFAULT_CONFIG = AttentionKernelConfig()
+"""The CPU path's config (a module constant: ``torch.compile`` traces a global, not a constructor call)."""
 
 
 def launch_bits(cfg: AttentionKernelConfig, min_seqlen: int | None, doc_tokens: int | None, T: int) -> int:
@@ -697,7 +699,7 @@ def varlen_attention(
             items, num_items = _check_work_list(work_list, causal, cfg, q.device, T)
         cfg_ints = _op_config_ints(cfg, launch_bits(cfg, min_seqlen, doc_tokens, T))
     else:
-        cfg = config if config is not None else AttentionKernelConfig()
+        cfg = config if config is not None else _DEFAULT_CONFIG
         if work_list is not None:  # checked for the same mistakes as on the GPU, then unused by the reference
             if config is None and D in (64, 128):  # the list of the config the GPU path would pick
                 cfg = _config_for_list(kernel_config(D, causal, max_seqlen=max_seqlen,

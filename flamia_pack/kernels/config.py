@@ -230,9 +230,10 @@ class AttentionKernelConfig:
             v = getattr(getattr(self, fam), name)
             if self.wl_block_m % v:
                 raise FlamiaError(f"AttentionKernelConfig.{fam}.{name}={v} must divide wl_block_m={self.wl_block_m}")
-        if self.gluon_fwd is not None and self.gluon_fwd.whole_items != (self.wl_block_m == 256):
+        g = self.gluon_fwd
+        if g is not None and ((g.whole_items and self.wl_block_m != 256) or (not g.whole_items and self.wl_block_m == 256)):
             raise FlamiaError("GluonFwdConfig.whole_items runs on 256-row work-list items and only there: need "
-                              f"whole_items == (wl_block_m == 256), got whole_items={self.gluon_fwd.whole_items!r}, "
+                              f"whole_items == (wl_block_m == 256), got whole_items={g.whole_items!r}, "
                               f"wl_block_m={self.wl_block_m}")
 
     def key(self) -> tuple[int, ...]:
@@ -240,12 +241,12 @@ class AttentionKernelConfig:
         shared fields, then per family a presence flag (Gluon families) and its fields (bools as 0 / 1,
         ``schedule`` as its index in :data:`SCHEDULES`)."""
         out = [self.wl_block_m, int(self.merge_short)]
-        for name, cls in _FAMILIES.items():
+        for name, names in _FIELD_NAMES.items():
             v = getattr(self, name)
             if name.startswith("gluon"):
                 out.append(int(v is not None))
-            v = v if v is not None else cls()
-            out += [SCHEDULES.index(x) if isinstance(x, str) else int(x) for x in (getattr(v, f.name) for f in fields(cls))]
+            v = v if v is not None else _FAMILY_DEFAULTS[name]
+            out += [SCHEDULES.index(x) if isinstance(x, str) else int(x) for x in (getattr(v, n) for n in names)]
         return tuple(out)
 
     @classmethod
@@ -271,6 +272,12 @@ class AttentionKernelConfig:
     def key_length(cls) -> int:
         """Length of :meth:`key`."""
         return 2 + sum(len(fields(f)) for f in _FAMILIES.values()) + 2
+
+
+_FIELD_NAMES = {name: tuple(f.name for f in fields(cls)) for name, cls in _FAMILIES.items()}
+"""Each family's field names in :meth:`AttentionKernelConfig.key` order (built once: ``torch.compile``
+traces :meth:`~AttentionKernelConfig.key` and cannot trace ``dataclasses.fields``)."""
+_FAMILY_DEFAULTS = {name: cls() for name, cls in _FAMILIES.items()}
 
 
 SMALL_BWD = TritonBwdConfig(block_n1=64, block_m1=32, block_m2=64, block_n2=32, num_warps=4)
@@ -366,9 +373,13 @@ def _default_config(head_dim: int, causal: bool, precision: str) -> AttentionKer
         raise FlamiaError(f"causal must be a bool, got {causal!r}")
     if precision not in ("bf16", "fp8"):
         raise FlamiaError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
-    if head_dim == 64:  # the Triton forward at 128 x 128 (the Gluon forward is measured at 128 only)
-        return AttentionKernelConfig(fwd=TritonFwdConfig(block_n=128), gluon_fwd=None)
-    return AttentionKernelConfig()
+    return _DEFAULTS[head_dim]
+
+
+_DEFAULTS = {128: AttentionKernelConfig(),
+             64: AttentionKernelConfig(fwd=TritonFwdConfig(block_n=128), gluon_fwd=None)}
+"""The default config per head_dim (head_dim 64: the Triton forward at 128 x 128; the Gluon forward is
+measured at 128 only)."""
 
 
 def candidate_config(name: str, head_dim: int = 128, causal: bool = True, precision: str = "bf16") -> AttentionKernelConfig:
@@ -383,7 +394,8 @@ def candidate_config(name: str, head_dim: int = 128, causal: bool = True, precis
                           f"known: {', '.join(NAMED_CONFIGS)}")
     if name not in NAMED_CONFIGS:
         raise FlamiaError(f"unknown attention config name {name!r}; known: {', '.join(NAMED_CONFIGS)}")
-    return _apply(_default_config(head_dim, causal, precision), NAMED_CONFIGS[name])
+    _default_config(head_dim, causal, precision)  # validates the arguments
+    return _NAMED[name, head_dim]
 
 
 def env_candidate() -> str:
@@ -398,6 +410,11 @@ def env_candidate() -> str:
         raise FlamiaError(f"{CONFIG_ENV}={name!r} names no attention config; known: {', '.join(NAMED_CONFIGS)} "
                           f"(unset it for the automatic choice)")
     return name
+
+
+_NAMED = {(name, d): _apply(base, over) for name, over in NAMED_CONFIGS.items() for d, base in _DEFAULTS.items()}
+"""Every named config per head_dim, built once (frozen and shared: the host path of a call, and a
+``torch.compile`` trace, only look one up)."""
 
 
 def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",

@@ -1,7 +1,7 @@
 """A/B one source file of the project against other versions of it, in alternating processes (H200).
 
-    PYTHONPATH=. python3 benchmarks/ab_kernel_file.py --file flamia_pack/kernels/gluon_attention.py \
-        --variant old=ab/gluon_attention_old.py --variant shift=ab/gluon_attention_shift.py \
+    PYTHONPATH=. python3 benchmarks/probes/ab_kernel_file.py --file flamia_pack/kernels/gluon_fwd.py \
+        --variant old=ab/gluon_fwd_old.py --variant shift=ab/gluon_fwd_shift.py \
         --workloads W1,W4 --rounds 2 --rep 300
 
 For kernel changes that have no config switch (a Triton / Gluon kernel rewritten in place): each round

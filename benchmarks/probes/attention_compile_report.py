@@ -1,6 +1,6 @@
 """Compile the attention kernels for sm_90 WITHOUT a GPU and print their resource report.
 
-    PYTHONPATH=. python benchmarks/attention_compile_report.py ['{"D": 128, "fwd": [[BM, BN, warps, stages, persistent(, maxnreg)]],
+    PYTHONPATH=. python benchmarks/probes/attention_compile_report.py ['{"D": 128, "fwd": [[BM, BN, warps, stages, persistent(, maxnreg)]],
         "bwd": [[M1, N1, M2, N2, warps, stages, {optional: KIND, MASKED_STAGES, USE_TMA, HEAD_MAJOR}]], "misc": true}']
 
 Uses triton's own ptxas/cuobjdump (shipped in the triton wheel) on the CPU development machine:

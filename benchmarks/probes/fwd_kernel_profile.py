@@ -1,6 +1,6 @@
 """The kernels of one eager forward call, ours vs padded SDPA, under ``torch.profiler`` (GPU).
 
-    PYTHONPATH=. python3 benchmarks/fwd_kernel_profile.py --workload W7 --calls 20
+    PYTHONPATH=. python3 benchmarks/probes/fwd_kernel_profile.py --workload W7 --calls 20
 
 For each implementation: ``--calls`` eager forward calls (no L2 flush between them) after a warm-up,
 then ``torch.profiler``'s table of CUDA kernels by self time, and a last line with the per-call GPU
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_attention
 import bench_attention as B  # noqa: E402
 
 from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths  # noqa: E402

@@ -1,6 +1,6 @@
 """Where a benchmark's forward time goes besides the kernel: L2 flush, host gap, warm or cold L2 (GPU).
 
-    PYTHONPATH=. python3 benchmarks/flush_probe.py --workloads W3,W7 [--config NAME]
+    PYTHONPATH=. python3 benchmarks/probes/flush_probe.py --workloads W3,W7 [--config NAME]
 
 ``bench_attention.py`` times each call with ``triton.testing.do_bench``: before every call a 256 MB
 ``zero_()`` flushes L2, then a CUDA event, the call, an event. That time can hold more than the
@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_attention
 import bench_attention as B  # noqa: E402
 
 from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths  # noqa: E402
@@ -53,7 +53,7 @@ def _loop_ms(fn, flush, sleep_cycles: int, reps: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default="W3,W7")
-    ap.add_argument("--config", default=None, help="a kernels.config CANDIDATES name (default: the automatic one)")
+    ap.add_argument("--config", default=None, help="a kernels.config NAMED_CONFIGS name (default: the automatic one)")
     ap.add_argument("--reps", type=int, default=100)
     a = ap.parse_args()
     if not torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """Where one training call's (or forward's) GPU time goes, kernel by kernel, for benchmark rows.
 
 Run on the GPU machine (one process, ~10 s per row):
-    ROWS=W2,W3 PYTHONPATH=. python3 benchmarks/kernel_breakdown.py [--mode train|fwd] [--calls 5]
+    ROWS=W2,W3 PYTHONPATH=. python3 benchmarks/probes/kernel_breakdown.py [--mode train|fwd] [--calls 5]
 
 For each row of ``../shared/WORKLOADS.md`` (``flamia_pack.scheduler.workloads``) it builds the row's
 inputs and work list as ``bench_attention.py`` does, runs three warm-up calls, then profiles
@@ -10,7 +10,7 @@ kernel's device time per call (us), launches per call and share of the call's su
 Kernels of one launch overlap nothing, but kernels on one stream do not overlap each other either,
 so the shares add up to the call's GPU busy time (host gaps are not shown: compare the total with
 ``bench_attention.py``'s wall time for the call). ``FLAMIA_ATTN_CONFIG=<candidate>`` picks a
-:data:`flamia_pack.kernels.config.CANDIDATES` entry as everywhere else.
+:data:`flamia_pack.kernels.config.NAMED_CONFIGS` entry as everywhere else.
 
 Why (benchmarks/NOTES.md, "Session of 2026-11-29 (late)"): W2's and W3's training calls are 1.06x the
 best packed peer where 1.1x is wanted; before building more, see which launch (Gluon dK/dV, the Triton
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.calls < 1:
         ap.error("--calls must be >= 1")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_attention
     import bench_attention as B
     from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
 

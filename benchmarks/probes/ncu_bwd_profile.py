@@ -3,7 +3,7 @@
     ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
         --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --csv --page details \
-        python3 benchmarks/ncu_bwd_profile.py --workload W1
+        python3 benchmarks/probes/ncu_bwd_profile.py --workload W1
 
 Runs each implementation's training call a few times unprofiled (compilation, autotuning,
 caches), then once between ``cudaProfilerStart`` / ``cudaProfilerStop`` so ncu records only that
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_attention
 import bench_attention as B  # noqa: E402
 
 from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths  # noqa: E402

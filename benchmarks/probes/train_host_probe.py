@@ -1,9 +1,9 @@
 """Training-call timing probe: is a row's forward + backward GPU-bound or host-bound, ours and padded SDPA?
 
 Run on the GPU machine (one process, ~1 min):
-    ROWS=W7,W3,W1 PYTHONPATH=. python3 benchmarks/train_host_probe.py
+    ROWS=W7,W3,W1 PYTHONPATH=. python3 benchmarks/probes/train_host_probe.py
 
-Why: ``fwd_host_probe.py`` found W3's *forward* close to host-bound (0.84 ms of GPU time, 0.4-0.9 ms
+Why: a forward-only probe (since removed) found W3's *forward* close to host-bound (0.84 ms of GPU time, 0.4-0.9 ms
 of host time per call). The training call adds a second custom op (the backward) and the autograd
 engine, and the short-document rows (W3, W7) are where we miss padded SDPA. For each row and each
 implementation (``ours``: ``varlen_attention`` with a work list built once, as ``bench_attention.py``
@@ -33,7 +33,7 @@ def main() -> int:
         return 0
     import triton
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_attention
     import bench_attention as B
     from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
 

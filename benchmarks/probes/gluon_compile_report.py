@@ -1,12 +1,11 @@
 """Compile the Gluon attention kernels for sm_90a WITHOUT a GPU: errors, shared memory, registers, spills,
 and whether ptxas keeps the wgmma products asynchronous.
 
-    PYTHONPATH=. python benchmarks/gluon_compile_report.py '[{"KIND": "dkdv", "BM": 64, "STAGES": 2},
+    PYTHONPATH=. python benchmarks/probes/gluon_compile_report.py '[{"KIND": "dkdv", "BM": 64, "STAGES": 2},
         {"KIND": "dq", "BM": 128, "BN": 64, "STAGES": 3, "GROUP": 4}]'
 
 Keys: KIND (dkdv | dq | fwd), D, BM, BN, STAGES, GROUP (GQA),
-RETIRE (dkdv: bwd_gluon_retire_first, default on as shipped), DQ_REDUCE (dkdv: dQ partials by TMA
-bulk reduce, bwd_gluon_dq_reduce), PERSISTENT, PARTS (fwd: consumer partitions, 2 as shipped), PINGPONG
+DQ_REDUCE (dkdv: dQ partials by TMA bulk reduce, GluonBwdConfig.dq_reduce), PERSISTENT (dkdv / dq), PINGPONG
 (fwd: the partitions take turns, as the long-row config ships; off by default, as small_fwd_pers), CAUSAL (fwd), dump (writes
 /tmp/gluon_dkdv.{ptx,ttgir,sass}). Uses triton's bundled ptxas / cuobjdump like
 attention_compile_report.py; registers are the launch allocation (maxnreg), the consumers run at
@@ -15,7 +14,7 @@ runs per iteration, see ``loop_local_memory``).
 """
 import json, re, sys
 
-from flamia_pack.kernels.gluon_attention import compile_sm90
+from flamia_pack.kernels.gluon_compile import compile_sm90
 
 
 def loop_local_memory(sass: str) -> list[tuple[int, int, int, int]]:
@@ -46,16 +45,15 @@ def loop_local_memory(sass: str) -> list[tuple[int, int, int, int]]:
     return loops
 
 
-def run(D=128, BM=None, BN=None, STAGES=None, GROUP=1, dump=False, KIND="dkdv", CAUSAL=True, RETIRE=True,
-        DQ_REDUCE=False, PERSISTENT=False, PARTS=2, PINGPONG=False):
+def run(D=128, BM=None, BN=None, STAGES=None, GROUP=1, dump=False, KIND="dkdv", CAUSAL=True,
+        DQ_REDUCE=False, PERSISTENT=False, PINGPONG=False):
     name = (f"{KIND} D{D} BM{BM or 'default'} BN{BN or 'default'} S{STAGES or 'default'} G{GROUP}"
-            f"{' persistent' if PERSISTENT else ''}{' parts1' if PARTS == 1 and KIND == 'fwd' else ''}"
+            f"{' persistent' if PERSISTENT else ''}"
             f"{' pingpong' if PINGPONG and KIND == 'fwd' else ''}"
-            f"{' retire' if RETIRE and KIND == 'dkdv' else ''}{' dq_reduce' if DQ_REDUCE else ''}{' noncausal' if KIND == 'fwd' and not CAUSAL else ''}")
+            f"{' dq_reduce' if DQ_REDUCE else ''}{' noncausal' if KIND == 'fwd' and not CAUSAL else ''}")
     try:
         r = compile_sm90(KIND, head_dim=D, block_m=BM, block_n=BN, stages=STAGES, group=GROUP,
-                         causal=CAUSAL, retire_first=RETIRE, dq_reduce=DQ_REDUCE, persistent=PERSISTENT,
-                         parts=PARTS, pingpong=PINGPONG)
+                         causal=CAUSAL, dq_reduce=DQ_REDUCE, persistent=PERSISTENT, pingpong=PINGPONG)
     except Exception as e:
         print(f"{name}: COMPILE ERROR {type(e).__name__}: {str(e)[:3000]}")
         return

@@ -2,7 +2,7 @@
 # Kernel durations, DRAM and L2 throughput (Nsight Compute, SpeedOfLight) of our kernels in one
 # training call, per workload row and kernel config, for A/B runs of two trees on the GPU machine.
 #
-#   SPECS="W7:small_fwd_pers W3:default" KERNELS="_fwd_kernel" COUNT=2 bash benchmarks/ncu_kernel_times.sh TREE
+#   SPECS="W7:small_fwd_pers W3:default" KERNELS="_fwd_kernel" COUNT=2 bash benchmarks/probes/ncu_kernel_times.sh TREE
 #
 # TREE: a checkout (e.g. `git archive <commit> | tar -x -C ab/base`; `.` for this one). SPECS: WORKLOAD:CONFIG
 # pairs, CONFIG a kernels.config CANDIDATES name or `default` (the max_seqlen rule). KERNELS: ncu's
@@ -14,12 +14,13 @@ NCU=${NCU:-/usr/local/cuda/bin/ncu}
 SPECS=${SPECS:-"W7:default W3:default W1:default W8:default"}
 KERNELS=${KERNELS:-_fwd_kernel}
 COUNT=${COUNT:-2}
+HERE=$(cd "$(dirname "$0")" && pwd)   # this checkout's probes; the profiled package is TREE's
 cd "${1:?usage: ncu_kernel_times.sh TREE}" || exit 2
 for spec in $SPECS; do
   wl=${spec%%:*}; cfg=${spec#*:}; [ "$cfg" = default ] && cfg=""
   FLAMIA_ATTN_CONFIG=$cfg PYTHONPATH=. timeout 120 "$NCU" --profile-from-start off --clock-control none \
     --kernel-name regex:"$KERNELS" --launch-count "$COUNT" --section SpeedOfLight --csv --page details \
-    python3 benchmarks/ncu_bwd_profile.py --workload "$wl" --impls ours 2>/dev/null | SPEC="$spec" python3 -c "
+    python3 "$HERE/ncu_bwd_profile.py" --workload "$wl" --impls ours 2>/dev/null | SPEC="$spec" python3 -c "
 import csv, os, sys
 rows = [r for r in csv.reader(sys.stdin) if len(r) >= 15]
 out = []
