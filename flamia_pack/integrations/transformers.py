@@ -218,7 +218,7 @@ class _Memo:
         return value
 
 
-_mask_memo, _pos_memo, _cu_memo = _Memo(), _Memo(), _Memo()
+_mask_memo, _pos_memo, _same_cu_memo, _max_memo = _Memo(), _Memo(), _Memo(), _Memo()
 
 
 def _as_int(x: Any, name: str) -> int:
@@ -276,13 +276,13 @@ def _cu_from_kwargs(kwargs: Mapping[str, Any]) -> Optional[tuple[torch.Tensor, i
         if not isinstance(cu, torch.Tensor):
             raise MetadataError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu_k is not cu_q:
-        same = _cu_memo.get((cu_q, cu_k), lambda: cu_q.shape == cu_k.shape and bool(torch.equal(cu_q, cu_k.to(cu_q))))
+        same = _same_cu_memo.get((cu_q, cu_k), lambda: cu_q.shape == cu_k.shape and bool(torch.equal(cu_q, cu_k.to(cu_q))))
         if not same:
             raise MetadataError("cu_seq_lens_q and cu_seq_lens_k differ: flamia runs self-attention over one "
                                 "set of documents (cross-attention is not supported)")
     mq, mk = _kwarg_max(kwargs, "q"), _kwarg_max(kwargs, "k")
     if mq is None and mk is None:
-        m = _cu_memo.get((cu_q,), lambda: int((cu_q[1:] - cu_q[:-1]).max().item()) if cu_q.numel() > 1 else 0)
+        m = _max_memo.get((cu_q,), lambda: int((cu_q[1:] - cu_q[:-1]).max().item()) if cu_q.numel() > 1 else 0)
     else:
         m = max(_as_int(x, "max_length") for x in (mq, mk) if x is not None)
     return cu_q, m
