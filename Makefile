@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   create .venv, install, pack the bundled real sample and print the summary
-#   make test   install, run the test suite (GPU tests skip cleanly without CUDA)
+#   make test   install, run the test suite (GPU tests skip cleanly without CUDA; the hf extra
+#               installs transformers and trl for tests/test_integrations_*.py)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -19,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 ifeq ($(HAS_GPU),)
 	$(PIP) install -q "$(TORCH_CPU_SPEC)"
 endif
-	$(PIP) install -q -e ".[data,service,dev]"
+	$(PIP) install -q -e ".[data,service,dev,hf]"
 	touch $@
 
 install: $(VENV)/.installed
