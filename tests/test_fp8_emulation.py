@@ -57,7 +57,7 @@ def reference(q, k, v, do, cu=CU):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("H,Hkv,D,gran", [(4, 4, 64, "block"), (4, 2, 128, "block"), (4, 2, 128, "token")])
+@pytest.mark.parametrize("H,Hkv,D,gran", [(2, 2, 64, "block"), (4, 2, 128, "block"), (4, 2, 128, "token")])
 def test_forward_backward_vs_fp64_random(H, Hkv, D, gran):
     q, k, v, do = inputs(H, Hkv, D)
     ro, rl, rdq, rdk, rdv = reference(q, k, v, do)
@@ -69,7 +69,8 @@ def test_forward_backward_vs_fp64_random(H, Hkv, D, gran):
     c = dict(o=cos(o[:N], ro[:N]), dq=cos(dq, rdq), dk=cos(dk, rdk), dv=cos(dv, rdv))
     lse_err = float((lse[:, :N].double() - rl[:, :N]).abs().max())
     print(f"\nrandom H={H} Hkv={Hkv} D={D} {gran}: cos {c} max|dLSE| {lse_err:.3g} fwd {fst} bwd {bst}")
-    # measured (torch 2.13 CPU): O 0.99909-0.99911, dQ/dK 0.99800-0.99801, dV 0.99893-0.99898
+    # measured (torch 2.13 CPU): O 0.99900 (D 64) / 0.99911 (D 128), dQ 0.99791 / 0.99800,
+    # dK 0.99799 / 0.99801, dV 0.99896 / 0.99893
     assert c["o"] >= 0.9989
     assert c["dq"] >= 0.9978 and c["dk"] >= 0.9978 and c["dv"] >= 0.9985
     assert lse_err < 0.15  # worst rows are the 1-token documents (LSE = s_ii, |s_ii| ~ 8-11)
@@ -86,7 +87,7 @@ def test_outlier_channels_and_replication_controls():
     controls: Delta from the unquantized dO (the paper's "different incoming-gradient
     representations") multiplies the signed row residual; S recomputed from bf16 q, k instead of
     the forward's codes breaks P against the saved LSE and the gradients blow up."""
-    q, k, v, do = inputs(4, 2, 64, seed=1, outliers=True)
+    q, k, v, do = inputs(2, 1, 64, seed=1, outliers=True)
     ro, rl, rdq, rdk, rdv = reference(q, k, v, do)
     fst = {}
     o, lse = fp8_attention_forward(q, k, v, CU, stats=fst, _kernel_head_dims=False)
@@ -99,9 +100,9 @@ def test_outlier_channels_and_replication_controls():
         print(f"\noutliers mismatch={mm}: {res[mm]}")
     print(f"outliers forward: O cos {cos(o[:N], ro[:N]):.5f} {fst}")
     ok = res[None]
-    # measured: O 0.9951, dQ 0.9847, dK 0.9867, dV 0.9949 (below issue 27/28's targets: E4M3's
-    # 3-bit mantissa on scores dominated by x20 channels), dS zero fraction ~0.46
-    assert cos(o[:N], ro[:N]) >= 0.994 and ok["dq"] >= 0.98 and ok["dk"] >= 0.98 and ok["dv"] >= 0.99
+    # measured: O 0.9943, dQ 0.9838, dK 0.9873, dV 0.9941 (below issue 27/28's targets: E4M3's
+    # 3-bit mantissa on scores dominated by x20 channels), dS zero fraction 0.41
+    assert cos(o[:N], ro[:N]) >= 0.993 and ok["dq"] >= 0.98 and ok["dk"] >= 0.98 and ok["dv"] >= 0.99
     assert res["bf16_delta"]["ds_row_residual_rms"] >= 1.8 * ok["ds_row_residual_rms"]
     assert res["bf16_scores"]["dq"] < ok["dq"] - 0.05 and res["bf16_scores"]["norm"] > 1.1
 
@@ -119,8 +120,8 @@ def test_delta_mismatch_shows_in_the_row_residual_not_the_cosine():
 
 def test_pv_accumulator_models():
     """The modelled 14-bit MMA accumulator (issue 27 item 3) vs fp32 promotion, one long document."""
-    cu = torch.tensor([0, 1000], dtype=torch.int32)
-    q, k, v, _ = inputs(2, 1, 64, seed=3, T=1000)
+    cu = torch.tensor([0, 768], dtype=torch.int32)
+    q, k, v, _ = inputs(2, 1, 64, seed=3, T=768)
     ro = packed_attention_reference(q, k, v, cu, compute_dtype=torch.float64)
     outs = {a: fp8_attention_forward(q, k, v, cu, pv_accumulator=a)[0] for a in ("fp32", "promote14", "mma14")}
     c = {a: cos(o, ro) for a, o in outs.items()}
@@ -128,7 +129,7 @@ def test_pv_accumulator_models():
            for a, o in outs.items()}
     print(f"\npv_accumulator cos vs fp64 {c}; max rel diff to fp32 {rel}")
     assert rel["promote14"] > 0 and rel["mma14"] > 0  # the model does change bits
-    # measured: cos 0.998835 / 0.998836 / 0.998836 (a 1,000-token document: flatter rows than the
+    # measured: cos 0.9988423 / 0.9988423 / 0.9988422 (a 768-token document: flatter rows than the
     # packed test's), max change 1 bf16 ulp of max|O|: at this model the accumulator choice is free
     assert min(c.values()) >= 0.998 and max(rel.values()) < 0.01
     assert abs(c["mma14"] - c["fp32"]) < 1e-5
