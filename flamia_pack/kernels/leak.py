@@ -29,7 +29,8 @@ same scheme on the way back (DESIGN.md §4: "dO encoded once with the same token
 The quantize->dequantize steps are straight-through in the backward (identity Jacobian), so the
 backward is the reference backward evaluated at the dequantized inputs. P and dS quantization
 and accumulator scales are kernel internals that these paths do not model; probe the kernels
-themselves for those (pass them as ``attn_fn``).
+themselves for those (pass them as ``attn_fn``). The ``fp8-emu-*`` paths do model them: they run the
+CPU emulation of the FP8 kernels (``kernels/fp8_emulation.py``: codes, P~ fold, dS payloads).
 """
 from __future__ import annotations
 
@@ -264,6 +265,18 @@ def _make_qdq_path(qdq) -> AttnFn:
     return path
 
 
+def _make_fp8_emulated_path(granularity: str) -> AttnFn:
+    # the emulated FP8 kernel path (kernels/fp8_emulation.py): codes, P / dS folds and
+    # accumulation included, not only the input quantization; any head_dim (the probe's default 64
+    # and the tests' 32), as the numerics do not depend on it
+    def path(q, k, v, cu_seqlens, max_seqlen):
+        from flamia_pack.kernels.fp8_emulation import fp8_varlen_attention_emulated
+
+        return fp8_varlen_attention_emulated(q, k, v, cu_seqlens, max_seqlen, scale_granularity=granularity,
+                                             _kernel_head_dims=False)
+    return path
+
+
 #: Built-in attention paths, name -> callable ``f(q, k, v, cu_seqlens, max_seqlen) -> o``.
 PATHS: dict[str, AttnFn] = {
     "reference": _reference_path,
@@ -271,11 +284,15 @@ PATHS: dict[str, AttnFn] = {
     "block": _make_qdq_path(_qdq_token("block")),
     "tensor": _make_qdq_path(_qdq_tensor),
     "mx": _make_qdq_path(_qdq_mx),
+    "fp8-emu-token": _make_fp8_emulated_path("token"),
+    "fp8-emu-block": _make_fp8_emulated_path("block"),
 }
 
-#: What each built-in path is expected to show (asserted in tests/test_leak.py).
+#: What each built-in path is expected to show (asserted in tests/test_leak.py and
+#: tests/test_fp8_emulation.py).
 EXPECTED = {"reference": "exact", "token": "exact", "block": "within-group",
-            "tensor": "cross-document", "mx": "exact"}
+            "tensor": "cross-document", "mx": "exact", "fp8-emu-token": "exact",
+            "fp8-emu-block": "within-group"}
 
 PATH_HELP = {
     "reference": "exact reference: bf16 inputs, float32 compute",
@@ -283,6 +300,8 @@ PATH_HELP = {
     "block": "q/k/v/dO 32-token block E4M3 scales (default)",
     "tensor": "q/k/v/dO one E4M3 scale per tensor",
     "mx": "q/k/v/dO hardware MX-style: 32 features of one token",
+    "fp8-emu-token": "emulated FP8 kernel (fp8_emulation.py), per-token scales, strict dS",
+    "fp8-emu-block": "emulated FP8 kernel (fp8_emulation.py), 32-token block scales",
 }
 
 
