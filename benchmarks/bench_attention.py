@@ -534,7 +534,8 @@ def main(argv=None) -> int:
                     help="comma-separated: fa4 (skipped when flash_attn.cute is not importable), flex, varlen, sdpa")
     ap.add_argument("--rep", type=int, default=200, help="do_bench rep (ms of timed runs per measurement)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--config", default=None, help="JSON dict of AttentionKernelConfig overrides for our kernels")
+    ap.add_argument("--config", default=None, help="a kernels.config NAMED_CONFIGS name for our kernels on every row "
+                    "(default: the band table's choice per row)")
     ap.add_argument("--fit", default=None, help="fit calibration from a saved bench_attention.json (no GPU)")
     args = ap.parse_args(argv)
     if args.fit:
@@ -550,12 +551,10 @@ def main(argv=None) -> int:
     print(header, flush=True)
     config = None
     if args.config:
-        import dataclasses
+        from flamia_pack.kernels.config import candidate_config
 
-        from flamia_pack.kernels.config import kernel_config
-
-        config = dataclasses.replace(kernel_config(HEAD_DIM, True), **json.loads(args.config))
-        header += f", config {config}"
+        config = candidate_config(args.config, HEAD_DIM, True)
+        header += f", config {args.config}"
     rows = run(wls, peers, args.rep, args.out, config=config)
     table = markdown(rows)
     print(table)
