@@ -140,7 +140,8 @@ def test_eager_function_path_equals_the_custom_op(lengths):
     q, k, v, do = (torch.randn((T, 8, 128), device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(4))
     dlse = torch.randn((8, T), device="cuda", generator=g)
     base = kernel_config(128, True, max_seqlen=max(lengths))
-    cfg = dataclasses.replace(base, gluon_bwd=dataclasses.replace(base.gluon_bwd, dq_reduce=False))
+    cfg = base if base.gluon_bwd is None else dataclasses.replace(
+        base, gluon_bwd=dataclasses.replace(base.gluon_bwd, dq_reduce=False))
     wl = build_attention_work_list(cu, T, causal=True, head_dim=128, config=cfg)
     ints = A._op_config_ints(cfg, A.LEFTOVER_FWD | A.LEFTOVER_BWD | A.PAD_TAIL)
     outs = []
