@@ -53,8 +53,10 @@ def _pack_summary_table(summary: dict):
     table.add_column(style="bold")
     table.add_column()
     table.add_row("source", summary["source_description"])
+    bad = summary["source"].get("invalid_utf8", {}).get("documents", 0)
     table.add_row("documents", f"{d['in']:,} in, {d['packed']:,} packed, {d['split']:,} split, "
-                               f"{d['empty']:,} empty, {d['dropped']:,} dropped, {d['truncated']:,} truncated")
+                               f"{d['empty']:,} empty, {d['dropped']:,} dropped, {d['truncated']:,} truncated"
+                               + (f", {bad:,} with invalid UTF-8 (replaced by U+FFFD)" if bad else ""))
     reasons = ", ".join(f"{k}: {v:,}" for k, v in t["dropped_reasons"].items()) or "none"
     table.add_row("tokens", f"{t['in']:,} in, {t['packed']:,} packed, {t['dropped']:,} dropped ({reasons})")
     table.add_row("rows", f"{summary['rows']:,} x {summary['capacity']:,} tokens "
@@ -91,6 +93,9 @@ def pack_cmd(
     shard_rows: int = typer.Option(None, "--shard-rows", metavar="N", help="Packed rows per parquet shard "
                                    "(default: ~128 MiB uncompressed per shard)."),
     pad_id: int = typer.Option(0, "--pad-id", metavar="N", help="Token id (>= 0, inside the tokenizer's vocabulary) written past the last document of a row."),
+    on_invalid_utf8: str = typer.Option("replace", "--on-invalid-utf8", metavar="replace|error",
+                                        help="Invalid UTF-8 in text for a tokenizer.json: replace (U+FFFD, "
+                                        "counted in the summary) or error (stop, naming file, row and byte)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout (no table)."),
 ) -> None:
     """Pack documents into fixed-capacity rows and write parquet shards + manifest.json.
@@ -139,7 +144,7 @@ def pack_cmd(
             previous = None
         path = source if source is not None else str(resources.files("flamia_pack") / "data" / "python-stdlib.parquet")
         t0 = time.perf_counter()
-        src = open_source(path, text_column=text_column, tokenizer=tokenizer)
+        src = open_source(path, text_column=text_column, tokenizer=tokenizer, on_invalid_utf8=on_invalid_utf8)
         vocab = src.tokenizer_info().get("vocab_size")
         if vocab is not None and pad_id >= vocab:
             fail(f"--pad-id {pad_id} is outside the tokenizer's vocabulary (ids 0..{vocab - 1}): an embedding "
@@ -204,6 +209,11 @@ def pack_cmd(
         else:  # pragma: no cover - split/truncate always pack something of a non-empty document
             why = f"all {t['in']:,} tokens were dropped"
         err.print(Text(f"warning: no tokens were packed: {why}", style="bold yellow"), soft_wrap=True)
+    bad_utf8 = manifest.source.get("invalid_utf8", {}).get("documents", 0)
+    if bad_utf8:
+        err.print(Text(f"warning: {bad_utf8:,} document(s) held invalid UTF-8, decoded with U+FFFD replacement "
+                       "characters (--on-invalid-utf8 error stops at the first instead)", style="bold yellow"),
+                  soft_wrap=True)
     if previous is not None:
         reused = len({x.sha256 for x in previous.shards} & {x.sha256 for x in manifest.shards})
         summary["previous_output"] = {"rows": previous.rows, "capacity": previous.capacity,
