@@ -287,9 +287,10 @@ def _plan_read_packed_dir(path: str, max_rows: int | None):
             raise FormatError(f"shard {shard.file} listed in {pathlib.Path(path) / 'manifest.json'} is missing; "
                               "re-run `flamia pack` to rebuild the directory")
         try:
+            formats.check_shard_schema(p, pq.read_schema(p), columns=["cu_seqlens"], manifest=man)
             col = pq.read_table(p, columns=["cu_seqlens"]).column("cu_seqlens").combine_chunks()
-        except (pa.ArrowException, OSError, KeyError) as e:
-            raise FormatError(f"cannot read cu_seqlens from {p}: {e}") from None
+        except (pa.ArrowException, OSError) as e:
+            raise FormatError(f"cannot read cu_seqlens from {p}: {' '.join(str(e).split())}") from None
         offs = col.offsets.to_numpy()
         vals = col.values.to_numpy(zero_copy_only=False).astype(np.int64)
         for r in range(len(col)):
