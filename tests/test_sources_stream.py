@@ -64,6 +64,16 @@ def test_long_json_line_packs(tmp_path, n_chars):
     assert json.loads(res.stdout)["tokens"]["packed"] == n_chars + 3
 
 
+def test_lines_straddling_parser_blocks(tmp_path):
+    """One chunk parsed in several blocks: lines of 0.3-0.7 MB between short ones cross block boundaries."""
+    rng = np.random.default_rng(2)
+    lengths = [int(rng.choice([5, 300_000, 700_000])) for _ in range(30)]
+    f = tmp_path / "mixed.jsonl"
+    f.write_text("".join(json.dumps({"text": "z" * n}) + "\n" for n in lengths))
+    tokens, off = open_source(f).read_flat()
+    assert np.diff(off).tolist() == lengths and (tokens == ord("z")).all()
+
+
 def test_many_small_chunks_match_whole_file(tmp_path, monkeypatch):
     """Chunks of 64 bytes cut at line ends (lines longer than a chunk, blank lines, CRLF, no final
     newline): the same documents as a one-chunk read, and errors name the right line."""

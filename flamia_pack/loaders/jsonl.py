@@ -2,8 +2,9 @@
 
 A file is read in chunks of about :data:`CHUNK_BYTES` bytes cut at line ends: a chunk holds whole
 lines only (a line longer than a chunk makes that chunk as long as the line), and each chunk is
-parsed by ``pyarrow.json`` with a block size of the whole chunk, so no line straddles a block and
-there is no line-length limit below the parser's 2 GiB block size. Memory is a few chunks,
+parsed by ``pyarrow.json`` with blocks of at least twice its longest line (a line then straddles
+at most one block boundary, which the parser allows), so there is no line-length limit below the
+parser's 2 GiB block size. Memory is a few chunks,
 whatever the file size. Files ending in ``.gz`` are decompressed on the fly (``gzip``).
 
 Columns and types come from the first chunk of each file (``pyarrow.json`` type inference over
@@ -24,6 +25,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Optional
 
+import numpy as np
 import pyarrow as pa
 
 from flamia_pack.errors import SourceError
@@ -86,6 +88,14 @@ def _line_of_row(chunk: bytes, first_line: int, row: int) -> int:
     return first_line
 
 
+def _block_size(chunk: bytes) -> int:
+    """A parser block size for ``chunk``: 1 MiB blocks (parsed in parallel) unless a line is longer;
+    a line may straddle one block boundary, never two, so a block must hold the longest line."""
+    ends = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10)
+    longest = int(max(np.diff(ends).max(initial=0), ends[0] + 1 if ends.size else 0, len(chunk) - 1 - (ends[-1] if ends.size else -1)))
+    return min(max(1 << 20, 2 * longest + 2), max(len(chunk), 1))
+
+
 def _parse(chunk: bytes, first_line: int, path: pathlib.Path, schema: Optional[pa.Schema],
            expected: str = "") -> pa.Table:
     import pyarrow.json as pj
@@ -93,7 +103,7 @@ def _parse(chunk: bytes, first_line: int, path: pathlib.Path, schema: Optional[p
     if len(chunk) > _MAX_BLOCK:
         raise SourceError(f"cannot parse JSON lines file {path}: line {first_line} is {len(chunk):,} bytes long; "
                           f"a line may hold at most {_MAX_BLOCK:,} bytes")
-    ropts = pj.ReadOptions(block_size=max(len(chunk), 1))
+    ropts = pj.ReadOptions(block_size=_block_size(chunk))
     popts = (pj.ParseOptions() if schema is None
              else pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"))
     try:
