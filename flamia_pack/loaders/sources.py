@@ -76,12 +76,11 @@ import numpy as np
 import pyarrow as pa
 
 from flamia_pack.errors import SourceError
-from flamia_pack.loaders.jsonl import JSONL_SUFFIXES, is_jsonl_path, json_arrays, json_schema, read_type
+from flamia_pack.loaders.jsonl import JSONL_SUFFIXES, is_jsonl_path, json_arrays, json_schema, read_type  # noqa: F401
 from flamia_pack.loaders.tokenizers import (
     ON_INVALID_UTF8,
     ByteTokenizer,
     HFTokenizer,
-    _binary_flat,
     _drop_nulls,
     _one_line,
     _split_flat,
