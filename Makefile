@@ -11,16 +11,20 @@ PIP    := $(PY) -m pip
 # resolves `torch>=2.6` normally and gets the CUDA build. Override TORCH_CPU_SPEC if needed.
 TORCH_CPU_SPEC ?= torch==2.13.0
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# pip's quietness for the installs: -qq prints errors only (a failed install still stops make with
+# pip's ERROR lines), not the warnings a user cannot act on (setuptools' "Editable installation"
+# notice, a pip config's unreachable extra index). `make install PIP_QUIET=-q` shows warnings too.
+PIP_QUIET ?= -qq
 
 .PHONY: demo test install clean bench-pack
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install $(PIP_QUIET) --upgrade pip
 ifeq ($(HAS_GPU),)
-	$(PIP) install -q "$(TORCH_CPU_SPEC)"
+	$(PIP) install $(PIP_QUIET) "$(TORCH_CPU_SPEC)"
 endif
-	$(PIP) install -q -e ".[data,service,dev,hf]"
+	$(PIP) install $(PIP_QUIET) -e ".[data,service,dev,hf]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -32,7 +36,7 @@ test: install
 	$(PY) -m pytest -q tests
 
 bench-pack: install
-	$(PIP) install -q -e ".[bench]"
+	$(PIP) install $(PIP_QUIET) -e ".[bench]"
 	$(PY) benchmarks/bench_pack.py
 
 clean:

@@ -1,4 +1,4 @@
-"""Train a tiny byte-level GPT from packed rows with varlen attention (issue 6, DESIGN.md §2).
+"""Train a tiny byte-level GPT from packed rows with varlen attention.
 
 The whole path of flamia_pack in one script:
 
@@ -6,7 +6,7 @@ The whole path of flamia_pack in one script:
       -> StreamingPackedDataset (online best fit; or PackedDataset over a `flamia pack` output)
       -> DataLoader workers -> PackedCollator (flattened batch, labels inside documents)
       -> to_device (pinned, non-blocking copy + GPU work list, no host sync)
-      -> varlen_attention (our Triton kernels on CUDA; the exact torch reference on CPU)
+      -> varlen_attention (flamia_pack's Triton kernels on CUDA; the exact torch reference on CPU)
 
 The model is a pre-norm GPT with rotary position embeddings driven by the batch's
 ``position_ids`` (positions restart in every document), so documents never see each other:

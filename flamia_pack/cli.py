@@ -2,8 +2,8 @@
 
 Sub-commands (each owned by the module named beside it; this file only wires them):
 
-- ``flamia pack``       pack a dataset into row buffers           (pack.py, formats.py, loaders/sources.py)
-- ``flamia plan``       work list, policy and predicted time       (scheduler/)
+- ``flamia pack``       pack a dataset into row buffers           (pack.py, formats.py, loaders/)
+- ``flamia plan``       work list, policy and predicted time       (scheduler/, _cli_plan.py)
 - ``flamia probe-leak`` causal leak probe of an attention path     (kernels/leak.py)
 - ``flamia bench``      attention benchmark on the local GPU       (benchmarks/, kernels/)
 - ``flamia serve``      the FastAPI cost-prediction service        (service/)
@@ -14,6 +14,15 @@ Errors in user input are reported as one red line on stderr and a non-zero exit 
 from __future__ import annotations
 
 import typer
+import typer.core
+
+from flamia_pack._cli_plan import (  # helpers of `flamia plan`; no heavy imports
+    _plan_fmt_bytes,
+    _plan_policy_note,
+    _plan_read_lengths_file,
+    _plan_read_packed_dir,
+    _plan_rows_reason,
+)
 
 
 def _stdout():
@@ -25,8 +34,58 @@ def _stdout():
     return c if c.is_terminal else Console(width=160)
 
 
+class _Command(typer.core.TyperCommand):
+    """A command whose ``--help`` flag shows no value label (typer labels it ``<bool>``)."""
+
+    def get_help_option(self, ctx):
+        opt = super().get_help_option(ctx)
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+
+class _Group(typer.core.TyperGroup):
+    """The root group: the same ``--help`` as :class:`_Command`, and command-line errors (a bad
+    number, an unknown or missing option) as one red line on stderr, exit code 2 (typer would
+    print a usage panel)."""
+
+    def get_help_option(self, ctx):
+        opt = super().get_help_option(ctx)
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        import sys
+
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except Exception as e:  # click's ClickException / Abort (typer may vendor click: matched by shape)
+            if type(e).__name__ == "Abort":
+                _error_line("aborted")
+                sys.exit(1)
+            if not (hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int)):
+                raise
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            _error_line(f"{e.format_message()}{hint}")
+            sys.exit(e.exit_code)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _error_line(msg: str) -> None:
+    """One red ``error: ...`` line on stderr."""
+    from rich.console import Console
+    from rich.text import Text
+
+    Console(stderr=True).print(Text(f"error: {' '.join(str(msg).split())}", style="bold red"), soft_wrap=True)
+
+
 app = typer.Typer(
     name="flamia",
+    cls=_Group,
     help="flamia_pack: packed variable-length documents for long-context training.",
     no_args_is_help=True,
     add_completion=False,
@@ -34,7 +93,7 @@ app = typer.Typer(
     rich_markup_mode="markdown",  # docstring paragraphs re-flow to the terminal width
 )
 
-# ---- pack (issue: packing) -------------------------------------------------------------------
+# ---- pack ----------------------------------------------------------------------------------
 # `flamia pack`: sources (loaders/sources.py) -> pack.py -> formats.py. Heavy imports stay inside.
 
 
@@ -53,8 +112,10 @@ def _pack_summary_table(summary: dict):
     table.add_column(style="bold")
     table.add_column()
     table.add_row("source", summary["source_description"])
+    bad = summary["source"].get("invalid_utf8", {}).get("documents", 0)
     table.add_row("documents", f"{d['in']:,} in, {d['packed']:,} packed, {d['split']:,} split, "
-                               f"{d['empty']:,} empty, {d['dropped']:,} dropped, {d['truncated']:,} truncated")
+                               f"{d['empty']:,} empty, {d['dropped']:,} dropped, {d['truncated']:,} truncated"
+                               + (f", {bad:,} with invalid UTF-8 (replaced by U+FFFD)" if bad else ""))
     reasons = ", ".join(f"{k}: {v:,}" for k, v in t["dropped_reasons"].items()) or "none"
     table.add_row("tokens", f"{t['in']:,} in, {t['packed']:,} packed, {t['dropped']:,} dropped ({reasons})")
     table.add_row("rows", f"{summary['rows']:,} x {summary['capacity']:,} tokens "
@@ -73,9 +134,9 @@ def _pack_summary_table(summary: dict):
     return table
 
 
-@app.command("pack")
+@app.command("pack", cls=_Command)
 def pack_cmd(
-    source: str = typer.Argument(None, metavar="SOURCE", show_default=False, help="Dataset to pack: a saved HF dataset dir, parquet/jsonl/arrow "
+    source: str = typer.Argument(None, metavar="SOURCE", show_default=False, help="Dataset to pack: a saved HF dataset dir, parquet/jsonl[.gz]/arrow "
                                  "file or dir, or a folder of text files. Default: the bundled sample."),
     out: str = typer.Option(..., "--out", metavar="DIR", help="Output directory (parquet shards + manifest.json)."),
     capacity: int = typer.Option(..., "--capacity", metavar="N", help="Tokens per packed row (>= 1), e.g. 65536."),
@@ -91,7 +152,10 @@ def pack_cmd(
     shard_rows: int = typer.Option(None, "--shard-rows", metavar="N", help="Packed rows per parquet shard "
                                    "(default: ~128 MiB uncompressed per shard)."),
     pad_id: int = typer.Option(0, "--pad-id", metavar="N", help="Token id (>= 0, inside the tokenizer's vocabulary) written past the last document of a row."),
-    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout (no table)."),
+    on_invalid_utf8: str = typer.Option("replace", "--on-invalid-utf8", metavar="replace|error",
+                                        help="Invalid UTF-8 in text for a tokenizer.json: replace (U+FFFD, "
+                                        "counted in the summary) or error (stop, naming file, row and byte)."),
+    json_out: bool = typer.Option(False, "--json", metavar="", help="Print the summary as JSON on stdout (no table)."),
 ) -> None:
     """Pack documents into fixed-capacity rows and write parquet shards + manifest.json.
 
@@ -139,7 +203,7 @@ def pack_cmd(
             previous = None
         path = source if source is not None else str(resources.files("flamia_pack") / "data" / "python-stdlib.parquet")
         t0 = time.perf_counter()
-        src = open_source(path, text_column=text_column, tokenizer=tokenizer)
+        src = open_source(path, text_column=text_column, tokenizer=tokenizer, on_invalid_utf8=on_invalid_utf8)
         vocab = src.tokenizer_info().get("vocab_size")
         if vocab is not None and pad_id >= vocab:
             fail(f"--pad-id {pad_id} is outside the tokenizer's vocabulary (ids 0..{vocab - 1}): an embedding "
@@ -148,7 +212,7 @@ def pack_cmd(
             "bundled sample " + src.description.replace(path, "python-stdlib.parquet"))
         with Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=err, disable=json_out or not err.is_terminal) as bar:
-            # Bounded memory (issue 2): the tokens are read into one flat int32 buffer + offsets
+            # Bounded memory: the tokens are read into one flat int32 buffer + offsets
             # (no per-document arrays), planned once on the lengths, and rows are materialised
             # one shard at a time into reused buffers by formats.write_plan -- never all rows.
             t_read = bar.add_task("reading + tokenizing", total=src.num_docs)
@@ -204,6 +268,11 @@ def pack_cmd(
         else:  # pragma: no cover - split/truncate always pack something of a non-empty document
             why = f"all {t['in']:,} tokens were dropped"
         err.print(Text(f"warning: no tokens were packed: {why}", style="bold yellow"), soft_wrap=True)
+    bad_utf8 = manifest.source.get("invalid_utf8", {}).get("documents", 0)
+    if bad_utf8:
+        err.print(Text(f"warning: {bad_utf8:,} document(s) held invalid UTF-8, decoded with U+FFFD replacement "
+                       "characters (--on-invalid-utf8 error stops at the first instead)", style="bold yellow"),
+                  soft_wrap=True)
     if previous is not None:
         reused = len({x.sha256 for x in previous.shards} & {x.sha256 for x in manifest.shards})
         summary["previous_output"] = {"rows": previous.rows, "capacity": previous.capacity,
@@ -220,152 +289,47 @@ def pack_cmd(
         _stdout().print(_pack_summary_table(summary))
 
 
-# ---- plan (issue: work list / scheduler) -----------------------------------------------------
+# ---- plan ---------------------------------------------------------------------------------
 # `flamia plan`: document lengths -> scheduler.predict (work list, policy, simulated time, memory).
 
 
-def _plan_read_lengths_file(path: str):
-    """Document lengths from a text file: one positive integer per line ('#' comments, blanks ok).
-
-    Raises:
-        SourceError: not UTF-8 text (e.g. a parquet file), a line that is not an integer, a length < 1,
-            or no lengths at all.
-        OSError: the file cannot be opened.
-    """
-    import numpy as np
-
-    from flamia_pack.errors import SourceError
-
-    out = []
-    with open(path, encoding="utf-8") as f:
-        try:
-            for no, line in enumerate(f, 1):
-                s = line.split("#", 1)[0].strip()
-                if not s:
-                    continue
-                try:
-                    v = int(s)
-                except ValueError:
-                    raise SourceError(f"{path}:{no}: expected one document length (integer) per line, got {s[:40]!r}") from None
-                if v < 1:
-                    raise SourceError(f"{path}:{no}: document lengths must be >= 1, got {v}")
-                out.append(v)
-        except UnicodeDecodeError:
-            raise SourceError(f"{path}: not a UTF-8 text file; SOURCE must be a text file with one document "
-                              "length per line or a packed dataset directory (manifest.json + parquet shards)") from None
-    if not out:
-        raise SourceError(f"{path}: no document lengths found (one integer per line)")
-    return [np.asarray(out, dtype=np.int64)], None
-
-
-def _plan_read_packed_dir(path: str, max_rows: int | None):
-    """Per-row document lengths from a packed dataset directory (manifest.json + parquet shards)."""
-    import pathlib
-
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from flamia_pack import formats
-    from flamia_pack.errors import FormatError
-
-    man = formats.read_manifest(path)
-    rows = []
-    for shard in man.shards:
-        p = pathlib.Path(path) / shard.file
-        if not p.is_file():
-            raise FormatError(f"shard {shard.file} listed in {pathlib.Path(path) / 'manifest.json'} is missing; "
-                              "re-run `flamia pack` to rebuild the directory")
-        try:
-            col = pq.read_table(p, columns=["cu_seqlens"]).column("cu_seqlens").combine_chunks()
-        except (pa.ArrowException, OSError, KeyError) as e:
-            raise FormatError(f"cannot read cu_seqlens from {p}: {e}") from None
-        offs = col.offsets.to_numpy()
-        vals = col.values.to_numpy(zero_copy_only=False).astype(np.int64)
-        for r in range(len(col)):
-            cu = vals[offs[r]:offs[r + 1]]
-            lens = np.diff(cu)
-            if lens.size and lens.min() < 1 or (cu.size and cu[0] != 0):
-                raise FormatError(f"{p}: row {r} has invalid cu_seqlens")
-            rows.append(lens)
-            if max_rows is not None and len(rows) >= max_rows:
-                return rows, int(man.capacity)
-    if not rows:
-        raise FormatError(f"{path}: the packed dataset has no rows")
-    return rows, int(man.capacity)
-
-
-def _plan_fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
-
-
-def _plan_rows_reason(preds) -> str:
-    """Policy reason over several rows: how many rows got each policy, with the first such row's reason.
-
-    (Joining every row's reason made one unreadable line cut at 500 characters, since each row's
-    reason carries its own numbers.) Per-row reasons stay in ``--json``'s ``per_row``.
-    """
-    parts = []
-    for pol in sorted({p.policy for p in preds}):
-        rows = [i for i, p in enumerate(preds) if p.policy == pol]
-        parts.append(f"{pol} on {len(rows)} of {len(preds)} rows (e.g. row {rows[0]}: {preds[rows[0]].reason})")
-    return "; ".join(parts)
-
-
-def _plan_policy_note(summary: dict, policy: str) -> str | None:
-    """When the rule (``--policy auto``) picked the schedule the simulator predicts slower, say so
-    (``scheduler.policy.slower_choice_note``; None otherwise)."""
-    from flamia_pack.scheduler.policy import slower_choice_note
-
-    if policy not in (None, "auto"):
-        return None
-    if summary["policy"] == "mixed":
-        rule, suffix = "rule: static or dynamic per row", " on every row"
-    else:
-        kind = ("causal" if summary["settings"]["causal"] else
-                "non-causal, skewed" if summary["policy"] == "dynamic" else "non-causal, balanced")
-        rule, suffix = f"rule: {kind} -> {summary['policy']}", ""
-    return slower_choice_note(rule, summary["predicted_ms"], summary["static_ms"], summary["dynamic_ms"], suffix)
-
-
-@app.command("plan")
+@app.command("plan", cls=_Command)
 def plan_cmd(
-    source: str = typer.Argument(None, help="Text file with one document length per line, or a packed "
-                                 "dataset directory (manifest.json + parquet shards)."),
-    lognormal: tuple[float, float, int] = typer.Option(None, "--lognormal", metavar="MU SIGMA TOTAL_TOKENS",
+    source: str = typer.Argument(None, metavar="SOURCE", show_default=False,
+                                 help="Text file with one document length per line, or a packed dataset "
+                                 "directory (manifest.json + parquet shards)."),
+    lognormal: tuple[float, float, int] = typer.Option(None, "--lognormal", metavar="MU SIGMA TOKENS",
                                                        show_default=False,
                                                        help="Instead of SOURCE: lognormal lengths (clipped to "
-                                                       "[16, 32768]) filling exactly TOTAL_TOKENS."),
-    seed: int = typer.Option(0, "--seed", help="Seed for --lognormal (numpy default_rng)."),
-    heads: int = typer.Option(16, "--heads", help="Query heads H_q."),
-    kv_heads: int = typer.Option(None, "--kv-heads", help="K/V heads H_kv (default: --heads; must divide it)."),
-    head_dim: int = typer.Option(128, "--head-dim", help="Head dimension D (calibrated: 64, 128)."),
-    causal: bool = typer.Option(True, "--causal/--no-causal", help="Causal (default) or full attention per document."),
-    precision: str = typer.Option("bf16", "--precision", help="bf16 or fp8."),
-    pass_: str = typer.Option("fwd_bwd", "--pass", help="fwd, bwd or fwd_bwd (one training call)."),
-    capacity: int = typer.Option(None, "--capacity", help="Row capacity in tokens (default: the manifest's, "
-                                 "else the tokens); sizes the packed-memory estimate. A lengths file or "
-                                 "--lognormal mix longer than this is packed into rows (best-fit-decreasing) "
-                                 "and planned as one call over the packed segments, as the service does."),
-    long_docs: str = typer.Option("split", "--long-docs", help="When packing into rows: split, truncate or drop "
-                                  "documents longer than --capacity, or error."),
-    block_m: int = typer.Option(None, "--block-m", help="BLOCK_M: queries per work item (power of two, 16..256; "
-                                "default: the calibrated kernel's, 128)."),
-    block_n: int = typer.Option(None, "--block-n", help="BLOCK_N: keys per cost tile (power of two >= 16; "
-                                "default: the calibration entry's, 64 for the bf16 kernels)."),
-    merge_short: bool = typer.Option(None, "--merge-short/--no-merge-short", help="Coalesce whole short documents "
-                                     "inside one BLOCK_M window into one item (default: as the calibrated kernel does)."),
-    policy: str = typer.Option("auto", "--policy", help="auto (rule: causal -> dynamic; non-causal -> dynamic "
-                               "iff max_len >= 4 x mean_len), static or dynamic."),
-    gpu: str = typer.Option("H200", "--gpu", help="GPU of the calibration table."),
-    num_sms: int = typer.Option(None, "--num-sms", help="SMs / persistent CTAs, >= 1 (default: the GPU's, 132)."),
-    calibration: str = typer.Option(None, "--calibration", help="Calibration JSON (default: the shipped one)."),
-    rows_limit: int = typer.Option(None, "--rows", help="Packed directory: plan only the first N rows."),
-    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout."),
+                                                       "[16, 32768]) filling exactly TOKENS tokens."),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Seed for --lognormal (numpy default_rng)."),
+    heads: int = typer.Option(16, "--heads", metavar="H", help="Query heads H_q."),
+    kv_heads: int = typer.Option(None, "--kv-heads", metavar="H", help="K/V heads H_kv (default: --heads; must divide it)."),
+    head_dim: int = typer.Option(128, "--head-dim", metavar="D", help="Head dimension (calibrated: 64, 128)."),
+    causal: bool = typer.Option(True, "--causal/--no-causal", metavar="", help="Causal or full attention per document."),
+    precision: str = typer.Option("bf16", "--precision", metavar="bf16|fp8", help="Precision of the call."),
+    pass_: str = typer.Option("fwd_bwd", "--pass", metavar="PASS", help="fwd, bwd or fwd_bwd (one training call)."),
+    capacity: int = typer.Option(None, "--capacity", metavar="N", help="Row capacity in tokens (default: the "
+                                 "manifest's, else the tokens). A lengths file or --lognormal mix longer than "
+                                 "this is packed into rows and planned as one call over the packed segments."),
+    long_docs: str = typer.Option("split", "--long-docs", metavar="MODE", help="When packing into rows: split, "
+                                  "truncate or drop documents longer than --capacity, or error."),
+    block_m: int = typer.Option(None, "--block-m", metavar="N", help="Queries per work item (power of two, "
+                                "16..256; default: the calibrated kernel's, 128)."),
+    block_n: int = typer.Option(None, "--block-n", metavar="N", help="Keys per cost tile (power of two >= 16; "
+                                "default: the calibration entry's, 64 for bf16)."),
+    merge_short: bool = typer.Option(None, "--merge-short/--no-merge-short", metavar="", show_default=False,
+                                     help="Coalesce whole short documents inside one BLOCK_M window into one "
+                                     "item (default: as the calibrated kernel does)."),
+    policy: str = typer.Option("auto", "--policy", metavar="POLICY", help="auto (rule: causal -> dynamic; "
+                               "non-causal -> dynamic iff max_len >= 4 x mean_len), static or dynamic."),
+    gpu: str = typer.Option("H200", "--gpu", metavar="NAME", help="GPU of the calibration table."),
+    num_sms: int = typer.Option(None, "--num-sms", metavar="N", help="SMs / persistent CTAs, >= 1 (default: the "
+                                "GPU's, 132)."),
+    calibration: str = typer.Option(None, "--calibration", metavar="FILE", help="Calibration JSON (default: the "
+                                    "shipped one)."),
+    rows_limit: int = typer.Option(None, "--rows", metavar="N", help="Packed directory: plan only the first N rows."),
+    json_out: bool = typer.Option(False, "--json", metavar="", help="Print the plan as JSON on stdout."),
 ) -> None:
     """Plan an attention call: work items, policy, predicted time (static vs dynamic), memory.
 
@@ -416,6 +380,9 @@ def plan_cmd(
             mu, sigma, total = lognormal
             rows = [lognormal_lengths(mu, sigma, total, seed)]
             what = f"lognormal(mu={mu:g}, sigma={sigma:g}) filling {total:,} tokens, seed {seed}"
+        elif not os.path.exists(source):
+            fail(f"source not found: {source} (SOURCE is a text file with one document length per line or a "
+                 "packed dataset directory)")
         elif os.path.isdir(source):
             rows, man_capacity = _plan_read_packed_dir(source, rows_limit)
             what = f"packed dataset {source} ({len(rows):,} row(s))"
@@ -533,21 +500,21 @@ def plan_cmd(
                         f"{' (largest row)' if len(preds) > 1 else ''}")
     t.add_row("calibration", f"{s['kernel_path']} a={s['a_us_per_tile']:.3g} us/tile, b={s['b_us_per_item']:.3g} "
                              f"us/item, {s['calibration_version']}"
-                             f"{'' if s['calibration_measured'] else ' (estimate, not measured on our kernel)'}")
+                             f"{'' if s['calibration_measured'] else ' (estimate, not measured on this kernel)'}")
     _stdout().print(t)
 
 
-# ---- probe-leak (issue: quantizer / leak probe) ----------------------------------------------
+# ---- probe-leak ----------------------------------------------------------------------------
 # `flamia probe-leak`: kernels/leak.py on the built-in quantize->dequantize->exact-attention paths.
 
 
-@app.command("probe-leak")
+@app.command("probe-leak", cls=_Command)
 def probe_leak_cmd(
     path: str = typer.Option("block", "--path", metavar="reference|token|block|tensor|mx",
                              help="Built-in attention path to probe (ignored with --all)."),
-    all_paths: bool = typer.Option(False, "--all", help="Probe every built-in path, one column each."),
+    all_paths: bool = typer.Option(False, "--all", metavar="", help="Probe every built-in path, one column each."),
     device: str = typer.Option("cpu", "--device", metavar="cpu|cuda", help="Where to run."),
-    json_out: bool = typer.Option(False, "--json", help="Print the reports as JSON on stdout (no table)."),
+    json_out: bool = typer.Option(False, "--json", metavar="", help="Print the reports as JSON on stdout (no table)."),
     cu_seqlens: str = typer.Option("0,77,300,333,512", "--cu-seqlens", metavar="0,N1,N2,..",
                                    help="Document boundaries (comma separated, start at 0)."),
     num_heads: int = typer.Option(4, "--num-heads", metavar="H", help="Query heads."),
@@ -556,8 +523,8 @@ def probe_leak_cmd(
     doc: int = typer.Option(None, "--doc", metavar="I", help="Document of the cut (default: the longest)."),
     cut: int = typer.Option(None, "--cut", metavar="C", help="Last unperturbed token (default: mid-document, "
                             "13 tokens into a 32-token group)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of inputs and perturbations."),
-    magnitude: float = typer.Option(64.0, "--magnitude", help="Perturbation scale (inputs are N(0, 1))."),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of inputs and perturbations."),
+    magnitude: float = typer.Option(64.0, "--magnitude", metavar="X", help="Perturbation scale (inputs are N(0, 1))."),
 ) -> None:
     """Causal leak probe (docs/DESIGN.md §5): is an attention path causally safe?
 
@@ -597,12 +564,12 @@ def probe_leak_cmd(
     else:
         _stdout().print(leak_table(reports))
 
-# ---- bench (issue: kernels) -------------------------------------------------------------------
+# ---- bench ---------------------------------------------------------------------------------
 # `flamia bench`: time the BF16 packed-attention kernels on the local GPU (ours only; the peer
 # comparison is benchmarks/bench_attention.py).
 
 
-@app.command("bench")
+@app.command("bench", cls=_Command)
 def bench_cmd(
     workloads: str = typer.Option("W1,W6,W7", "--workloads", metavar="W1,W2,..",
                                   help="docs/WORKLOADS.md rows (comma separated); ignored with --lengths."),
@@ -610,9 +577,9 @@ def bench_cmd(
     num_heads: int = typer.Option(16, "--num-heads", metavar="H", help="Query heads (with --lengths)."),
     num_kv_heads: int = typer.Option(None, "--num-kv-heads", metavar="H_KV", help="K/V heads (with --lengths; default H)."),
     head_dim: int = typer.Option(128, "--head-dim", metavar="64|128", help="Head dimension."),
-    non_causal: bool = typer.Option(False, "--non-causal", help="Full attention inside each document."),
+    non_causal: bool = typer.Option(False, "--non-causal", metavar="", help="Full attention inside each document."),
     rep: int = typer.Option(100, "--rep", metavar="MS", help="Milliseconds of timed runs per measurement."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON on stdout (no table)."),
+    json_out: bool = typer.Option(False, "--json", metavar="", help="Print JSON on stdout (no table)."),
 ) -> None:
     """Time varlen_attention (forward, and forward + backward = one training call) on the local GPU.
 
@@ -708,19 +675,19 @@ def bench_cmd(
     _stdout().print(table)
 
 
-# ---- serve (issue: service) -------------------------------------------------------------------
+# ---- serve ---------------------------------------------------------------------------------
 # `flamia serve`: uvicorn + flamia_pack.service.app.create_app. FastAPI/uvicorn imported inside.
 
 
-@app.command("serve")
+@app.command("serve", cls=_Command)
 def serve_cmd(
-    host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on."),
-    port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0 = any free port)."),
-    db: str = typer.Option(None, "--db", help="SQLite file of recorded runs, created if missing; its directory "
+    host: str = typer.Option("127.0.0.1", "--host", metavar="ADDR", help="Interface to listen on."),
+    port: int = typer.Option(8000, "--port", metavar="N", min=0, max=65535, help="TCP port (0 = any free port)."),
+    db: str = typer.Option(None, "--db", metavar="FILE", help="SQLite file of recorded runs, created if missing; its directory "
                            "must exist (default: $FLAMIA_DB_PATH or ./flamia_runs.db)."),
-    calibration: str = typer.Option(None, "--calibration", help="Calibration JSON to start from (default: "
+    calibration: str = typer.Option(None, "--calibration", metavar="FILE", help="Calibration JSON to start from (default: "
                                     "$FLAMIA_CALIBRATION_PATH or the shipped table; never written)."),
-    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level (critical, error, warning, "
+    log_level: str = typer.Option("info", "--log-level", metavar="LEVEL", help="uvicorn log level (critical, error, warning, "
                                   "info, debug)."),
 ) -> None:
     """Run the cost-prediction service (FastAPI): POST /v1/cost:predict, /v1/runs, the HTML page at /.

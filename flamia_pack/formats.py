@@ -93,6 +93,7 @@ __all__ = [
     "write_plan",
     "read_manifest",
     "verify",
+    "check_shard_schema",
     "iter_rows",
     "load_packed",
 ]
@@ -822,16 +823,16 @@ def read_manifest(out_dir: str | os.PathLike[str]) -> Manifest:
 def verify(out_dir: str | os.PathLike[str]) -> Manifest:
     """Check that ``out_dir`` is a complete, intact packed output.
 
-    Reads the manifest, checks that every listed shard exists, hashes to its ``sha256`` and holds
-    the listed number of rows (parquet footer), and that no unlisted ``train-*.parquet`` file is
-    present (``datasets`` would load it).
+    Reads the manifest, checks that every listed shard exists, hashes to its ``sha256``, holds
+    the listed number of rows and the manifest's columns with their types (parquet footer), and
+    that no unlisted ``train-*.parquet`` file is present (``datasets`` would load it).
 
     Returns:
         The :class:`Manifest`.
 
     Raises:
         FormatError: bad/missing manifest, missing shard, checksum mismatch, wrong row count,
-            unlisted shard file.
+            missing or mistyped column or columns other than the manifest's, unlisted shard file.
     """
     out = pathlib.Path(out_dir)
     m = read_manifest(out)
@@ -842,7 +843,7 @@ def verify(out_dir: str | os.PathLike[str]) -> Manifest:
         got = _sha256_file(p)
         if got != s.sha256:
             raise FormatError(f"checksum mismatch for shard {p}: sha256 {got[:16]}..., manifest says {s.sha256[:16]}...")
-        _check_shard_rows_match(p, _shard_num_rows(out, s), s)
+        _check_shard_rows_match(p, _shard_num_rows(out, s, manifest=m), s)
     listed = {s.file for s in m.shards}
     extra = sorted(p.name for p in out.iterdir() if _SHARD_RE.match(p.name) and p.name not in listed)
     if extra:
@@ -879,14 +880,15 @@ def iter_rows(
     Args:
         out_dir: a complete output directory (its manifest lists the shards in row order).
         columns: subset of :data:`COLUMNS` to read (default all).
-        verify_checksums: run :func:`verify` first. Without it every shard's row count (parquet
-            footer only) is still checked against the manifest before the first row is yielded.
+        verify_checksums: run :func:`verify` first. Without it every shard's row count and
+            schema (parquet footer only, :func:`check_shard_schema`) are still checked against the
+            manifest before the first row is yielded.
         batch_rows: rows per parquet read batch (memory: ``batch_rows * capacity * 8`` bytes).
 
     Raises:
         FormatError: bad manifest, missing or unreadable/corrupt shard, a shard whose row count
-            differs from the manifest's (or any :func:`verify` error when ``verify_checksums``),
-            unknown column.
+            or columns differ from the manifest's or that lacks or mistypes a column (or any
+            :func:`verify` error when ``verify_checksums``), unknown column.
     """
     out = pathlib.Path(out_dir)
     m = verify(out) if verify_checksums else read_manifest(out)
@@ -894,24 +896,69 @@ def iter_rows(
     unknown = [c for c in cols if c not in COLUMNS]
     if unknown:
         raise FormatError(f"unknown column(s) {', '.join(unknown)}; available: {', '.join(COLUMNS)}")
-    if not verify_checksums:  # verify() checked the row counts already
+    if not verify_checksums:  # verify() checked the row counts and schemas already
         for s in m.shards:
-            _check_shard_rows_match(out / s.file, _shard_num_rows(out, s), s)
+            _check_shard_rows_match(out / s.file, _shard_num_rows(out, s, cols, m), s)
     for s in m.shards:
         yield from _iter_shard_rows(out, s, cols, batch_rows)
 
 
-def _shard_num_rows(out: pathlib.Path, s: ShardInfo) -> int:
-    """Rows of shard ``s`` from its parquet footer (no data read)."""
+_LIST_FIELD_RE = re.compile(r"(list<)[A-Za-z_][A-Za-z0-9_]*: ")
+
+
+def check_shard_schema(
+    path: str | os.PathLike[str], schema: pa.Schema, *, columns: Optional[Sequence[str]] = None,
+    manifest: Optional[Manifest] = None,
+) -> None:
+    """Check a packed shard's arrow schema before its data is used.
+
+    Args:
+        path: the shard (named in the error).
+        schema: its arrow schema (parquet footer or a read table).
+        columns: the columns the reader needs (default: all of :data:`COLUMNS`); each must be
+            present with its :data:`COLUMNS` type.
+        manifest: when given, the shard's columns and types must also be the manifest's ``columns``.
+
+    Raises:
+        FormatError: naming the shard and the missing or mistyped column(s), or the columns in
+            which the shard and the manifest differ.
+    """
+    need = list(COLUMNS) if columns is None else list(columns)
+    have = {f.name: f.type for f in schema}
+    missing = [c for c in need if c not in have]
+    if missing:
+        raise FormatError(f"shard {path} lacks column(s) {', '.join(missing)} (it has: {', '.join(have) or 'none'}); "
+                          f"a packed shard holds {', '.join(COLUMNS)}; re-run flamia pack")
+    wrong = [f"{c} is {have[c]}, expected {COLUMNS[c]}" for c in need if c in COLUMNS and not have[c].equals(COLUMNS[c])]
+    if wrong:
+        raise FormatError(f"shard {path} has mistyped column(s): {'; '.join(wrong)}; re-run flamia pack")
+    if manifest is not None:
+        # list field names ("item", or "element" as parquet stores them) are not part of the type
+        got = {k: _LIST_FIELD_RE.sub(r"\1", str(v)) for k, v in have.items()}
+        want = {k: _LIST_FIELD_RE.sub(r"\1", str(v)) for k, v in manifest.columns.items()}
+        if got != want:
+            diff = sorted(set(got.items()) ^ set(want.items()))
+            names = ", ".join(dict.fromkeys(k for k, _ in diff))
+            raise FormatError(f"shard {path} has other columns than its manifest (differing: {names}; shard: "
+                              f"{', '.join(f'{k} {v}' for k, v in got.items())}; manifest: "
+                              f"{', '.join(f'{k} {v}' for k, v in want.items())}); re-run flamia pack")
+
+
+def _shard_num_rows(out: pathlib.Path, s: ShardInfo, columns: Optional[Sequence[str]] = None,
+                    manifest: Optional[Manifest] = None) -> int:
+    """Rows of shard ``s`` from its parquet footer (no data read), after :func:`check_shard_schema`."""
     import pyarrow.parquet as pq
 
     p = out / s.file
     try:
-        return pq.read_metadata(p).num_rows
+        meta = pq.read_metadata(p)
+        schema = meta.schema.to_arrow_schema()
     except FileNotFoundError:
         raise FormatError(f"shard {s.file} listed in {out / MANIFEST_NAME} is missing") from None
     except (pa.ArrowException, OSError) as e:
         raise FormatError(f"shard {p} is not readable parquet: {_one_line(e)}") from None
+    check_shard_schema(p, schema, columns=columns, manifest=manifest)
+    return meta.num_rows
 
 
 def _check_shard_rows_match(p: pathlib.Path, n: int, s: ShardInfo) -> None:
@@ -962,8 +1009,8 @@ def load_packed(out_dir: str | os.PathLike[str], *, verify_checksums: bool = Tru
 
     Raises:
         FormatError: as :func:`verify` (when ``verify_checksums``) / :func:`read_manifest`; without
-            ``verify_checksums``, a missing or corrupt shard or one whose row count differs from
-            the manifest's.
+            ``verify_checksums``, a missing or corrupt shard, one whose row count or columns differ
+            from the manifest's, or one that lacks or mistypes a column.
     """
     import pyarrow.parquet as pq
 
@@ -979,6 +1026,7 @@ def load_packed(out_dir: str | os.PathLike[str], *, verify_checksums: bool = Tru
             raise FormatError(f"shard {s.file} listed in {out / MANIFEST_NAME} is missing") from None
         except (pa.ArrowException, OSError) as e:
             raise FormatError(f"shard {out / s.file} is corrupt: {_one_line(e)}") from None
+        check_shard_schema(out / s.file, tables[-1].schema, manifest=m)
         _check_shard_rows_match(out / s.file, tables[-1].num_rows, s)
     table = pa.concat_tables(tables) if tables else None
     cap, n = m.capacity, m.rows

@@ -766,7 +766,7 @@ def _check_lengths(lengths: object) -> np.ndarray:
 def plan_packing(lengths: np.ndarray, config: PackConfig) -> PackPlan:
     """Plan how documents of the given lengths are packed into rows (lengths only, no tokens).
 
-    Implements DESIGN.md §3 (issue 2): ``bfd`` best-fit-decreasing with an ``O(log capacity)``
+    Implements DESIGN.md §3: ``bfd`` best-fit-decreasing with an ``O(log capacity)``
     free-space index, ``concat``, or cost-``balanced`` (see the module docstring); the ``long_docs`` policy applied first; empty documents
     counted and skipped; no zero-length segment; no padding between documents.
 
@@ -1106,7 +1106,7 @@ def _bad_doc(arrs: list[np.ndarray]) -> None:
 
 
 def pack_documents(docs: Sequence[np.ndarray] | Iterable[Sequence[int]], config: PackConfig) -> PackedRows:
-    """Pack token-id sequences into fixed-capacity rows (DESIGN.md §3, issue 2).
+    """Pack token-id sequences into fixed-capacity rows (DESIGN.md §3).
 
     Builds a :class:`PackPlan` from the document lengths (:func:`plan_packing`), then copies the
     tokens into the rows with a numba loop (no per-token Python loop).

@@ -125,7 +125,7 @@ def test_packed_directory_reason_counts_rows_per_policy(tmp_path):
         (("LENS", "--long-docs", "foo"), "--long-docs must be one of split, truncate, drop, error"),
         (("BAD",), "integer"),
         (("NEG",), ">= 1"),
-        (("MISSING",), "No such file"),
+        (("MISSING",), "source not found: "),  # names what was not found, as `flamia pack` does
         (("EMPTYDIR",), "manifest.json"),
         # --num-sms < 1 crashed in the simulator (ZeroDivisionError / "negative dimensions")
         (("LENS", "--num-sms", 0), "--num-sms must be >= 1"),

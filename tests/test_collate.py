@@ -261,3 +261,42 @@ def test_to_device_rejects_bad_or_missing_devices():
         with pytest.raises(FlamiaError, match="no CUDA device is available"):
             to_device(batch, "cuda")
     assert to_device(batch, "cpu")["max_seqlen"] == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# rows with position_ids but no num_tokens: row-end padding is never a document or a label
+
+
+@pytest.mark.parametrize("pos_kind", ["zeros on padding", "arange"])
+def test_padding_without_num_tokens_is_not_documents(pos_kind):
+    ids = torch.tensor([11, 12, 13, 14, 15, 16, 0, 0, 0, 0])
+    pos = torch.tensor([0, 1, 2, 3, 4, 5, 0, 0, 0, 0]) if pos_kind != "arange" else torch.arange(10)
+    b = PackedCollator(pad_id=0)([{"input_ids": ids, "position_ids": pos}])
+    assert b["cu_seqlens"].tolist() == [0, 6] and b["num_real_tokens"] == 6 and b["max_seqlen"] == 6
+    assert b["labels"].view(-1).tolist() == [12, 13, 14, 15, 16] + [-100] * 5  # never the pad id
+    assert b["num_tokens"].tolist() == [6] and b["doc_ids"].tolist() == [-1]
+    # two documents (position restart) and padding, in a batch with a full row
+    ids2 = torch.tensor([1, 2, 3, 4, 5, 0, 0, 0, 0, 0])
+    pos2 = torch.tensor([0, 1, 2, 0, 1, 0, 0, 0, 0, 0]) if pos_kind != "arange" else torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 5, 6])
+    full = {"input_ids": torch.arange(1, 11), "position_ids": torch.arange(10)}
+    b = PackedCollator(pad_id=0)([{"input_ids": ids2, "position_ids": pos2}, full])
+    assert b["cu_seqlens"].tolist() == [0, 3, 5, 15] and b["num_real_tokens"] == 15
+
+
+def test_padding_without_num_tokens_from_attention_mask():
+    """An attention_mask gives the real length, also when the last real token equals pad_id (EOS)."""
+    ids = torch.tensor([11, 12, 2, 2, 2, 2])  # pad_id 2 = EOS: the document ends with one real EOS
+    mask = torch.tensor([1, 1, 1, 0, 0, 0])
+    c = PackedCollator(pad_id=2)
+    b = c([{"input_ids": ids, "position_ids": torch.arange(6), "attention_mask": mask}])
+    assert b["cu_seqlens"].tolist() == [0, 3] and b["labels"].view(-1).tolist() == [12, 2] + [-100] * 4
+    # without the mask the trailing run of pad_id is padding: the EOS is lost, padding never counted
+    b = c([{"input_ids": ids, "position_ids": torch.arange(6)}])
+    assert b["cu_seqlens"].tolist() == [0, 2]
+    with pytest.raises(MetadataError, match="attention_mask must be 1 on the real tokens then 0"):
+        c([{"input_ids": ids, "position_ids": torch.arange(6), "attention_mask": torch.tensor([1, 0, 1, 0, 0, 0])}])
+    with pytest.raises(MetadataError, match="attention_mask must have the shape"):
+        c([{"input_ids": ids, "position_ids": torch.arange(6), "attention_mask": torch.ones(5)}])
+    # all padding: an empty row, no document
+    b = c([{"input_ids": torch.full((4,), 2), "position_ids": torch.zeros(4, dtype=torch.long)}])
+    assert b["cu_seqlens"].tolist() == [0] and b["num_real_tokens"] == 0

@@ -100,8 +100,17 @@ class PackedCollator:
     Input: a sequence of ``B >= 1`` row dicts with ``input_ids`` (``(capacity,)``, same capacity
     for all rows) and ``cu_seqlens`` (row-local, int) and ``num_tokens``; ``position_ids``,
     ``doc_ids``, ``chunk_ids`` are used when present. A row without ``cu_seqlens`` gets it from
-    ``position_ids`` (:func:`cu_seqlens_from_position_ids`); without ``num_tokens`` it is
-    ``cu_seqlens[-1]`` (or ``capacity``).
+    ``position_ids`` (:func:`cu_seqlens_from_position_ids`) over its real tokens.
+
+    The real length of a row (its tokens before the row-end padding) is ``num_tokens``; without it,
+    ``cu_seqlens[-1]``; without both, it is inferred, so that padding never becomes documents
+    or labels (whatever ``position_ids`` hold on the padding: zeros, or a continued count):
+
+    * from an ``attention_mask`` (``(capacity,)``, 1 on the real tokens then 0 on the padding;
+      a 0 before a 1 raises ``MetadataError``), when the row has one;
+    * else from ``pad_id``: the trailing run of ``pad_id`` tokens is padding. A document whose
+      last token is ``pad_id`` (e.g. ``pad_id`` = the EOS id) loses that token; give such rows
+      ``num_tokens`` or an ``attention_mask``.
 
     Output (CPU tensors, see the module docstring for the compacted layout), ``T = B * capacity``:
 
@@ -146,7 +155,9 @@ class PackedCollator:
         FlamiaError: empty batch, a row that is not a dict, rows of different capacities, missing
             or non-integer ``input_ids``.
         MetadataError: a row's ``cu_seqlens`` not ``[0, ..., num_tokens]`` strictly increasing,
-            ``num_tokens`` not one integer or > capacity.
+            ``num_tokens`` not one integer or > capacity, an ``attention_mask`` of another shape than
+            ``input_ids`` or with a 0 before a 1 (used when a row has neither ``num_tokens`` nor
+            ``cu_seqlens``).
     """
 
     def __init__(self, *, pad_id: int = 0, ignore_index: int = -100, scale_groups: Optional[str] = None,
@@ -184,7 +195,7 @@ class PackedCollator:
         elif "cu_seqlens" in row:
             n = int(_np(row["cu_seqlens"])[-1])
         else:
-            n = c
+            n = self._real_length(i, row, ids)
         if not 0 <= n <= c:
             raise MetadataError(f"row {i}: num_tokens must be in [0, capacity={c}], got {n}")
         if "cu_seqlens" in row:
@@ -208,6 +219,22 @@ class PackedCollator:
         if doc.shape != (nseg,) or chunk.shape != (nseg,):
             raise MetadataError(f"row {i}: doc_ids/chunk_ids must have one entry per segment ({nseg}), got {doc.shape}, {chunk.shape}")
         return ids, pos, n, cu, doc, chunk
+
+    def _real_length(self, i: int, row: Mapping[str, Any], ids: np.ndarray) -> int:
+        """Tokens before the row-end padding of a row without ``num_tokens`` and ``cu_seqlens``:
+        from its ``attention_mask``, else the trailing run of ``pad_id`` tokens is the padding."""
+        if "attention_mask" in row:
+            mask = _np(row["attention_mask"])
+            if mask.shape != ids.shape:
+                raise MetadataError(f"row {i}: attention_mask must have the shape of input_ids {ids.shape}, got {mask.shape}")
+            real = mask != 0
+            n = int(real.sum())
+            if not real[:n].all():
+                raise MetadataError(f"row {i}: attention_mask must be 1 on the real tokens then 0 on the row-end "
+                                    "padding (it has a 0 before a 1); give the row num_tokens or cu_seqlens")
+            return n
+        real = np.flatnonzero(ids != self.pad_id)
+        return int(real[-1]) + 1 if real.size else 0
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Collate ``rows`` (B >= 1 row dicts) into the batch described in the class docstring."""

@@ -180,19 +180,19 @@ class _ParquetRows:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        from flamia_pack.formats import check_shard_schema
+
         self.files = [str(f) for f in files]
         self.capacity = capacity
         self.cache_groups = cache_groups
         g_file, g_rg, g_rows = [], [], []
         for fi, (f, n_expected) in enumerate(zip(files, rows)):
             try:
-                meta = pq.ParquetFile(f).metadata
-                names = set(pq.ParquetFile(f).schema_arrow.names)
+                pf = pq.ParquetFile(f)
+                meta, schema = pf.metadata, pf.schema_arrow
             except (pa.ArrowException, OSError) as e:
                 raise FormatError(f"cannot read packed shard {f}: {' '.join(str(e).split())} (corrupt or not parquet)") from None
-            missing = [c for c in (*_LIST_COLUMNS, "num_tokens") if c not in names]
-            if missing:
-                raise FormatError(f"packed shard {f} lacks column(s) {', '.join(missing)}; found {', '.join(sorted(names))}")
+            check_shard_schema(f, schema, columns=(*_LIST_COLUMNS, "num_tokens"))  # missing or mistyped columns
             if meta.num_rows != n_expected:
                 raise FormatError(f"packed shard {f} has {meta.num_rows} rows but manifest.json says {n_expected}")
             for g in range(meta.num_row_groups):

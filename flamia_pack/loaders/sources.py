@@ -1,4 +1,4 @@
-"""Document sources: read token-id sequences from local datasets (DESIGN.md §2 "sources", §3).
+"""Document sources: read token-id sequences from local datasets.
 
 ``open_source(path)`` looks at a local path and returns a :class:`DocumentSource`, an iterable of
 documents, each a 1-D ``np.ndarray`` of dtype ``int32`` holding token ids ``>= 0``. Nothing is ever
@@ -15,8 +15,10 @@ HF ``datasets`` folder    a directory with ``dataset_info.json``/``state.json`` 
                           only split), as written by ``save_to_disk``; ``datasets.load_from_disk``
 parquet                   ``*.parquet`` / ``*.pq`` file, or a directory holding such files
                           (recursively, sorted paths); ``pyarrow.parquet`` in record batches
-JSON lines                ``*.jsonl`` / ``*.ndjson`` / ``*.json`` (one object per line), file or
-                          directory; ``pyarrow.json`` (a whole file is parsed at once)
+JSON lines                ``*.jsonl`` / ``*.ndjson`` / ``*.json`` (one object per line), also
+                          gzip-compressed (``*.jsonl.gz``, ...), file or directory; streamed in
+                          chunks of whole lines, each parsed by ``pyarrow.json``
+                          (:mod:`flamia_pack.loaders.jsonl`: no line-length limit below 2 GiB)
 arrow                     ``*.arrow`` / ``*.feather`` / ``*.ipc`` (IPC file or stream format,
                           memory-mapped), file or directory
 text files                one document per file: a single text file, or a directory of
@@ -39,10 +41,15 @@ Tokenizers (``tokenizer``):
   Vectorised over a whole arrow batch (no per-document Python work besides the final split).
 * a path to an HF ``tokenizers`` ``tokenizer.json``: ``Tokenizer.from_file``, batch-encoded
   (``encode_batch_fast``) with the tokenizer's own special-token post-processing
-  (``add_special_tokens=True``). Binary values and text files are decoded as UTF-8 with
-  replacement characters for invalid bytes. A path together with a pre-tokenized column (chosen by
-  ``text_column`` or because there is no ``text`` column) raises ``SourceError``: the ids would
-  be used as they are and the tokenizer silently ignored.
+  (``add_special_tokens=True``). Values (string or binary columns, text files) are decoded as
+  UTF-8 first; invalid UTF-8 follows ``on_invalid_utf8``: ``"replace"`` (default: U+FFFD
+  replacement characters, and the document is counted in ``invalid_utf8_docs`` and the
+  manifest's ``source.invalid_utf8``) or ``"error"`` (``SourceError`` naming file, row and byte
+  offset). A path together with a pre-tokenized column (chosen by ``text_column`` or because
+  there is no ``text`` column) raises ``SourceError``: the ids would be used as they are and the
+  tokenizer silently ignored.
+
+The tokenizers live in :mod:`flamia_pack.loaders.tokenizers` (re-exported here).
 
 Null values (a null text or a null id list) become empty documents, which packing counts and skips.
 
@@ -54,12 +61,12 @@ Errors: every problem with the input raises :class:`~flamia_pack.errors.SourceEr
 saying what was wrong: missing path, unsupported or ambiguous input, unknown column (the available
 columns are listed), a column that holds neither text nor integer lists, non-integer or null token
 ids, negative ids or ids above the int32 range (with the document index), a corrupt
-parquet/json/arrow file, an unreadable tokenizer file. Errors found while iterating (a corrupt
+parquet/json/gzip/arrow file, an unreadable tokenizer file, invalid UTF-8 under
+``on_invalid_utf8="error"``. Errors found while iterating (a corrupt
 row group in the middle of a file) are raised from the iterator, also as ``SourceError``.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import pathlib
 from collections.abc import Callable, Iterator
@@ -69,6 +76,19 @@ import numpy as np
 import pyarrow as pa
 
 from flamia_pack.errors import SourceError
+from flamia_pack.loaders.jsonl import JSONL_SUFFIXES, is_jsonl_path, json_arrays, json_schema, read_type  # noqa: F401
+from flamia_pack.loaders.tokenizers import (
+    ON_INVALID_UTF8,
+    ByteTokenizer,
+    HFTokenizer,
+    _drop_nulls,
+    _one_line,
+    _split_flat,
+    check_on_invalid_utf8,
+    decode_utf8,
+    invalid_utf8_message,
+    load_tokenizer,
+)
 
 __all__ = [
     "DocumentSource",
@@ -78,13 +98,13 @@ __all__ = [
     "load_tokenizer",
     "TEXT_SUFFIXES",
     "DEFAULT_BATCH_ROWS",
+    "ON_INVALID_UTF8",
 ]
 
 #: documents per batch handed out by :meth:`DocumentSource.iter_batches` (and read per arrow batch).
 DEFAULT_BATCH_ROWS = 1024
 
 PARQUET_SUFFIXES = frozenset({".parquet", ".pq"})
-JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson", ".json"})
 ARROW_SUFFIXES = frozenset({".arrow", ".feather", ".ipc"})
 #: suffixes read as one document per file (a single file, or a folder of text files).
 TEXT_SUFFIXES = frozenset(
@@ -99,112 +119,7 @@ _INT32_MAX = np.iinfo(np.int32).max
 
 
 # ---------------------------------------------------------------------------------------------
-# tokenizers
-
-
-class ByteTokenizer:
-    """Built-in byte-level tokenizer: token id = UTF-8 byte value (ids 0..255, ``vocab_size`` 256).
-
-    ``encode_arrow`` works on a whole arrow string/binary array at once: one ``uint8 -> int32``
-    conversion of the batch's data buffer, then views split at the value offsets.
-    """
-
-    name = "bytes"
-    vocab_size = 256
-
-    def info(self) -> dict[str, Any]:
-        """JSON-serialisable description (goes into ``manifest.json``)."""
-        return {"name": self.name, "vocab_size": self.vocab_size}
-
-    def encode_arrow(self, arr: pa.Array) -> list[np.ndarray]:
-        """Tokenize a string/large_string/binary/large_binary array -> one int32 array per value."""
-        return _split_binary(arr)
-
-    def encode_arrow_flat(self, arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-        """Like :meth:`encode_arrow`, flat: (ids int32 ``(tokens,)``, lengths int64 ``(len(arr),)``)."""
-        return _binary_flat(arr)
-
-    def encode_bytes(self, data: list[bytes]) -> list[np.ndarray]:
-        """Tokenize raw byte strings (e.g. whole text files) -> one int32 array per item."""
-        return [np.frombuffer(b, dtype=np.uint8).astype(np.int32) for b in data]
-
-    def encode_bytes_flat(self, data: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """Like :meth:`encode_bytes`, flat: (ids int32, lengths int64 ``(len(data),)``)."""
-        lengths = np.fromiter((len(b) for b in data), dtype=np.int64, count=len(data))
-        return np.frombuffer(b"".join(data), dtype=np.uint8).astype(np.int32), lengths
-
-
-class HFTokenizer:
-    """An HF ``tokenizers`` tokenizer loaded from a local ``tokenizer.json`` (never from a hub)."""
-
-    name = "tokenizer.json"
-
-    def __init__(self, path: str | os.PathLike[str]):
-        p = pathlib.Path(path)
-        if not p.is_file():
-            raise SourceError(f"tokenizer file not found: {p} (use --tokenizer bytes or a path to a tokenizer.json)")
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:  # pragma: no cover - the [data] extra installs it
-            raise SourceError("a tokenizer.json needs the 'tokenizers' package (pip install 'flamia-pack[data]')") from e
-        try:
-            self._tok = Tokenizer.from_file(str(p))
-        except Exception as e:  # tokenizers raises a plain Exception on a bad file
-            raise SourceError(f"cannot load tokenizer {p}: {_one_line(e)}") from None
-        self.path = str(p)
-        self.sha256 = hashlib.sha256(p.read_bytes()).hexdigest()
-        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-        self._encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-
-    def info(self) -> dict[str, Any]:
-        """JSON-serialisable description (goes into ``manifest.json``): path, sha256, vocab size."""
-        return {"name": self.name, "path": self.path, "sha256": self.sha256, "vocab_size": self.vocab_size}
-
-    def _encode_texts(self, texts: list[str]) -> list[np.ndarray]:
-        if not texts:
-            return []
-        encs = self._encode(texts, add_special_tokens=True)
-        return [np.asarray(e.ids, dtype=np.int32) for e in encs]
-
-    def encode_arrow(self, arr: pa.Array) -> list[np.ndarray]:
-        """Tokenize a string/binary arrow array (nulls -> empty documents)."""
-        if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type):
-            texts = ["" if b is None else b.decode("utf-8", "replace") for b in arr.to_pylist()]
-        else:
-            texts = ["" if s is None else s for s in arr.to_pylist()]
-        return self._encode_texts(texts)
-
-    def encode_bytes(self, data: list[bytes]) -> list[np.ndarray]:
-        """Tokenize raw byte strings, decoded as UTF-8 with replacement characters."""
-        return self._encode_texts([b.decode("utf-8", "replace") for b in data])
-
-    def encode_arrow_flat(self, arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`encode_arrow`, flat: (ids int32, lengths int64 ``(len(arr),)``)."""
-        return _flatten(self.encode_arrow(arr))
-
-    def encode_bytes_flat(self, data: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`encode_bytes`, flat: (ids int32, lengths int64 ``(len(data),)``)."""
-        return _flatten(self.encode_bytes(data))
-
-
-def load_tokenizer(tokenizer: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
-    """``"bytes"`` -> :class:`ByteTokenizer`; anything else is a path to a ``tokenizer.json``.
-
-    Raises:
-        SourceError: the file is missing or is not a valid ``tokenizers`` JSON file.
-    """
-    if str(tokenizer) == "bytes":
-        return ByteTokenizer()
-    return HFTokenizer(tokenizer)
-
-
-# ---------------------------------------------------------------------------------------------
-# arrow array -> list of int32 documents
-
-
-def _one_line(e: BaseException) -> str:
-    s = " ".join(str(e).split())
-    return s if len(s) <= 300 else s[:297] + "..."
+# arrow array -> flat int32 documents
 
 
 def _as_array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
@@ -224,54 +139,6 @@ def _is_text_type(t: pa.DataType) -> bool:
 
 def _is_list_type(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
-
-
-def _flatten(docs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """One flat int32 buffer + int64 lengths from a list of 1-D int32 documents."""
-    lengths = np.fromiter((d.shape[0] for d in docs), dtype=np.int64, count=len(docs))
-    ids = np.concatenate(docs).astype(np.int32, copy=False) if docs else np.zeros(0, np.int32)
-    return ids, lengths
-
-
-def _split_flat(ids: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
-    """Views of ``ids`` cut at ``cumsum(lengths)``: one 1-D array per document."""
-    if lengths.shape[0] == 0:
-        return []
-    return np.split(ids, np.cumsum(lengths[:-1]))
-
-
-def _drop_nulls(arr: pa.Array, ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Flat (ids, lengths) of a list/binary array whose ``ids`` are ``values[offsets[0]:offsets[-1]]``:
-    null entries become empty documents (their value range, normally empty, is removed)."""
-    lengths = np.diff(offsets)
-    if arr.null_count:
-        null = ~np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
-        if lengths[null].any():
-            ids = ids[np.repeat(~null, lengths)]
-        lengths[null] = 0
-    return ids, lengths
-
-
-def _split_binary(arr: pa.Array) -> list[np.ndarray]:
-    """Byte-level ids of every value of a string/binary array (views into one int32 buffer)."""
-    return _split_flat(*_binary_flat(arr))
-
-
-def _binary_flat(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Byte-level ids of a string/binary array as one int32 buffer + int64 lengths (nulls: 0)."""
-    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
-        # same memory layout; a cast from (large_)string to (large_)binary is zero-copy
-        arr = arr.cast(pa.large_binary() if pa.types.is_large_string(arr.type) else pa.binary())
-    n = len(arr)
-    if n == 0:
-        return np.zeros(0, np.int32), np.zeros(0, np.int64)
-    bufs = arr.buffers()
-    off_dtype = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
-    offsets = np.frombuffer(bufs[1], dtype=off_dtype)[arr.offset : arr.offset + n + 1].astype(np.int64)
-    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
-    start, end = int(offsets[0]), int(offsets[-1])
-    ids = data[start:end].astype(np.int32)
-    return _drop_nulls(arr, ids, offsets)
 
 
 def _token_lists_flat(arr: pa.Array, column: str, doc_base: int) -> tuple[np.ndarray, np.ndarray]:
@@ -384,13 +251,16 @@ class DocumentSource:
         pretokenized: True when ``column`` holds integer ids (no tokenizer applied).
         tokenizer: the :class:`ByteTokenizer`/:class:`HFTokenizer` used, or None when pretokenized.
         num_docs: number of documents when known without parsing the data (parquet metadata, arrow
-            batch headers, HF datasets, text files, a single JSON lines file), else None (several
-            JSON lines files). ``len(source)`` returns it and
+            batch headers, HF datasets, text files), else None (JSON lines, which are streamed)
+            until :meth:`read_flat` has read the whole input. ``len(source)`` returns it and
             raises ``TypeError`` when it is None.
         batch_rows: documents per batch of :meth:`iter_batches` (arrow inputs may give a batch
             of fewer rows at file/record-batch boundaries).
         split, splits: for a saved HF ``DatasetDict``, the split read and all its splits; else
             None and ``()``.
+        on_invalid_utf8: ``"replace"`` or ``"error"`` (see :func:`open_source`).
+        invalid_utf8_docs: documents of the last read (so far) that held invalid UTF-8 and were
+            decoded with replacement characters for a ``tokenizer.json`` (0 for the byte tokenizer).
 
     Iterating twice reads the input twice. Errors found while reading raise ``SourceError``.
     """
@@ -405,9 +275,10 @@ class DocumentSource:
         tokenizer: ByteTokenizer | HFTokenizer | None,
         num_docs: Optional[int],
         batch_rows: int,
-        flat_reader: Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]],
+        flat_reader: Callable[[dict[str, int]], Iterator[tuple[np.ndarray, np.ndarray]]],
         split: Optional[str] = None,
         splits: tuple[str, ...] = (),
+        on_invalid_utf8: str = "replace",
     ):
         self.path = path
         self.format = format
@@ -416,9 +287,20 @@ class DocumentSource:
         self.tokenizer = tokenizer
         self.num_docs = num_docs
         self.batch_rows = batch_rows
-        self._flat_reader = flat_reader
+        self._reader = flat_reader
         self.split = split
         self.splits = tuple(splits)
+        self.on_invalid_utf8 = on_invalid_utf8
+        self._counts = {"invalid_utf8_docs": 0}
+
+    def _flat_reader(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        self._counts["invalid_utf8_docs"] = 0  # each read counts afresh
+        return self._reader(self._counts)
+
+    @property
+    def invalid_utf8_docs(self) -> int:
+        """Documents of the last read holding invalid UTF-8 (decoded with U+FFFD replacements)."""
+        return self._counts["invalid_utf8_docs"]
 
     @property
     def description(self) -> str:
@@ -435,6 +317,8 @@ class DocumentSource:
     def info(self) -> dict[str, Any]:
         """JSON-serialisable description of the input (the manifest's ``source``)."""
         info = {"path": self.path, "format": self.format, "column": self.column, "num_docs": self.num_docs}
+        if self.tokenizer is not None and self.tokenizer.decodes_text:  # text decoded for a tokenizer.json
+            info["invalid_utf8"] = {"on_invalid": self.on_invalid_utf8, "documents": self.invalid_utf8_docs}
         if self.split is not None:  # a DatasetDict: which of its splits was read
             info.update(split=self.split, splits=list(self.splits))
         return info
@@ -459,9 +343,9 @@ class DocumentSource:
         """Read every document into one flat token buffer (Arrow ``ListArray`` layout).
 
         Feeds :func:`flamia_pack.pack.plan_packing` (on ``np.diff(doc_offsets)``) and
-        :func:`flamia_pack.pack.fill_rows` directly (DESIGN.md §3; issue 2 "bounded memory").
-        Peak memory is about one copy of the tokens plus one batch: each batch is copied into a
-        growing memory map at once and released (see ``_TokenBuffer``).
+        :func:`flamia_pack.pack.fill_rows` directly. Peak memory is about one copy of the tokens
+        (4 bytes each) plus one batch: each batch is copied into a growing memory map at once and
+        released (see ``_TokenBuffer``). Afterwards :attr:`num_docs` is the number of documents read.
 
         Args:
             progress: called as ``progress(docs_in_batch)`` after each batch is read.
@@ -488,6 +372,7 @@ class DocumentSource:
         np.cumsum(lengths, out=offsets[1:])
         tokens = buf.finish()
         pa.default_memory_pool().release_unused()  # give the batches' freed memory back
+        self.num_docs = int(lengths.shape[0])
         return tokens, offsets
 
     def __iter__(self) -> Iterator[np.ndarray]:
@@ -538,7 +423,11 @@ def _check_column_type(t: pa.DataType, column: str, where: str) -> bool:
     raise SourceError(f"column {column!r} of {where} must hold text (string) or token ids (list of integers), got {t}")
 
 
-def _wrap_errors(gen: Iterator[pa.Array], what: str) -> Iterator[pa.Array]:
+#: what the back-ends yield: an arrow array of the column, and ``locate(i)`` naming value ``i``'s file and row
+_Located = tuple[pa.Array, Callable[[int], str]]
+
+
+def _wrap_errors(gen: Iterator[_Located], what: str) -> Iterator[_Located]:
     """Re-raise arrow/OS errors met while reading as SourceError.
 
     ``GeneratorExit`` (a partly read source being closed or garbage-collected, possibly at
@@ -565,7 +454,11 @@ def _parquet_schema(f: pathlib.Path) -> tuple[pa.Schema, int]:
         raise SourceError(f"cannot read parquet file {f}: {_one_line(e)} (corrupt or not parquet)") from None
 
 
-def _parquet_arrays(files: list[pathlib.Path], column: str, batch_rows: int) -> Iterator[pa.Array]:
+def _rows_of(f: pathlib.Path, base: int) -> Callable[[int], str]:
+    return lambda i: f"{f}, row {base + i}"
+
+
+def _parquet_arrays(files: list[pathlib.Path], column: str, batch_rows: int) -> Iterator[_Located]:
     import pyarrow.parquet as pq
 
     for f in files:
@@ -573,33 +466,12 @@ def _parquet_arrays(files: list[pathlib.Path], column: str, batch_rows: int) -> 
             pf = pq.ParquetFile(f)
             if column not in pf.schema_arrow.names:
                 raise SourceError(f"column {column!r} not found in {f}; available columns: {', '.join(pf.schema_arrow.names)}")
+            base = 0
             for b in pf.iter_batches(batch_size=batch_rows, columns=[column]):
-                yield b.column(0)
+                yield b.column(0), _rows_of(f, base)
+                base += b.num_rows
 
         yield from _wrap_errors(gen(), f"parquet file {f}")
-
-
-def _read_json(f: pathlib.Path) -> Optional[pa.Table]:
-    import pyarrow.json as pj
-
-    if f.stat().st_size == 0:
-        return None
-    try:
-        return pj.read_json(f)
-    except (pa.ArrowException, OSError) as e:
-        raise SourceError(f"cannot parse JSON lines file {f}: {_one_line(e)} (expected one JSON object per line)") from None
-
-
-def _json_arrays(files: list[pathlib.Path], column: str, batch_rows: int, first: Optional[pa.Table]) -> Iterator[pa.Array]:
-    for i, f in enumerate(files):
-        table = first if i == 0 else _read_json(f)
-        if table is None:
-            continue
-        if column not in table.column_names:
-            raise SourceError(f"column {column!r} not found in {f}; available columns: {', '.join(table.column_names)}")
-        col = table.column(column)
-        for s in range(0, len(col), batch_rows):
-            yield _as_array(col.slice(s, batch_rows))
 
 
 def _open_ipc(f: pathlib.Path):
@@ -624,7 +496,7 @@ def _arrow_schema(f: pathlib.Path) -> tuple[pa.Schema, int]:
         raise SourceError(f"cannot read arrow file {f}: {_one_line(e)} (corrupt or truncated)") from None
 
 
-def _arrow_arrays(files: list[pathlib.Path], column: str, batch_rows: int) -> Iterator[pa.Array]:
+def _arrow_arrays(files: list[pathlib.Path], column: str, batch_rows: int) -> Iterator[_Located]:
     for f in files:
         def gen(f=f):
             r = _open_ipc(f)
@@ -636,10 +508,12 @@ def _arrow_arrays(files: list[pathlib.Path], column: str, batch_rows: int) -> It
                 if isinstance(r, pa.ipc.RecordBatchFileReader)
                 else iter(r)
             )
+            base = 0
             for b in batches:
                 col = b.column(idx)
                 for s in range(0, len(col), batch_rows):
-                    yield col.slice(s, batch_rows)
+                    yield col.slice(s, batch_rows), _rows_of(f, base + s)
+                base += b.num_rows
 
         yield from _wrap_errors(gen(), f"arrow file {f}")
 
@@ -680,12 +554,16 @@ def _load_hf_dataset(p: pathlib.Path):
     return ds, None, ()
 
 
-def _hf_arrays(ds, column: str, batch_rows: int) -> Iterator[pa.Array]:
+def _hf_arrays(ds, column: str, batch_rows: int, where: str) -> Iterator[_Located]:
+    base = 0
     for t in ds.select_columns([column]).with_format("arrow").iter(batch_size=batch_rows):
-        yield _as_array(t.column(0))
+        yield _as_array(t.column(0)), (lambda i, base=base: f"{where}, row {base + i}")
+        base += t.num_rows
 
 
-def _text_file_batches(files: list[pathlib.Path], tok, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _text_file_batches(
+    files: list[pathlib.Path], tok, batch_rows: int, on_invalid: str, counts: dict[str, int]
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     for s in range(0, len(files), batch_rows):
         chunk = files[s : s + batch_rows]
         data = []
@@ -694,15 +572,29 @@ def _text_file_batches(files: list[pathlib.Path], tok, batch_rows: int) -> Itera
                 data.append(f.read_bytes())
             except OSError as e:
                 raise SourceError(f"cannot read text file {f}: {_one_line(e)}") from None
-        yield tok.encode_bytes_flat(data)
+        if not tok.decodes_text:
+            yield tok.encode_bytes_flat(data)
+            continue
+        texts = []
+        for f, b in zip(chunk, data):
+            try:
+                texts.append(b.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                if on_invalid == "error":
+                    raise SourceError(invalid_utf8_message(f"text file {f}", None, b, e)) from None
+                counts["invalid_utf8_docs"] += 1
+                texts.append(b.decode("utf-8", "replace"))
+        yield tok.encode_texts_flat(texts)
 
 
 def _docs_from_arrays(
-    arrays: Iterator[pa.Array], column: str, pretokenized: bool, tok, where: str
+    arrays: Iterator[_Located], column: str, pretokenized: bool, tok, where: str, on_invalid: str,
+    counts: dict[str, int],
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Flat batches ``(ids int32, lengths int64)`` of the column, validated / tokenized."""
+    """Flat batches ``(ids int32, lengths int64)`` of the column, validated / tokenized; documents
+    with invalid UTF-8 decoded for a text tokenizer are counted in ``counts["invalid_utf8_docs"]``."""
     base = 0
-    for arr in arrays:
+    for arr, locate in arrays:
         arr = _as_array(arr)
         if pretokenized:
             if not _is_list_type(arr.type):
@@ -711,7 +603,12 @@ def _docs_from_arrays(
         else:
             if not _is_text_type(arr.type):
                 raise SourceError(f"column {column!r} of {where} changes type to {arr.type}; expected text")
-            flat = tok.encode_arrow_flat(arr)
+            if tok.decodes_text:
+                texts, bad = decode_utf8(arr, on_invalid, locate, column)
+                counts["invalid_utf8_docs"] += bad
+                flat = tok.encode_texts_flat(texts)
+            else:
+                flat = tok.encode_arrow_flat(arr)
         base += int(flat[1].shape[0])
         yield flat
 
@@ -733,7 +630,7 @@ def _classify_dir(p: pathlib.Path) -> tuple[str, list[pathlib.Path]]:
     files = _data_files(p)
     kinds = {
         "parquet": [f for f in files if f.suffix.lower() in PARQUET_SUFFIXES],
-        "jsonl": [f for f in files if f.suffix.lower() in JSONL_SUFFIXES],
+        "jsonl": [f for f in files if is_jsonl_path(f)],
         "arrow": [f for f in files if f.suffix.lower() in ARROW_SUFFIXES],
     }
     found = {k: v for k, v in kinds.items() if v}
@@ -747,7 +644,7 @@ def _classify_dir(p: pathlib.Path) -> tuple[str, list[pathlib.Path]]:
     if texts:
         return "text-files", texts
     raise SourceError(
-        f"no supported files in directory {p} (looked for a saved HF dataset, *.parquet, *.jsonl, *.arrow, "
+        f"no supported files in directory {p} (looked for a saved HF dataset, *.parquet, *.jsonl[.gz], *.arrow, "
         f"or text files: {', '.join(sorted(TEXT_SUFFIXES))})"
     )
 
@@ -756,14 +653,14 @@ def _classify_file(p: pathlib.Path) -> str:
     s = p.suffix.lower()
     if s in PARQUET_SUFFIXES:
         return "parquet"
-    if s in JSONL_SUFFIXES:
+    if is_jsonl_path(p):
         return "jsonl"
     if s in ARROW_SUFFIXES:
         return "arrow"
     if s in TEXT_SUFFIXES:
         return "text-files"
     raise SourceError(
-        f"unsupported file type {p.suffix or '(no suffix)'!r} for {p}; expected .parquet, .jsonl, .json, .arrow "
+        f"unsupported file type {p.suffix or '(no suffix)'!r} for {p}; expected .parquet, .jsonl, .json (also .gz), .arrow "
         "or a text file (.txt, .md, .py, .rst, ...), or a directory of those"
     )
 
@@ -774,6 +671,7 @@ def open_source(
     text_column: Optional[str] = None,
     tokenizer: str | os.PathLike[str] = "bytes",
     batch_rows: int = DEFAULT_BATCH_ROWS,
+    on_invalid_utf8: str = "replace",
 ) -> DocumentSource:
     """Open a local dataset as a :class:`DocumentSource` of int32 token-id documents.
 
@@ -785,6 +683,11 @@ def open_source(
         tokenizer: ``"bytes"`` (UTF-8 bytes, ids 0..255) or a path to a ``tokenizer.json``. A path
             with a pre-tokenized column (integer lists) is an error, never silently ignored.
         batch_rows: documents per batch of :meth:`DocumentSource.iter_batches` (>= 1).
+        on_invalid_utf8: for a ``tokenizer.json`` (text is decoded before tokenizing):
+            ``"replace"`` (default) decodes invalid byte sequences as U+FFFD and counts the
+            documents (:attr:`DocumentSource.invalid_utf8_docs`); ``"error"`` raises
+            ``SourceError`` at the first one (file, row, byte offset). The byte tokenizer reads
+            the bytes as they are and decodes nothing.
 
     Returns:
         DocumentSource: iterating yields 1-D ``np.ndarray`` int32, one per input row/file, in input
@@ -793,49 +696,52 @@ def open_source(
 
     Raises:
         SourceError: missing path, unsupported/ambiguous input, unknown or unsuitable column,
-            corrupt file, bad tokenizer file, a tokenizer path given for a pre-tokenized column; later, while iterating: non-integer/null/negative/
-            too large ids, corrupt data pages.
+            corrupt file, bad tokenizer file, a tokenizer path given for a pre-tokenized column;
+            later, while iterating: non-integer/null/negative/too large ids, corrupt data pages,
+            invalid UTF-8 with ``on_invalid_utf8="error"``.
     """
-    if int(batch_rows) < 1:
-        raise SourceError(f"batch_rows must be >= 1, got {batch_rows}")
+    if isinstance(batch_rows, bool) or not isinstance(batch_rows, (int, np.integer)) or int(batch_rows) < 1:
+        raise SourceError(f"batch_rows must be an integer >= 1, got {batch_rows!r}")
     batch_rows = int(batch_rows)
+    on_invalid = check_on_invalid_utf8(on_invalid_utf8)
     p = pathlib.Path(path)
     if not p.exists():
         raise SourceError(f"source not found: {p}")
     kind, files = _classify_dir(p) if p.is_dir() else (_classify_file(p), [p])
     tok_arg = str(tokenizer)
     where = f"{p}"
+    common = dict(path=str(path), format=kind, batch_rows=batch_rows, on_invalid_utf8=on_invalid)
 
     if kind == "text-files":
         if text_column not in (None, "text"):
             raise SourceError(f"--text-column {text_column!r} does not apply to text files (one document per file)")
         tok = load_tokenizer(tok_arg)
         return DocumentSource(
-            path=str(path), format=kind, column="text", pretokenized=False, tokenizer=tok,
-            num_docs=len(files), batch_rows=batch_rows,
-            flat_reader=lambda: _text_file_batches(files, tok, batch_rows),
+            column="text", pretokenized=False, tokenizer=tok, num_docs=len(files),
+            flat_reader=lambda counts: _text_file_batches(files, tok, batch_rows, on_invalid, counts), **common,
         )
 
     # tabular inputs: find schema + row count, choose the column, check its type
-    first_json: Optional[pa.Table] = None
     split, splits = None, ()  # a DatasetDict's split read, and all its splits
     if kind == "parquet":
         schema, n0 = _parquet_schema(files[0])
         num_docs: Optional[int] = n0 + sum(_parquet_schema(f)[1] for f in files[1:])
-        arrays_fn: Callable[[str], Iterator[pa.Array]] = lambda c: _parquet_arrays(files, c, batch_rows)
+        arrays_fn: Callable[[str], Iterator[_Located]] = lambda c: _parquet_arrays(files, c, batch_rows)
     elif kind == "jsonl":
-        nonempty = [f for f in files if f.stat().st_size > 0]
-        if not nonempty:
+        first = None
+        for i, f in enumerate(files):  # the first file with a line gives the columns
+            first = json_schema(f)
+            if first is not None:
+                files = files[i:]
+                break
+        if first is None:
             # no documents, as an empty parquet file: zero documents (no schema to check a column against)
-            column = text_column or "text"
             tok = load_tokenizer(tok_arg)
-            return DocumentSource(path=str(path), format=kind, column=column, pretokenized=False, tokenizer=tok,
-                                  num_docs=0, batch_rows=batch_rows, flat_reader=lambda: iter(()))
-        files = nonempty
-        first_json = _read_json(files[0])
-        schema = first_json.schema
-        num_docs = first_json.num_rows if len(files) == 1 else None
-        arrays_fn = lambda c: _json_arrays(files, c, batch_rows, first_json)
+            return DocumentSource(column=text_column or "text", pretokenized=False, tokenizer=tok, num_docs=0,
+                                  flat_reader=lambda counts: iter(()), **common)
+        schema = first
+        num_docs = None  # streamed: counted while reading
+        arrays_fn = lambda c: _wrap_errors(json_arrays(files, c, schema.field(c).type, batch_rows), f"JSON lines {p}")
     elif kind == "arrow":
         schema, n0 = _arrow_schema(files[0])
         num_docs = n0 + sum(_arrow_schema(f)[1] for f in files[1:])
@@ -844,11 +750,12 @@ def open_source(
         ds, split, splits = _load_hf_dataset(p)
         schema = ds.data.schema
         num_docs = ds.num_rows
-        arrays_fn = lambda c: _wrap_errors(_hf_arrays(ds, c, batch_rows), f"HF dataset {p}")
         where = f"HF dataset {p}"
+        arrays_fn = lambda c: _wrap_errors(_hf_arrays(ds, c, batch_rows, where), where)
 
     column = _choose_column(list(schema.names), text_column, tok_arg, where)
-    pretokenized = _check_column_type(schema.field(column).type, column, where)
+    pretokenized = _check_column_type(read_type(schema.field(column).type) if kind == "jsonl"
+                                      else schema.field(column).type, column, where)
     if pretokenized and tok_arg != "bytes":
         # a tokenizer file would be silently ignored: ids are used as they are
         raise SourceError(
@@ -857,8 +764,9 @@ def open_source(
         )
     tok = None if pretokenized else load_tokenizer(tok_arg)
     return DocumentSource(
-        path=str(path), format=kind, column=column, pretokenized=pretokenized, tokenizer=tok,
-        num_docs=num_docs, batch_rows=batch_rows,
-        flat_reader=lambda: _docs_from_arrays(arrays_fn(column), column, pretokenized, tok, where),
-        split=split, splits=splits,
+        column=column, pretokenized=pretokenized, tokenizer=tok, num_docs=num_docs,
+        flat_reader=lambda counts: _docs_from_arrays(arrays_fn(column), column, pretokenized, tok, where,
+                                                     on_invalid, counts),
+        split=split, splits=splits, **common,
     )
+

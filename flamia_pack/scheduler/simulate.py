@@ -304,7 +304,7 @@ _fast_kernels = None
 
 
 def _get_fast_kernels():
-    """Interval-free simulators on the ITEM table (issue 7 service fast path): the same per-SM
+    """Interval-free simulators on the ITEM table (the service's fast path): the same per-SM
     busy times as :func:`simulate_schedule` on ``np.repeat(item_costs, h)``, bit for bit (the
     same float additions in the same order per SM), without building the unit arrays.
 

@@ -228,7 +228,7 @@ def _get_numba_kernel():
                 d += 1
             # items are generated in (doc, q_start) order: a stable sort on -cost gives the order.
             # Counting sort (costs are small ints): O(items + max cost), ~40x faster than numba's
-            # mergesort on 172k items (service fast path, issue 7); same order as the stable sort.
+            # mergesort on 172k items (the service's fast path); same order as the stable sort.
             mx = 0
             for i in range(cnt):
                 if out[i, 3] > mx:

@@ -1,4 +1,4 @@
-"""FastAPI app factory of the cost-prediction service (DESIGN.md §1.5, issue 7).
+"""FastAPI app factory of the cost-prediction service (DESIGN.md §1.5).
 
 ``create_app(settings=None, dispatcher=None)`` builds an app; ``flamia serve`` runs it with uvicorn.
 Heavy resources live in the lifespan: the calibration table (shipped, or the newest refit stored
@@ -190,7 +190,7 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
         description=(
             "Predicts packing, work, the static-vs-dynamic policy and the time of one packed causal attention "
             "training call for a proposed document-length mix, with the scheduler's simulator (the code behind "
-            "`flamia plan`), and times real calls on the local GPU. See DESIGN.md §6 and issue 7."
+            "`flamia plan`), and times real calls on the local GPU."
         ),
         lifespan=lifespan,
         max_body_size=settings.max_body_bytes,

@@ -1,4 +1,4 @@
-"""Refit the simulator's (a, b) from recorded runs (issue 7 item 3, ``POST /v1/calibration:refit``).
+"""Refit the simulator's (a, b) from recorded runs (``POST /v1/calibration:refit``).
 
 No web imports. Model (``flamia_pack.scheduler.simulate``): one (item, head) unit of ``c`` visible
 key tiles takes ``a * c + b`` us on one SM, and a call's time is the schedule's makespan, i.e. the

@@ -1,4 +1,4 @@
-"""Dispatch a real training call (forward + backward) of the attention op and time it (issue 7 item 3).
+"""Dispatch a real training call (forward + backward) of the attention op and time it.
 
 No FastAPI / pydantic imports: the GPU machine has neither, and a plain script can call
 :class:`GpuDispatcher` (or ``python -m flamia_pack.service.dispatch W1 W2 ...``) directly. The

@@ -1,4 +1,4 @@
-"""Pydantic v2 request and response models of the service (issue 7; DESIGN.md §1.5, §6).
+"""Pydantic v2 request and response models of the service (DESIGN.md §1.5, §6).
 
 Schema errors (wrong types, out-of-range numbers such as a document length < 1, unknown fields, not
 exactly one mix) are 422; requests that are well-formed but describe an impossible mix (a document longer than the row with
@@ -124,7 +124,7 @@ class PackingSummary(BaseModel):
 
 
 class PredictResponse(BaseModel):
-    """Everything ``flamia plan`` reports for the mix, plus packing (issue 7 item 2)."""
+    """Everything ``flamia plan`` reports for the mix, plus packing."""
 
     documents: int = Field(description="Documents in the mix.")
     empty_documents: int = Field(description="Zero-length documents (always 0: requests reject lengths < 1).")
@@ -154,7 +154,7 @@ class PredictResponse(BaseModel):
 
 
 class RunRequest(PredictRequest):
-    """A prediction request that is then dispatched to the local GPU (issue 7 item 3)."""
+    """A prediction request that is then dispatched to the local GPU."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=_ONE_MIX)
 

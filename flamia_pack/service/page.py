@@ -1,4 +1,4 @@
-"""The HTML page of ``GET /`` and ``POST /`` (issue 7 item 4): a form for the mix, server-rendered SVGs.
+"""The HTML page of ``GET /`` and ``POST /``: a form for the mix, server-rendered SVGs.
 
 The page works without JavaScript: the form posts ``application/x-www-form-urlencoded`` to ``/`` and
 the answer is the same page with the results (length histogram, Gantt charts of the static and the

@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    """Limits, paths and defaults of the cost-prediction service (DESIGN.md §1.5, issue 7)."""
+    """Limits, paths and defaults of the cost-prediction service (DESIGN.md §1.5)."""
 
     model_config = SettingsConfigDict(env_prefix="FLAMIA_", extra="ignore", frozen=True)
 

@@ -1,4 +1,4 @@
-"""Embedded SQLite store of dispatched runs and refitted calibration tables (issue 7 item 3).
+"""Embedded SQLite store of dispatched runs and refitted calibration tables.
 
 Standard-library ``sqlite3`` only (no web imports). One connection per operation (cheap, and safe
 from any thread: FastAPI runs sync work in a thread pool), WAL journal, every write in a

@@ -1,4 +1,4 @@
-"""``POST /v1/cost:predict``: a length mix -> packing, work, policy and predicted time (issue 7 item 2)."""
+"""``POST /v1/cost:predict``: a length mix -> packing, work, policy and predicted time."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
