@@ -639,6 +639,7 @@ import json
 import torch
 from flamia_pack.kernels.attention import build_attention_work_list
 from flamia_pack.kernels.config import AttentionKernelConfig
+from flamia_pack.kernels.check import small_test_config
 from flamia_pack.kernels.flash_fwd import LOG2E, _fwd_kernel
 from flamia_pack.kernels.interpret import patch_triton_interpreter
 patch_triton_interpreter()
