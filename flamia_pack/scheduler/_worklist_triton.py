@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flamia_pack.scheduler.keys import cost_key_dtype
+
 _BLOCK = 512
 
 
@@ -111,8 +113,6 @@ def _gather_kernel(perm_ptr, unsorted_ptr, out_ptr, M, BLOCK: tl.constexpr):
 
 def build_into(cu_seqlens: torch.Tensor, total_tokens: int, config, wl) -> None:
     """Fill ``wl.items`` / ``wl.num_items`` (see the module docstring). No host sync."""
-    from flamia_pack.scheduler.worklist import _cost_key_dtype
-
     n = cu_seqlens.numel() - 1
     m = wl.max_items
     dev = cu_seqlens.device
@@ -121,7 +121,7 @@ def build_into(cu_seqlens: torch.Tensor, total_tokens: int, config, wl) -> None:
         cu_seqlens, cnt, n, BM=config.block_m, MERGE=config.merge_short, BLOCK=1024, num_warps=4
     )
     offs = torch.cumsum(cnt, 0, dtype=torch.int32)
-    key = torch.empty(m, dtype=_cost_key_dtype(total_tokens, config.block_n), device=dev)
+    key = torch.empty(m, dtype=cost_key_dtype(total_tokens, config.block_n), device=dev)
     unsorted = torch.empty((4, m), dtype=torch.int32, device=dev)
     _expand_kernel[(triton.cdiv(m, _BLOCK),)](
         cu_seqlens, cnt, offs, key, unsorted, wl.num_items, n, m,

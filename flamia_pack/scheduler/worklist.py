@@ -64,6 +64,7 @@ import numpy as np
 import torch
 
 from flamia_pack.errors import FlamiaError, MetadataError
+from flamia_pack.scheduler.keys import cost_key_dtype
 from flamia_pack.varlen import validate_cu_seqlens
 
 __all__ = [
@@ -374,12 +375,6 @@ def max_work_items(total_tokens: int, max_docs: int | None = None, config: TileC
     return bound
 
 
-def _cost_key_dtype(total_tokens: int, block_n: int) -> torch.dtype:
-    # smallest signed key for -cost; fewer radix-sort passes
-    max_cost = total_tokens // block_n + 2
-    return torch.int16 if max_cost < 2**15 - 1 else torch.int32
-
-
 _ARANGE_CACHE: dict = {}
 
 
@@ -655,7 +650,7 @@ def _build_torch_into(cu_seqlens: torch.Tensor, total_tokens: int, config: TileC
     m = wl.max_items
     cu = cu_seqlens.to(torch.int64)
     d, qs, qe, cost, valid, total = _expand_torch(cu, m, config)
-    key = torch.where(valid, -cost, 1).to(_cost_key_dtype(total_tokens, config.block_n))
+    key = torch.where(valid, -cost, 1).to(cost_key_dtype(total_tokens, config.block_n))
     _, perm = torch.sort(key, stable=True)
     table = torch.stack([d, qs, qe, cost], dim=1).to(torch.int32)
     table = torch.where(valid[:, None], table, -1)
