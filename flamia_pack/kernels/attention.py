@@ -380,8 +380,8 @@ def launch_bits(cfg: AttentionKernelConfig, min_seqlen: int | None, doc_tokens: 
     """The launches a row may need beyond the main kernels, from host knowledge only (no sync): the
     :func:`leftover_bits` of its shortest document, plus :data:`PAD_TAIL` unless ``doc_tokens``
     (``cu_seqlens[-1]``) is known to equal ``T`` -- a row without row-end padding has no padding
-    rows to fill, and each fill is a launch of ``T / 64`` programs and ~65 us of host time per call
-    (RESULTS.md 2026-11-30 (third), run 6's profile). ``None``: unknown (the launch runs)."""
+    rows to fill, and each fill is a launch of ``T / 64`` programs and ~65 us of host time per call.
+    ``None``: unknown (the launch runs)."""
     bits = leftover_bits(cfg, min_seqlen)
     if doc_tokens is None or int(doc_tokens) != int(T):
         bits |= PAD_TAIL
@@ -533,9 +533,8 @@ _varlen_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _VarlenAttnFn(torch.autograd.Function):
     """The eager path of :func:`varlen_attention`: the same forward / backward bodies as the custom ops
-    without the custom-op dispatch, which cost ~65 us of host time per forward call on the H200's host
-    (RESULTS "Session of 2026-11-30 (fourth)" run 1: 202 us for the op vs 136 us for its body on
-    W7). ``torch.compile`` traces the custom op instead (``varlen_attention`` picks by
+    without the custom-op dispatch, which costs ~65 us of host time per forward call (W7: 202 us for
+    the op vs 136 us for its body). ``torch.compile`` traces the custom op instead (``varlen_attention`` picks by
     ``torch.compiler.is_compiling()``); both give the same tensors."""
 
     @staticmethod
@@ -620,8 +619,8 @@ def varlen_attention(
             inputs give non-finite outputs. A document with items of its own keeps them to itself,
             in O and in dQ, dK, dV (Triton kernels: masked loads; Gluon kernels: the tile a
             document end cuts has the next document's rows zeroed or is loaded ending at the
-            document end; GPU test ``test_nan_in_one_document_stays_in_it``, every kernel family,
-            H200 2026-11-29); short documents merged into one 128-query item (``merge_short``)
+            document end; GPU test ``test_nan_in_one_document_stays_in_it``, every kernel family);
+            short documents merged into one 128-query item (``merge_short``)
             share key tiles, and a NaN / Inf in one's K or V reaches the others (masked P is 0, and
             0 x NaN is NaN in the P V product): a known defect.
 

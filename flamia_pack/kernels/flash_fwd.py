@@ -211,8 +211,7 @@ def fill_tails(targets: list[tuple[torch.Tensor, float, int]], cu_seqlens: torch
 
     One Triton launch of ``cdiv(max T, 64)`` programs (none if every tensor is skipped) for the
     forward's ``o`` / ``lse`` and for the backward's ``dq`` / ``dk`` / ``dv``, which took one launch
-    each: every launch costs host time (RESULTS.md, 2026-11-30: the two fills 0.155 ms per forward
-    call under the profiler, H200 machine).
+    each: every launch costs host time (two fills: 0.155 ms per forward call under the profiler).
 
     Raises:
         FlamiaError: more than 3 targets.

@@ -153,10 +153,9 @@ def _rows_through_smem(buf, x, NW: gl.constexpr):
     product that read it retired; the calling partition's ``NW`` warps only).
 
     Why: stores straight from the wgmma layout write 4 bytes a thread, 8 rows x 16 bytes a warp, so
-    every 32-byte sector is written in two halves -- twice the L2 write requests (ncu, W7 forward
-    2026-11-30: 8.4 M excessive sectors, the ``STG`` the top stall at 12% of the samples; RESULTS.md
-    "Session of 2026-11-30 (third)"). A TMA store instead would make the slot wait for the TMA
-    engine's read before it is released (long rows 0.95x, ``next/fwd-tma-epilogue``)."""
+    every 32-byte sector is written in two halves -- twice the L2 write requests (ncu on W7's forward:
+    8.4 M excessive sectors, the ``STG`` the top stall). A TMA store instead would make the slot wait
+    for the TMA engine's read before it is released (long rows 0.95x)."""
     COLS: gl.constexpr = buf.type.shape[1]
     buf.store(x)
     gl.thread_barrier()  # the partition's rows written before its warps read other warps' rows

@@ -221,8 +221,8 @@ def _dkdv_consume_entry(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, k
     if DQ_REDUCE:
         tma.store_wait(0)  # the last reduce has read its staging tile before the program exits
     if DQ_REDUCE and RELEASE_KV:
-        # the persistent dQ-reduce programs (a candidate) keep the direct stores: staged, ptxas spills
-        # 48 B into their step loop (CPU screen, 2026-11-30; 8 B before)
+        # persistent programs with the dQ reduce keep the direct stores: staged, ptxas spills 48 B into
+        # their step loop (8 B direct)
         mbarrier.arrive(kv_empty, count=1)  # K, V read by every product: the next entry's may load
         rows = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
@@ -415,15 +415,15 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
             by a TMA bulk reduce (FlashAttention-3's dQ path). ``dq_acc`` then
             holds ``dQ / softmax_scale`` of the chunk's query heads for the rows this kernel owns, so
             the dQ programs are not needed; the summation order of the reduces varies run to run
-            (not bitwise reproducible). Config ``bwd_gluon_dq_reduce``.
+            (not bitwise reproducible). Config ``GluonBwdConfig.dq_reduce``.
         kv_head0, kv_heads: run only kv heads ``[kv_head0, kv_head0 + kv_heads)`` (default all: a
             caller bounding the accumulator's memory runs the heads in chunks,
-            ``bwd_dq_reduce_max_bytes``).
+            ``GluonBwdConfig.dq_reduce_max_bytes``).
         persistent: one program per SM taking entries of the same head-major list from a global
-            counter (greedy, like the hardware's dispatch of one-entry programs); its producer loads the next entry's K, V (a second slot, without
-            ``dq_acc``) and first Q / dO tiles while the current entry computes, hiding the
-            per-program prologue / epilogue that dominates short documents (config
-            ``bwd_gluon_persistent``; H200: 0.93-1.00x on long rows, so off there).
+            counter (greedy, like the hardware's dispatch of one-entry programs); its producer loads
+            the next entry's K, V (a second slot, without ``dq_acc``) and first Q / dO tiles while the
+            current entry computes, hiding the per-program prologue / epilogue that dominates short
+            documents (config ``GluonBwdConfig.persistent``; 0.93-1.00x on long rows, so off there).
 
     Returns:
         ``(dk, dv)`` ``(T, H_kv, D)`` bf16; rows past ``cu_seqlens[-1]`` are left uninitialised.

@@ -182,7 +182,7 @@ def gluon_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     Args: as :func:`gluon_dkdv`; ``block_m`` queries per program, ``block_n`` keys per walked tile;
     ``dq`` an optional preallocated output; ``persistent``: one program per SM taking entries from a
     global counter, the next entry's Q / dO (second slot) and K / V tiles loading while the current
-    one computes (K / V ring at most 2 deep then; config ``bwd_gluon_persistent``; on for MHA rows
+    one computes (K / V ring at most 2 deep then; config ``GluonBwdConfig.persistent``; on for MHA rows
     of 513-1,024 tokens, W3: 1.02-1.04x).
 
     Returns:
