@@ -45,8 +45,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from flamia_pack.errors import FlamiaError, MetadataError
-from flamia_pack.kernels.config import (AttentionKernelConfig, GluonBwdConfig, GluonFwdConfig, check_row_hints,
-                                        env_candidate, host_cache, kernel_config, work_list_tile_config)
+from flamia_pack.kernels.config import (AttentionKernelConfig, GluonFwdConfig, check_row_hints, env_candidate,
+                                        gluon_bwd_min_len, host_cache, kernel_config, work_list_tile_config)
 
 __all__ = ["varlen_attention", "build_attention_work_list", "check_attention_inputs", "kernels_available"]
 
@@ -222,7 +222,7 @@ def leftover_bits(cfg: AttentionKernelConfig, min_seqlen: int | None) -> int:
     bits = 0
     if merged_possible or min_seqlen <= 1:
         bits |= LEFTOVER_FWD
-    if merged_possible or min_seqlen <= (cfg.gluon_bwd or GluonBwdConfig()).min_len:
+    if merged_possible or min_seqlen <= gluon_bwd_min_len(cfg):
         bits |= LEFTOVER_BWD
     return bits
 

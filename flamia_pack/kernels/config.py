@@ -30,7 +30,8 @@ from flamia_pack.errors import FlamiaError, MetadataError
 
 __all__ = ["AttentionKernelConfig", "TritonFwdConfig", "GluonFwdConfig", "TritonBwdConfig", "GluonBwdConfig",
            "kernel_config", "work_list_tile_config", "band_of", "BANDS", "SCHEDULES", "NAMED_CONFIGS", "CANDIDATES",
-           "CONFIG_ENV", "candidate_config", "env_candidate", "check_row_hints", "host_cache", "SMALL_BWD"]
+           "CONFIG_ENV", "candidate_config", "env_candidate", "check_row_hints", "host_cache", "SMALL_BWD",
+           "gluon_bwd_min_len"]
 
 SCHEDULES = ("grid_head_major", "grid", "persistent", "static", "policy")
 """Launch orders of the Triton forward (DESIGN.md §6). ``grid_head_major`` (the default): one program
@@ -271,13 +272,19 @@ class AttentionKernelConfig:
     @classmethod
     def key_length(cls) -> int:
         """Length of :meth:`key`."""
-        return 2 + sum(len(fields(f)) for f in _FAMILIES.values()) + 2
+        return 2 + sum(len(fields(f)) + name.startswith("gluon") for name, f in _FAMILIES.items())
 
 
 _FIELD_NAMES = {name: tuple(f.name for f in fields(cls)) for name, cls in _FAMILIES.items()}
 """Each family's field names in :meth:`AttentionKernelConfig.key` order (built once: ``torch.compile``
 traces :meth:`~AttentionKernelConfig.key` and cannot trace ``dataclasses.fields``)."""
 _FAMILY_DEFAULTS = {name: cls() for name, cls in _FAMILIES.items()}
+
+
+def gluon_bwd_min_len(config: AttentionKernelConfig) -> int:
+    """Documents of at most this many tokens (and merged items) are left by the Gluon backward to its
+    Triton leftover launch: ``config.gluon_bwd.min_len``, the default's for a config without one."""
+    return (config.gluon_bwd or _FAMILY_DEFAULTS["gluon_bwd"]).min_len
 
 
 SMALL_BWD = TritonBwdConfig(block_n1=64, block_m1=32, block_m2=64, block_n2=32, num_warps=4)
@@ -361,11 +368,6 @@ def band_of(head_dim: int, max_seqlen: int | None, num_kv_groups: int = 1) -> st
     return "small_fwd_pers" if max_seqlen <= 512 else "all_pers_dqp"
 
 
-def _apply(base: AttentionKernelConfig, overrides: dict) -> AttentionKernelConfig:
-    """``base`` with a :data:`NAMED_CONFIGS` entry applied (a family value replaces that family)."""
-    return replace(base, **overrides)
-
-
 def _default_config(head_dim: int, causal: bool, precision: str) -> AttentionKernelConfig:
     if not _is_int(head_dim) or head_dim not in (64, 128):
         raise FlamiaError(f"head_dim must be the int 64 or 128, got {head_dim!r}")
@@ -412,7 +414,7 @@ def env_candidate() -> str:
     return name
 
 
-_NAMED = {(name, d): _apply(base, over) for name, over in NAMED_CONFIGS.items() for d, base in _DEFAULTS.items()}
+_NAMED = {(name, d): replace(base, **over) for name, over in NAMED_CONFIGS.items() for d, base in _DEFAULTS.items()}
 """Every named config per head_dim, built once (frozen and shared: the host path of a call, and a
 ``torch.compile`` trace, only look one up)."""
 
@@ -438,10 +440,8 @@ def kernel_config(head_dim: int, causal: bool = True, precision: str = "bf16",
         MetadataError: ``max_seqlen`` not None and not an int >= 0 (:func:`check_row_hints`).
     """
     check_row_hints(max_seqlen, num_kv_groups)
-    name = env_candidate() or band_of(head_dim, max_seqlen, num_kv_groups)
-    if type(head_dim) is int and type(causal) is bool and type(precision) is str:
-        return _candidate_cached(name, head_dim, causal, precision)  # ~10 us -> ~1 us of host time per call
-    return candidate_config(name, head_dim, causal, precision)
+    return candidate_config(env_candidate() or band_of(head_dim, max_seqlen, num_kv_groups), head_dim, causal,
+                            precision)
 
 
 def host_cache(fn):
@@ -457,9 +457,6 @@ def host_cache(fn):
         return fn(*args) if torch.compiler.is_compiling() else cached(*args)
 
     return call
-
-
-_candidate_cached = host_cache(candidate_config)
 
 
 def work_list_tile_config(config: AttentionKernelConfig, causal: bool):

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flamia_pack.kernels.config import SMALL_BWD, AttentionKernelConfig, GluonBwdConfig
+from flamia_pack.kernels.config import SMALL_BWD, AttentionKernelConfig, gluon_bwd_min_len
 from flamia_pack.kernels.constants import LOG2E
 from flamia_pack.kernels.flash_fwd import fill_tails, gluon_applies
 from flamia_pack.kernels.tiles_triton import masked_tile_index, program_geometry, relative_doc, tile_visible
@@ -440,7 +440,7 @@ def flash_bwd(
     n_steps = max(1, int(n_docs).bit_length() + 1)
     group = H // Hkv
     chunk_kv = Hkv  # one Gluon launch over every kv head unless the accumulator is bounded
-    min_len = g.min_len if g is not None else GluonBwdConfig().min_len
+    min_len = gluon_bwd_min_len(config)
     if gluon and g.dq_reduce:
         chunk_kv = max(1, min(Hkv, g.dq_reduce_max_bytes // max(1, 4 * T * group * D)))
         dq_red = torch.empty((T, chunk_kv * group, D), dtype=torch.float32, device=q.device)
