@@ -54,7 +54,6 @@ here (every S element is computed alone), only the dV fold's grouping; see tests
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
