@@ -656,10 +656,10 @@ def run(sel, hpp):
     lse = torch.full((H, T), float("nan"))
     n_entries = wl.items.shape[0] * H
     _fwd_kernel[(n_entries // hpp,)](q, k, v, o, lse, wl.items, wl.num_items, cu, wl.num_items, len(lengths),
-        wl.items.shape[0], H, H // HKV, sel, wl.items, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        wl.items.shape[0], H, H // HKV, sel, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), o.stride(0), o.stride(1), lse.stride(0), D ** -0.5 * LOG2E,
         HEAD_DIM=D, BLOCK_M=32, BLOCK_N=16, F=1, WL_BM=32, CAUSAL=True, PERSISTENT=False, HEAD_MAJOR=True,
-        DOC_MAJOR=False, STATIC=False, HEADS_PER_PROGRAM=hpp)
+        STATIC=False, HEADS_PER_PROGRAM=hpp)
     return o.float(), lse
 full_o, full_lse = run(0, 1)
 out = {}

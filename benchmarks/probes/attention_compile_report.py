@@ -1,7 +1,7 @@
 """Compile the attention kernels for sm_90 WITHOUT a GPU and print their resource report.
 
     PYTHONPATH=. python benchmarks/probes/attention_compile_report.py ['{"D": 128, "fwd": [[BM, BN, warps, stages, persistent(, maxnreg)]],
-        "bwd": [[M1, N1, M2, N2, warps, stages, {optional: KIND, MASKED_STAGES, USE_TMA, HEAD_MAJOR}]], "misc": true}']
+        "bwd": [[M1, N1, M2, N2, warps, stages, {optional: MASKED_STAGES, GROUP}]], "misc": true}']
 
 Uses triton's own ptxas/cuobjdump (shipped in the triton wheel) on the CPU development machine:
 compile errors, shared memory, registers, spill bytes and counts of HGMMA (wgmma), LDGSTS
@@ -62,11 +62,11 @@ cfgs = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
 D = int(cfgs.get("D", 128))
 for bm, bn, nw, ns, pers, *mr in cfgs.get("fwd", [(128, 64, 8, 3, False)]):  # optional 6th: maxnreg (fwd_maxnreg)
     report(f"fwd D{D} {bm}x{bn} w{nw} s{ns} pers={pers}{f' maxnreg={mr[0]}' if mr else ''}", F._fwd_kernel, ptr,
-           dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, F=128 // bm, WL_BM=128, CAUSAL=True, PERSISTENT=pers, HEAD_MAJOR=False, DOC_MAJOR=False), nw, ns,
+           dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, F=128 // bm, WL_BM=128, CAUSAL=True, PERSISTENT=pers, HEAD_MAJOR=not pers), nw, ns,
            mr[0] if mr else 0)
 for m1, n1, m2, n2, nw, ns, *extra in cfgs.get("bwd", [(64, 128, 128, 64, 8, 2)]):
-    # optional 7th entry: {"KIND": 0|1|2, "MASKED_STAGES": s, "USE_TMA": bool, "HEAD_MAJOR": bool, "GROUP": H_q // H_kv}
-    kc = {**dict(GROUP=1, REG_OPS=0, KIND=0, MASKED_STAGES=ns, USE_TMA=False, HEAD_MAJOR=False, DQ_ATOMIC=False, DQ_TMA=False, DOC_MAJOR=False), **(extra[0] if extra else {})}
+    # optional 7th entry: {"MASKED_STAGES": s, "GROUP": H_q // H_kv}
+    kc = {**dict(GROUP=1, MASKED_STAGES=ns), **(extra[0] if extra else {})}
     report(f"bwd D{D} m1={m1} n1={n1} m2={m2} n2={n2} w{nw} s{ns} {extra[0] if extra else ''}", B._bwd_kernel, ptr,
            dict(HEAD_DIM=D, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, F1=128 // n1, F2=128 // m2, WL_BM=128, CAUSAL=True, **kc), nw, ns)
 if cfgs.get("misc", True):

@@ -116,56 +116,16 @@ def _dq_reduce_cast(DQ_ACC, DQ, CU, n_docs, skip, n_steps, T, acc_heads, h0, str
 
 
 @triton.jit
-def _add_dq_tile(ds_t, k, aq_ptrs, dq_desc, row0, h, mask, sm_scale, HEAD_DIM: tl.constexpr, DQ_TMA: tl.constexpr):
-    """``dQ[rows] += softmax_scale * dS^T K`` for one walked query tile of a dK/dV program (``bwd_dq_atomic``).
-
-    ``ds_t`` is ``(keys, queries)``; ``aq_ptrs`` the tile's ``(HEAD_DIM, queries)`` pointers into the
-    fp32 accumulator (per-thread vector atomics, rows masked by ``mask`` or not at all when None);
-    with ``DQ_TMA`` 1 or 2 one TMA bulk reduce-add at row ``row0``, columns of head ``h`` (rows past
-    T are clipped by the descriptor; rows not visible carry dS = 0).
-    """
-    if DQ_TMA > 0:
-        if DQ_TMA == 1:
-            dq_t = tl.trans(tl.dot(tl.trans(k), ds_t.to(k.dtype))) * sm_scale
-        else:
-            dq_t = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * sm_scale
-        dq_desc.atomic_add([row0, h * HEAD_DIM], dq_t)
-    else:
-        dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype)) * sm_scale
-        tl.atomic_add(aq_ptrs, dq_t, mask=mask, sem="relaxed")
-
-
-@triton.jit
-def _to_mma_regs(a, b, offs, DO_A: tl.constexpr, DO_B: tl.constexpr):
-    """``(a, b)`` re-made as ``I @ a`` / ``I @ b`` (exact: one nonzero term per output, fp32 accumulate).
-
-    The result has the wgmma accumulator layout, so Triton feeds it to the loop's products as the A
-    operand from registers instead of re-reading it from shared memory in every step
-    (``bwd_reg_operands``; Triton's MMAv3 register-operand rewrite only fires for operands made by a
-    product). One extra ``rows x rows x HEAD_DIM`` product per program. An Inf in ``a`` turns its
-    column into NaN for every row of the block (0 * Inf), where the attention would be NaN anyway.
-    """
-    eye = tl.where(offs[:, None] == offs[None, :], 1.0, 0.0).to(a.dtype)  # (a bool -> bf16 cast is wrong in the interpreter)
-    if DO_A:
-        a = tl.dot(eye, a).to(a.dtype)
-    if DO_B:
-        b = tl.dot(eye, b).to(b.dtype)
-    return a, b
-
-
-@triton.jit
 def _dkdv_tile(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e, hk, sel, order_ptr,
+    Q, K, V, DO, LSE, DELTA, DK, DV, items_ptr, cu_ptr, n_docs, e, hk, sel,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
     qk_scale, sm_scale, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-    F1: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
-    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
-    DOC_MAJOR: tl.constexpr, REG_OPS: tl.constexpr,
+    F1: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, MASKED_STAGES: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
-        items_ptr, cu_ptr, e, sel, order_ptr, F1, WL_BM, BLOCK_N1, BLOCK_M1, True, CAUSAL, DOC_MAJOR)
+        items_ptr, cu_ptr, e, sel, F1, WL_BM, BLOCK_N1, BLOCK_M1, True, CAUSAL)
     if rs < re:
         offs_n = tl.arange(0, BLOCK_N1)
         offs_m = tl.arange(0, BLOCK_M1)
@@ -176,8 +136,6 @@ def _dkdv_tile(
                     mask=k_ok[:, None], other=0.0)
         v = tl.load(V + rs.to(tl.int64) * stride_vt + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
                     mask=k_ok[:, None], other=0.0)
-        if REG_OPS & 3:
-            k, v = _to_mma_regs(k, v, offs_n, REG_OPS & 1, REG_OPS & 2)
         dk = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
         dv = tl.zeros([BLOCK_N1, HEAD_DIM], tl.float32)
         r_rel = relative_doc(k_pos, cu_ptr, doc, tl.maximum(re, o_hi), merged)
@@ -187,60 +145,34 @@ def _dkdv_tile(
             do_ptrs = DO + o_lo.to(tl.int64) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :]
             l_ptrs = LSE + h * stride_lh + o_lo + offs_m
             d_ptrs = DELTA + h * stride_lh + o_lo + offs_m
-            # dQ^T tile (HEAD_DIM x BLOCK_M1) of the fp32 accumulator, added with atomics
-            aq_ptrs = DQACC + o_lo.to(tl.int64) * stride_aqt + h * stride_aqh + offs_m[None, :] * stride_aqt + offs_d[:, None]
-            if USE_TMA:
-                # TMA descriptors over rows [0, o_hi) of this head: rows >= o_hi read as zero
-                q_desc = tl.make_tensor_descriptor(Q + h * stride_qh, shape=[o_hi, HEAD_DIM], strides=[stride_qt, 1],
-                                                   block_shape=[BLOCK_M1, HEAD_DIM])
-                do_desc = tl.make_tensor_descriptor(DO + h * stride_doh, shape=[o_hi, HEAD_DIM],
-                                                    strides=[stride_dot, 1], block_shape=[BLOCK_M1, HEAD_DIM])
             # mask-free query tiles
             for t in range(u0, u1):
-                if USE_TMA:
-                    q = q_desc.load([o_lo + t * BLOCK_M1, 0])
-                else:
-                    q = tl.load(q_ptrs + t * BLOCK_M1 * stride_qt)
+                q = tl.load(q_ptrs + t * BLOCK_M1 * stride_qt)
                 lse2 = tl.load(l_ptrs + t * BLOCK_M1) * 1.4426950408889634
                 s_t = tl.dot(k, tl.trans(q))
                 p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
-                if USE_TMA:
-                    do = do_desc.load([o_lo + t * BLOCK_M1, 0])
-                else:
-                    do = tl.load(do_ptrs + t * BLOCK_M1 * stride_dot)
+                do = tl.load(do_ptrs + t * BLOCK_M1 * stride_dot)
                 dv = tl.dot(p_t.to(do.dtype), do, dv)
                 delta = tl.load(d_ptrs + t * BLOCK_M1)
                 dp_t = tl.dot(v, tl.trans(do))
                 ds_t = p_t * (dp_t - delta[None, :])
                 dk = tl.dot(ds_t.to(q.dtype), q, dk)
-                if DQ_ATOMIC:
-                    _add_dq_tile(ds_t, k, aq_ptrs + t * BLOCK_M1 * stride_aqt, dq_desc, o_lo + t * BLOCK_M1, h, None,
-                                 sm_scale, HEAD_DIM, DQ_TMA)
             # masked query tiles: causal diagonal, document end, merged short documents
             for jj in tl.range(0, u0 + n - u1, num_stages=MASKED_STAGES):
                 t = masked_tile_index(jj, u0, u1)
                 q_pos = o_lo + t * BLOCK_M1 + offs_m
                 q_ok = q_pos < o_hi
-                if USE_TMA:
-                    q = q_desc.load([o_lo + t * BLOCK_M1, 0])
-                else:
-                    q = tl.load(q_ptrs + t * BLOCK_M1 * stride_qt, mask=q_ok[:, None], other=0.0)
+                q = tl.load(q_ptrs + t * BLOCK_M1 * stride_qt, mask=q_ok[:, None], other=0.0)
                 lse2 = tl.load(l_ptrs + t * BLOCK_M1, mask=q_ok, other=0.0) * 1.4426950408889634
                 s_t = tl.dot(k, tl.trans(q))
                 vis = tile_visible(k_pos, q_pos, o_hi, r_rel, cu_ptr, doc, merged, True, CAUSAL)
                 p_t = tl.where(vis, tl.math.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
-                if USE_TMA:
-                    do = do_desc.load([o_lo + t * BLOCK_M1, 0])
-                else:
-                    do = tl.load(do_ptrs + t * BLOCK_M1 * stride_dot, mask=q_ok[:, None], other=0.0)
+                do = tl.load(do_ptrs + t * BLOCK_M1 * stride_dot, mask=q_ok[:, None], other=0.0)
                 dv = tl.dot(p_t.to(do.dtype), do, dv)
                 delta = tl.load(d_ptrs + t * BLOCK_M1, mask=q_ok, other=0.0)
                 dp_t = tl.dot(v, tl.trans(do))
                 ds_t = p_t * (dp_t - delta[None, :])
                 dk = tl.dot(ds_t.to(q.dtype), q, dk)
-                if DQ_ATOMIC:
-                    _add_dq_tile(ds_t, k, aq_ptrs + t * BLOCK_M1 * stride_aqt, dq_desc, o_lo + t * BLOCK_M1, h,
-                                 q_ok[None, :], sm_scale, HEAD_DIM, DQ_TMA)
         dk = dk * sm_scale
         tl.store(DK + rs.to(tl.int64) * stride_dkt + hk * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
                  dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
@@ -250,17 +182,15 @@ def _dkdv_tile(
 
 @triton.jit
 def _dq_tile(
-    Q, K, V, DO, LSE, DELTA, O, DLSE, DQ, items_ptr, cu_ptr, n_docs, e, h, sel, order_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_ot, stride_oh,
+    Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e, h, sel,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lh,
     qk_scale, sm_scale, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-    F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
-    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr, REG_OPS: tl.constexpr,
-    DQ_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
+    F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, MASKED_STAGES: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
-        items_ptr, cu_ptr, e, sel, order_ptr, F2, WL_BM, BLOCK_M2, BLOCK_N2, False, CAUSAL, DOC_MAJOR)
+        items_ptr, cu_ptr, e, sel, F2, WL_BM, BLOCK_M2, BLOCK_N2, False, CAUSAL)
     if rs < re:
         hk = h // GROUP
         offs_m = tl.arange(0, BLOCK_M2)
@@ -273,33 +203,13 @@ def _dq_tile(
         do = tl.load(DO + rs.to(tl.int64) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
                      mask=q_ok[:, None], other=0.0)
         lse2 = tl.load(LSE + h * stride_lh + q_pos, mask=q_ok, other=0.0) * 1.4426950408889634
-        if DQ_DELTA:
-            # bwd_dq_delta: this program's rows' Delta = rowsum(O * dO) - dLSE, as _bwd_preprocess
-            # computes it, stored for the dK/dV launch that runs after this one
-            o = tl.load(O + rs.to(tl.int64) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
-                        mask=q_ok[:, None], other=0.0)
-            delta = _row_delta(o, do, DLSE + h * stride_lh + q_pos, q_ok, HAS_DLSE)
-            tl.store(DELTA + h * stride_lh + q_pos, delta, mask=q_ok)
-        else:
-            delta = tl.load(DELTA + h * stride_lh + q_pos, mask=q_ok, other=0.0)
-        if REG_OPS & 12:
-            q, do = _to_mma_regs(q, do, offs_m, REG_OPS & 4, REG_OPS & 8)
+        delta = tl.load(DELTA + h * stride_lh + q_pos, mask=q_ok, other=0.0)
         k_ptrs = K + o_lo.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
         v_ptrs = V + o_lo.to(tl.int64) * stride_vt + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
         dq = tl.zeros([BLOCK_M2, HEAD_DIM], tl.float32)
-        if USE_TMA:
-            # TMA descriptors over key rows [0, o_hi) of this kv head: rows >= o_hi read as zero
-            k_desc = tl.make_tensor_descriptor(K + hk * stride_kh, shape=[o_hi, HEAD_DIM], strides=[stride_kt, 1],
-                                               block_shape=[BLOCK_N2, HEAD_DIM])
-            v_desc = tl.make_tensor_descriptor(V + hk * stride_vh, shape=[o_hi, HEAD_DIM], strides=[stride_vt, 1],
-                                               block_shape=[BLOCK_N2, HEAD_DIM])
         for t in range(u0, u1):
-            if USE_TMA:
-                k = k_desc.load([o_lo + t * BLOCK_N2, 0])
-                v = v_desc.load([o_lo + t * BLOCK_N2, 0])
-            else:
-                k = tl.load(k_ptrs + t * BLOCK_N2 * stride_kt)
-                v = tl.load(v_ptrs + t * BLOCK_N2 * stride_vt)
+            k = tl.load(k_ptrs + t * BLOCK_N2 * stride_kt)
+            v = tl.load(v_ptrs + t * BLOCK_N2 * stride_vt)
             s = tl.dot(q, tl.trans(k))
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
             dp = tl.dot(do, tl.trans(v))
@@ -309,13 +219,9 @@ def _dq_tile(
         for jj in tl.range(0, u0 + n - u1, num_stages=MASKED_STAGES):
             t = masked_tile_index(jj, u0, u1)
             k_pos = o_lo + t * BLOCK_N2 + offs_n
-            if USE_TMA:
-                k = k_desc.load([o_lo + t * BLOCK_N2, 0])
-                v = v_desc.load([o_lo + t * BLOCK_N2, 0])
-            else:
-                k_ok = k_pos < o_hi
-                k = tl.load(k_ptrs + t * BLOCK_N2 * stride_kt, mask=k_ok[:, None], other=0.0)
-                v = tl.load(v_ptrs + t * BLOCK_N2 * stride_vt, mask=k_ok[:, None], other=0.0)
+            k_ok = k_pos < o_hi
+            k = tl.load(k_ptrs + t * BLOCK_N2 * stride_kt, mask=k_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs + t * BLOCK_N2 * stride_vt, mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k))
             vis = tile_visible(q_pos, k_pos, o_hi, r_rel, cu_ptr, doc, merged, False, CAUSAL)
             p = tl.where(vis, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
@@ -329,69 +235,43 @@ def _dq_tile(
 
 @triton.jit(do_not_specialize=["n_docs", "max_items", "sel"])
 def _bwd_kernel(
-    Q, K, V, DO, LSE, DELTA, O, DLSE, DQ, DK, DV, DQACC, dq_desc, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items,
-    num_heads, num_kv_heads, sel, order_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_ot, stride_oh,
-    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, items_ptr, num_items_ptr, cu_ptr, n_docs, max_items, sel,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-    F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, KIND: tl.constexpr,
-    MASKED_STAGES: tl.constexpr, USE_TMA: tl.constexpr, HEAD_MAJOR: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    DQ_TMA: tl.constexpr, DOC_MAJOR: tl.constexpr, GROUP: tl.constexpr, REG_OPS: tl.constexpr,
-    DQ_DELTA: tl.constexpr = False, HAS_DLSE: tl.constexpr = False,
+    F1: tl.constexpr, F2: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
+    MASKED_STAGES: tl.constexpr, GROUP: tl.constexpr,
 ):
     # GROUP = num_heads // num_kv_heads (a constexpr: with a runtime trip count the GQA loop of the
-    # dK/dV programs cost 172 B of register spills on sm_90 even for MHA; 0 B as a constant)
-    # KIND 0: both program kinds interleaved rank by rank; 1: dK/dV programs only; 2: dQ only
+    # dK/dV programs cost 172 B of register spills on sm_90 even for MHA; 0 B as a constant).
+    # One kv head after the other (its dK/dV programs and its query heads' dQ programs interleaved
+    # rank by rank), ranks in decreasing cost inside a head: the programs in flight share one head's
+    # Q/K/V/dO in L2.
     pid = tl.program_id(0)
-    if HEAD_MAJOR:
-        # one kv head after the other (its dK/dV programs and its query heads' dQ programs), ranks in
-        # decreasing cost inside a head: the programs in flight share one head's Q/K/V/dO in L2
-        n_kv = F1
-        if KIND == 2:
-            n_kv = 0
-        per_rank = n_kv + F2 * GROUP
-        if KIND == 1:
-            per_rank = n_kv
-        hk0 = pid // (max_items * per_rank)
-        x = pid % (max_items * per_rank)
-        r = x // per_rank
-        rem = x % per_rank
-        e1 = r * F1 + rem
-        head1 = hk0
-        rem2 = rem - n_kv
-        e2 = r * F2 + rem2 // GROUP
-        head2 = hk0 * GROUP + rem2 % GROUP
-    else:
-        # rank-major: every head of one work-list rank side by side, ranks in decreasing cost
-        n_kv = F1 * num_kv_heads
-        if KIND == 2:
-            n_kv = 0
-        per_rank = n_kv + F2 * num_heads
-        if KIND == 1:
-            per_rank = n_kv
-        r = pid // per_rank
-        rem = pid % per_rank
-        e1 = r * F1 + rem // num_kv_heads
-        head1 = rem % num_kv_heads
-        rem2 = rem - n_kv
-        e2 = r * F2 + rem2 // num_heads
-        head2 = rem2 % num_heads
+    n_kv = F1
+    per_rank = n_kv + F2 * GROUP
+    hk0 = pid // (max_items * per_rank)
+    x = pid % (max_items * per_rank)
+    r = x // per_rank
+    rem = x % per_rank
+    e1 = r * F1 + rem
+    head1 = hk0
+    rem2 = rem - n_kv
+    e2 = r * F2 + rem2 // GROUP
+    head2 = hk0 * GROUP + rem2 % GROUP
     if r < tl.load(num_items_ptr):
         if rem < n_kv:
-            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, dq_desc, items_ptr, cu_ptr, n_docs, e1, head1, sel, order_ptr,
+            _dkdv_tile(Q, K, V, DO, LSE, DELTA, DK, DV, items_ptr, cu_ptr, n_docs, e1, head1, sel,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                       stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_aqt, stride_aqh, stride_lh,
-                       qk_scale, sm_scale, GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
-                       DQ_ATOMIC, DQ_TMA, DOC_MAJOR, REG_OPS)
+                       stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+                       qk_scale, sm_scale, GROUP, HEAD_DIM, BLOCK_M1, BLOCK_N1, F1, WL_BM, CAUSAL, MASKED_STAGES)
         else:
-            _dq_tile(Q, K, V, DO, LSE, DELTA, O, DLSE, DQ, items_ptr, cu_ptr, n_docs, e2, head2, sel, order_ptr,
+            _dq_tile(Q, K, V, DO, LSE, DELTA, DQ, items_ptr, cu_ptr, n_docs, e2, head2, sel,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                     stride_ot, stride_oh,
                      stride_dqt, stride_dqh, stride_lh,
-                     qk_scale, sm_scale, GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL, MASKED_STAGES, USE_TMA,
-                     DOC_MAJOR, REG_OPS, DQ_DELTA, HAS_DLSE)
+                     qk_scale, sm_scale, GROUP, HEAD_DIM, BLOCK_M2, BLOCK_N2, F2, WL_BM, CAUSAL, MASKED_STAGES)
 
 
 def _gluon_applies(config: AttentionKernelConfig, causal: bool, q: torch.Tensor, k: torch.Tensor,
@@ -479,20 +359,15 @@ def flash_bwd(
     n_prog = items.shape[0] * (f1 * Hkv + f2 * H)
     if launch and n_prog > 0:
         _bwd_kernel[(n_prog,)](
-            q, k, v, do, lse, delta, o, lse, dq, dk, dv, delta, None, items, num_items,
-            cu_seqlens, cu_seqlens.numel() - 1, items.shape[0], H, Hkv, sel, items,
+            q, k, v, do, lse, delta, dq, dk, dv, items, num_items, cu_seqlens, cu_seqlens.numel() - 1,
+            items.shape[0], sel,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-            o.stride(0), o.stride(1),
-            dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            0, 0, delta.stride(0),
+            dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), delta.stride(0),
             float(softmax_scale) * LOG2E, float(softmax_scale),
             HEAD_DIM=D, BLOCK_M1=cfg.block_m1, BLOCK_N1=cfg.block_n1,
             BLOCK_M2=cfg.block_m2, BLOCK_N2=cfg.block_n2,
-            F1=f1, F2=f2, WL_BM=config.wl_block_m, CAUSAL=bool(causal), KIND=0,
-            MASKED_STAGES=cfg.num_stages, USE_TMA=False, HEAD_MAJOR=True,
-            DQ_ATOMIC=False, DQ_TMA=0, DOC_MAJOR=False,
-            GROUP=H // Hkv, REG_OPS=0, DQ_DELTA=False,
-            HAS_DLSE=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            F1=f1, F2=f2, WL_BM=config.wl_block_m, CAUSAL=bool(causal),
+            MASKED_STAGES=cfg.num_stages, GROUP=H // Hkv, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if tail:
         fill_tails([(dq, 0.0, 0), (dk, 0.0, 0), (dv, 0.0, 0)], cu_seqlens)

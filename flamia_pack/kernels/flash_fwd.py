@@ -38,14 +38,14 @@ from flamia_pack.kernels.tiles_triton import masked_tile_index, program_geometry
 
 @triton.jit
 def _fwd_tile(
-    Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, h, group, sel, order_ptr,
+    Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, h, group, sel,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    F: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, DOC_MAJOR: tl.constexpr,
+    F: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     rs, re, o_lo, o_hi, n, u0, u1, merged, doc = program_geometry(
-        items_ptr, cu_ptr, e, sel, order_ptr, F, WL_BM, BLOCK_M, BLOCK_N, False, CAUSAL, DOC_MAJOR)
+        items_ptr, cu_ptr, e, sel, F, WL_BM, BLOCK_M, BLOCK_N, False, CAUSAL)
     if rs < re:
         hk = h // group
         offs_m = tl.arange(0, BLOCK_M)
@@ -103,12 +103,12 @@ def _fwd_tile(
 
 @triton.jit(do_not_specialize=["n_docs", "max_entries", "sel"])
 def _fwd_kernel(
-    Q, K, V, O, LSE, items_ptr, num_items_ptr, cu_ptr, counter_ptr, n_docs, max_entries, num_heads, group, sel, order_ptr,
+    Q, K, V, O, LSE, items_ptr, num_items_ptr, cu_ptr, counter_ptr, n_docs, max_entries, num_heads, group, sel,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     F: tl.constexpr, WL_BM: tl.constexpr, CAUSAL: tl.constexpr, PERSISTENT: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr, DOC_MAJOR: tl.constexpr, STATIC: tl.constexpr = False, HEADS_PER_PROGRAM: tl.constexpr = 1,
+    HEAD_MAJOR: tl.constexpr, STATIC: tl.constexpr = False, HEADS_PER_PROGRAM: tl.constexpr = 1,
 ):
     total = tl.load(num_items_ptr) * F * num_heads
     if HEADS_PER_PROGRAM > 1:
@@ -121,8 +121,8 @@ def _fwd_kernel(
         if e < tl.load(num_items_ptr) * F:
             for hh in tl.static_range(HEADS_PER_PROGRAM):
                 _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, (tile % chunks) * HEADS_PER_PROGRAM + hh, group,
-                          sel, order_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
-                          stride_oh, stride_lh, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL, DOC_MAJOR)
+                          sel, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                          stride_oh, stride_lh, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
     elif STATIC:
         # static snake (DESIGN.md §6; seed 001 Algorithm 2 line 06): unit k of round r = k // P goes to
         # program k % P in even rounds and P - 1 - k % P in odd ones; each program walks its units in
@@ -132,18 +132,18 @@ def _fwd_kernel(
         r = 0
         tile = c
         while tile < total:
-            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group, sel, order_ptr,
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group, sel,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL, DOC_MAJOR)
+                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
             r += 1
             tile = r * n_prog + tl.where(r % 2 == 0, c, n_prog - 1 - c)
     elif PERSISTENT:
         tile = tl.atomic_add(counter_ptr, 1)
         while tile < total:
             nxt = tl.atomic_add(counter_ptr, 1)
-            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group, sel, order_ptr,
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group, sel,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL, DOC_MAJOR)
+                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
             tile = nxt
     elif HEAD_MAJOR:
         # one kv head after the other, entries in decreasing cost inside it, the query heads of its
@@ -153,15 +153,15 @@ def _fwd_kernel(
         x = tile % (max_entries * group)
         e = x // group
         if e < tl.load(num_items_ptr) * F:
-            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, (tile // (max_entries * group)) * group + x % group, group, sel, order_ptr,
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, e, (tile // (max_entries * group)) * group + x % group, group, sel,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL, DOC_MAJOR)
+                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
     else:
         tile = tl.program_id(0)
         if tile < total:
-            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group, sel, order_ptr,
+            _fwd_tile(Q, K, V, O, LSE, items_ptr, cu_ptr, n_docs, tile // num_heads, tile % num_heads, group, sel,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL, DOC_MAJOR)
+                      qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, F, WL_BM, CAUSAL)
 
 
 @triton.jit
@@ -344,13 +344,13 @@ def flash_fwd(
         hpp = hpp if not persistent else 1
         grid = (max(1, min(n_entries, 2 * _num_sms(q.device))),) if persistent else (max(1, n_entries // hpp),)
         _fwd_kernel[grid](
-            q, k, v, o, lse, items, num_items, cu_seqlens, counter, n_docs, items.shape[0] * f, H, H // Hkv, sel, items,
+            q, k, v, o, lse, items, num_items, cu_seqlens, counter, n_docs, items.shape[0] * f, H, H // Hkv, sel,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             o.stride(0), o.stride(1), lse.stride(0),
             float(softmax_scale) * LOG2E,
             HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, F=f, WL_BM=config.wl_block_m,
             CAUSAL=bool(causal), PERSISTENT=persistent, HEAD_MAJOR=cfg.schedule == "grid_head_major",
-            DOC_MAJOR=False, STATIC=static, HEADS_PER_PROGRAM=hpp,
+            STATIC=static, HEADS_PER_PROGRAM=hpp,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         )
     if tail:

@@ -11,21 +11,17 @@ import triton.language as tl
 
 @triton.jit
 def program_geometry(
-    items_ptr, cu_ptr, e, sel, order_ptr,
+    items_ptr, cu_ptr, e, sel,
     F: tl.constexpr, WL_BM: tl.constexpr, B_R: tl.constexpr, B_O: tl.constexpr,
-    ROWS_ARE_KEYS: tl.constexpr, CAUSAL: tl.constexpr, DOC_MAJOR: tl.constexpr,
+    ROWS_ARE_KEYS: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     """Geometry of work-list entry ``e`` (item ``e // F``, part ``e % F``); see tiles.py.
 
-    ``sel`` selects items by document length for split launches (``hybrid_short_len``): 0 = every
-    item; ``L > 0`` = only items of documents longer than ``L`` tokens; ``-L`` = only items of
-    documents of at most ``L`` tokens and merged items. An unselected entry is empty (``rs == re``).
-    ``DOC_MAJOR``: the entry's rank indexes ``order_ptr`` (the list's rows stably sorted by document,
-    ``doc_major_order``) instead of the cost-sorted list itself.
+    ``sel`` selects items by document length: 0 = every item; ``L > 0`` = only items of documents
+    longer than ``L`` tokens; ``-L`` = only items of documents of at most ``L`` tokens and merged
+    items (the Triton launch behind a Gluon kernel). An unselected entry is empty (``rs == re``).
     """
     it = e // F
-    if DOC_MAJOR:
-        it = tl.load(order_ptr + it)
     j = e % F
     doc = tl.load(items_ptr + it * 4)
     qs = tl.load(items_ptr + it * 4 + 1)
