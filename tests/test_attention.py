@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from flamia_pack.errors import FlamiaError, MetadataError
 from flamia_pack.kernels import packed_attention_reference, reference, varlen_attention
 from flamia_pack.kernels.attention import build_attention_work_list, kernels_available
-from flamia_pack.kernels.config import AttentionKernelConfig, kernel_config
+from flamia_pack.kernels.config import AttentionKernelConfig, candidate_config, kernel_config
 from flamia_pack.kernels.tiles import program_geometry_host, tile_visible_host, visible_host
 from flamia_pack.scheduler.worklist import TileConfig, build_work_list_host
 
@@ -57,7 +57,9 @@ def _bad_calls():
     yield "max_seqlen type", (q, k, v, cu, 7.0), {}, FlamiaError, "max_seqlen"
     yield "scale", (q, k, v, cu, 7), {"softmax_scale": -1.0}, FlamiaError, "softmax_scale"
     yield "precision", (q, k, v, cu, 7), {"precision": "fp16"}, FlamiaError, "precision"
-    yield "fp8", (q, k, v, cu, 7), {"precision": "fp8"}, NotImplementedError, "not implemented"
+    yield "fp8 granularity", (q, k, v, cu, 7), {"precision": "fp8", "scale_granularity": "row"}, FlamiaError, "scale_granularity"
+    yield "fp8 config", (q, k, v, cu, 7), {"precision": "fp8", "config": candidate_config("default")}, FlamiaError, "config"
+    yield "fp8 causal_dq_scale", (q, k, v, cu, 7), {"precision": "fp8", "causal_dq_scale": 1}, FlamiaError, "causal_dq_scale"
     yield "causal type", (q, k, v, cu, 7), {"causal": 1}, FlamiaError, "bool"
     yield "not a tensor", (q.numpy() if q.dtype != torch.bfloat16 else [1], k, v, cu, 7), {}, FlamiaError, "torch.Tensor"
     yield "work_list type", (q, k, v, cu, 7), {"work_list": object()}, FlamiaError, "WorkList"

@@ -569,6 +569,8 @@ def varlen_attention(
     deterministic: bool = False,
     config: AttentionKernelConfig | None = None,
     check_finite: bool | None = None,
+    scale_granularity: str = "block",
+    causal_dq_scale: bool = False,
 ):
     """Packed (document-masked) attention over one packed row, forward and backward.
 
@@ -588,7 +590,12 @@ def varlen_attention(
         softmax_scale: finite real > 0 (Python or numpy float), at least ~8.2e-39 and at most
             ~1.2e38 (times log2(e) it must be a normal float32, the kernels' ``qk_scale``); default
             ``D ** -0.5``.
-        precision: ``"bf16"``; ``"fp8"`` (token-block scaled, DESIGN.md §4) is not implemented yet.
+        precision: ``"bf16"`` or ``"fp8"``: Q, K, V quantized inside the call to E4M3 with
+            document-local token-block exponents (DESIGN.md §4; ``kernels/fp8_attention.py``), the
+            Gluon FP8 forward on CUDA sm_90 (head_dim 128, bf16 inputs; no GPU backward yet: a
+            backward through it raises NotImplementedError), the differentiable CPU emulation of the
+            same numerics elsewhere (``kernels/fp8_emulation.py``). ``config`` and ``deterministic``
+            do not apply to it.
         work_list: a prebuilt ``WorkList`` (:func:`build_attention_work_list`). Given one, the call
             trusts ``cu_seqlens`` (validated when the list was built) and does no host sync: use it
             for CUDA graphs and in training loops. A list built for a row of another T is rejected;
@@ -623,21 +630,27 @@ def varlen_attention(
             short documents merged into one 128-query item (``merge_short``)
             share key tiles, and a NaN / Inf in one's K or V reaches the others (masked P is 0, and
             0 x NaN is NaN in the P V product): a known defect.
+        scale_granularity: FP8 only: ``"block"`` (one exponent per document-local 32-token group,
+            the default) or ``"token"`` (one per token: strict causal mode, O_i reads nothing from
+            tokens after i, bitwise).
+        causal_dq_scale: FP8 only: the backward's dQ uses no data-dependent scale that reads later
+            keys (paper §3.4). Accepted for API parity with the FP8 backward (issue 28); the forward
+            does not read it.
 
     Returns:
         ``o`` ``(T, H_q, D)`` in q's dtype, or ``(o, lse)`` if ``return_lse``.
 
     Raises:
-        NotImplementedError: ``precision="fp8"``.
+        NotImplementedError: a backward through the GPU FP8 forward (issue 28).
         FlamiaError / MetadataError: invalid inputs (message says what was expected), a
             ``work_list`` built for another T or ``causal``.
     """
-    if precision == "fp8":
-        raise NotImplementedError(
-            "precision='fp8' (token-block scaled FP8 attention, DESIGN.md §4) is not implemented yet; "
-            "use precision='bf16'")
-    if precision != "bf16":
-        raise FlamiaError(f"precision must be 'bf16' (or 'fp8' once implemented), got {precision!r}")
+    if precision not in ("bf16", "fp8"):
+        raise FlamiaError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
+    if scale_granularity not in ("block", "token"):
+        raise FlamiaError(f"scale_granularity must be 'block' or 'token', got {scale_granularity!r}")
+    if not isinstance(causal_dq_scale, bool):
+        raise FlamiaError(f"causal_dq_scale must be a bool, got {causal_dq_scale!r}")
     # numpy bools (e.g. from a config array) are bools too
     causal, return_lse, deterministic = (bool(x) if isinstance(x, np.bool_) else x
                                          for x in (causal, return_lse, deterministic))
@@ -683,6 +696,18 @@ def varlen_attention(
     cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     if not cu32.is_contiguous():
         cu32 = cu32.contiguous()
+    if precision == "fp8":
+        from flamia_pack.kernels.fp8_attention import fp8_kernels_available, fp8_varlen_attention
+
+        if config is not None:
+            raise FlamiaError("config= picks the BF16 kernels' tiles; precision='fp8' runs its own (leave config=None)")
+        o, lse = fp8_varlen_attention(q, k, v, cu32, max_seqlen, causal=causal, softmax_scale=float(softmax_scale),
+                                      scale_granularity=scale_granularity,
+                                      use_kernels=use_kernels and fp8_kernels_available(q.device), work_list=work_list)
+        if return_lse and lse is None:
+            raise FlamiaError("return_lse=True with gradients is not supported by the FP8 CPU emulation; call it "
+                              "under torch.no_grad() for the LSE")
+        return (o, lse) if return_lse else o
     if use_kernels:
         cfg = config if config is not None else kernel_config(D, causal, max_seqlen=max_seqlen,
                                                                num_kv_groups=q.shape[1] // k.shape[1])

@@ -3,8 +3,10 @@ contract the Gluon FP8 kernels reproduce (DESIGN.md §4-5, issue 27 item 4; pape
 seed 001 §3-5). The backward lives in :mod:`flamia_pack.kernels.fp8_emulation_bwd`; the autograd
 wrapper :func:`fp8_varlen_attention_emulated` is here. ``docs/fp8.md`` summarises the formulas.
 
-Forward, per document, per key tile ``t`` of ``block_n`` keys on the document's own grid
-(``[doc_start + t*block_n, ...)``, tiles.py's query side), for every query row ``i`` that sees a key
+Forward, per document, per key tile ``t`` of ``block_n`` keys on the grid anchored at the
+16-token boundary at or before the document's first token (``a = doc_start - doc_start % 16``,
+row-local; tile ``t`` is ``[a + t*block_n, a + (t+1)*block_n)`` cut to the document: the kernel's
+TMA boxes of V^T must start 16-byte aligned), for every query row ``i`` that sees a key
 of the tile (all units base 2, all arithmetic fp32 unless said otherwise)::
 
     Q, K, V -> E4M3 codes qc, kc, vc with exponents e_q(i), e_k(j), e_v(j)   (quant.py, per head)
@@ -96,6 +98,9 @@ MMA_ACC_BITS = 14
 MMA_K = 32
 #: dS / token-group block side (DESIGN.md §4).
 BLOCK = 32
+#: Key tiles of a document start at the TILE_ALIGN-token boundary at or before its first token
+#: (row-local index): the kernel's V^T boxes start on 16-byte boundaries (TMA), E4M3 is 1 byte.
+TILE_ALIGN = 16
 
 
 class OperandCodes(NamedTuple):
@@ -203,17 +208,17 @@ def _prepare(q, k, v, cu_seqlens, max_seqlen, scale_granularity, quantized, kern
 
 
 def _segments(cu: Sequence[int], short: int, chunk: int = 512) -> list[tuple[int, int, bool]]:
-    """Split the row into ``(lo, hi, single)`` segments: ``single`` = one document longer than
-    ``short`` tokens (walked tile by tile); otherwise consecutive whole documents of at most
-    ``short`` tokens each (each fits one query tile and one key tile), about ``chunk`` tokens in
-    all. A chunk computes every document's one tile pair in one masked product; the other
-    documents' entries are exact zeros, so the bits equal the per-document computation."""
+    """Split the row into ``(lo, hi, single)`` segments: ``single`` = one document whose keys span
+    more than one ``short``-key tile of the grid (:func:`_steps`; walked tile by tile); otherwise
+    consecutive whole documents that each fit one query tile and one key tile, about ``chunk``
+    tokens in all. A chunk computes every document's one tile pair in one masked product; the
+    other documents' entries are exact zeros, so the bits equal the per-document computation."""
     out: list[tuple[int, int, bool]] = []
     lo = None
     for a, b in zip(cu[:-1], cu[1:]):
         if b <= a:
             continue
-        if b - a > short:
+        if b - a > short or a % TILE_ALIGN + (b - a) > short:
             if lo is not None:
                 out.append((lo, a, False))
                 lo = None
@@ -237,12 +242,16 @@ def _doc_local(cu: Sequence[int], lo: int, hi: int) -> tuple[torch.Tensor, torch
     return doc, pos - cu_t[doc]
 
 
-def _steps(L: int, single: bool, block_n: int, causal: bool):
+def _steps(L: int, single: bool, block_n: int, causal: bool, phase: int = 0):
     """Key-tile steps of a segment of ``L`` tokens: ``(k0, k1, r0)`` = keys ``[k0, k1)`` and the
-    first row that can see one of them (segment-relative)."""
+    first row that can see one of them (segment-relative). A single document's tiles lie on the
+    grid of ``block_n`` keys anchored ``phase = doc_start % TILE_ALIGN`` tokens before its first
+    token (module docs: the kernel's TMA boxes of V^T start 16-byte aligned), so its first tile
+    holds ``block_n - phase`` of its keys."""
     if not single:
         return [(0, L, 0)]
-    return [(k0, min(L, k0 + block_n), k0 if causal else 0) for k0 in range(0, L, block_n)]
+    starts = [0] + list(range(block_n - phase, L, block_n))
+    return [(k0, k1, k0 if causal else 0) for k0, k1 in zip(starts, starts[1:] + [L])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,7 +395,7 @@ def _forward_impl(cu, ops, T, H, Hkv, D, *, causal, softmax_scale, block_m, bloc
         l = torch.zeros((H, L), dtype=torch.float32)
         acc = torch.zeros((H, L, D), dtype=torch.float32)
         r_run = torch.zeros((H, L), dtype=torch.int32)  # "mma14": the accumulator's unit 2^(r - boost)
-        for k0, k1, r0 in _steps(L, single, block_n, causal):
+        for k0, k1, r0 in _steps(L, single, block_n, causal, lo % TILE_ALIGN):
             rows, keys = slice(r0, L), slice(k0, k1)
             vis = visibility(doc, dpos, rows, keys, causal)
             s = scores(qc[:, rows], eq[:, rows], kc[:, keys], ek[:, keys], qk)

@@ -70,6 +70,7 @@ from flamia_pack.kernels.fp8_emulation import (
     _fold_p,
     _heads,
     _prepare,
+    TILE_ALIGN,
     _segments,
     _steps,
     exact_mm,
@@ -150,7 +151,7 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
         res = torch.zeros((H, L), dtype=torch.float64)
         res_pre = torch.zeros((H, L), dtype=torch.float64)
         mass = torch.zeros((H, L), dtype=torch.float64)
-        for k0, k1, r0 in _steps(L, single, block_n, causal):
+        for k0, k1, r0 in _steps(L, single, block_n, causal, lo % TILE_ALIGN):
             if single and causal:
                 r0 = (r0 // block_m) * block_m  # whole query tiles (rows before k0 see nothing)
             rows, keys = slice(r0, L), slice(k0, k1)

@@ -281,14 +281,16 @@ def _rows_geometry(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, GROU
 @gluon.jit
 def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
                         rs, o_lo, h, hk, n_steps, c, j0, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                        HAS_DO: gl.constexpr):
+                        HAS_DO: gl.constexpr, V_T: gl.constexpr = False):
     """One entry's loads for programs that own query rows (dQ, forward): its Q (and dO) tile once
     (``qo_bar``), then its K / V tiles ``j0, ..., n_steps - 1`` into the ring at positions ``c + j``
     (``c + n_steps`` returned; ``j0 > 0``: the forward's item-sharing entries, whose first tiles the
     item's previous entry left in the ring, ``_fwd_item_producer_loop``). The
     forward (no dO) has separate K and V barriers (``_ring(SPLIT_KV=True)``): V slot ``s`` is waited on
     and released through barriers ``STAGES + s``, since its consumer frees K slot ``r`` once ``S_r``
-    retired, in step ``r``, and V slot ``r`` only in step ``r + 1``, after ``P_r V_r`` (``_fwd_step``)."""
+    retired, in step ``r``, and V slot ``r`` only in step ``r + 1``, after ``P_r V_r`` (``_fwd_step``).
+    ``V_T``: ``v_desc`` is the feature-major copy (``(H_kv * D, T)``, the FP8 forward's V^T), so a V tile
+    is the ``D x BLOCK_N`` box at ``[hk * D, row]``."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     if HAS_DO:
         mbarrier.expect(qo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -311,7 +313,12 @@ def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs
             tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], ready.index(s), k_bufs.index(s))
             mbarrier.wait(empty.index(STAGES + s), ((r // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(STAGES + s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, hk * HEAD_DIM], ready.index(STAGES + s), v_bufs.index(s))
+            if V_T:
+                tma.async_copy_global_to_shared(v_desc, [hk * HEAD_DIM, row], ready.index(STAGES + s),
+                                                v_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [row, hk * HEAD_DIM], ready.index(STAGES + s),
+                                                v_bufs.index(s))
     return c + n_steps
 
 

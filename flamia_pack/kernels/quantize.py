@@ -338,6 +338,17 @@ def _check_inputs(xs: list[torch.Tensor]) -> None:
                               f"input 0 has {tuple(x0.shape)}")
 
 
+def _per_tensor_flags(transposed, n: int) -> list[bool]:
+    """``transposed`` as one flag per input: a bool for all, or a sequence of ``n`` bools."""
+    if isinstance(transposed, (tuple, list)):
+        if len(transposed) != n or not all(isinstance(t, bool) for t in transposed):
+            raise FlamiaError(f"transposed must be a bool or {n} bools (one per input), got {transposed!r}")
+        return list(transposed)
+    if not isinstance(transposed, bool):
+        raise FlamiaError(f"transposed must be a bool, got {transposed!r}")
+    return [transposed] * n
+
+
 def _quantize_many(
     xs: list[torch.Tensor],
     cu_seqlens,
@@ -366,13 +377,14 @@ def _quantize_many(
             raise MetadataError(f"group_start must have shape (T={T},), got {tuple(group_start.shape)}")
 
     if not HAS_TRITON:  # CPU build without triton: the reference is the same function
+        want = _per_tensor_flags(transposed, len(xs))
         if dev.type != "cpu":
             raise FlamiaError("the fused quantizer needs triton for CUDA tensors (pip install triton)")
         outs = []
         for x in xs:
             qz = quantize_token_blocks(x, cu, granularity, group_size=group_size, group_start=group_start,
                                        check_finite=check_finite, validate=False)
-            ct = qz.codes.permute(1, 2, 0).contiguous() if transposed else None
+            ct = qz.codes.permute(1, 2, 0).contiguous() if want[len(outs)] else None
             outs.append(QuantizedOperand(qz.codes, qz.exponents, ct))
         return outs
 
@@ -382,7 +394,9 @@ def _quantize_many(
     xs = [x if (x.stride(2) == 1 and x.stride(1) == D and x.stride(0) % D == 0) else x.contiguous() for x in xs]
     if transposed_store not in ("torch", "kernel"):
         raise FlamiaError(f"transposed_store must be 'torch' or 'kernel', got {transposed_store!r}")
-    in_kernel_t = bool(transposed) and transposed_store == "kernel"
+    want_t = _per_tensor_flags(transposed, len(xs))
+    transposed = any(want_t)
+    in_kernel_t = transposed and transposed_store == "kernel"
     cfg = launch_config(group, D, in_kernel_t)
     block_r = int(block_rows or cfg.block_rows)
     if block_r & (block_r - 1) or block_r < 16:
@@ -400,7 +414,12 @@ def _quantize_many(
     codes = [torch.empty(x.shape, dtype=torch.uint8, device=dev) for x in xs]
     exps = [torch.empty(x.shape[:2], dtype=torch.uint8, device=dev) for x in xs]
     tp = -(-T // 16) * 16  # codes_t row pitch: 16-byte aligned (TMA needs 16-byte strides)
-    codes_t = [torch.empty((x.shape[1], D, tp), dtype=torch.uint8, device=dev) for x in xs] if transposed else codes
+    # a tensor without a transposed copy gets a 16-byte dummy (never written: its heads' programs see
+    # TRANSPOSED only when every tensor has one, see below)
+    codes_t = ([torch.empty((x.shape[1], D, tp) if w else (16,), dtype=torch.uint8, device=dev)
+                for x, w in zip(xs, want_t)] if transposed else codes)
+    if in_kernel_t and not all(want_t):
+        raise FlamiaError("transposed_store='kernel' writes the transposed copy of every input: pass transposed=True")
     pad = 3 - len(xs)
     xa = xs + [xs[0]] * pad
     ca = codes + [codes[0]] * pad
@@ -423,15 +442,16 @@ def _quantize_many(
             num_warps=warps,
         )
     if transposed and not in_kernel_t:  # one extra pass over the codes (1 B read + 1 B written)
-        for c, ct in zip(codes, codes_t):
-            ct[:, :, :T].copy_(c.permute(1, 2, 0))
-            ct[:, :, T:].zero_()
+        for c, ct, w in zip(codes, codes_t, want_t):
+            if w:
+                ct[:, :, :T].copy_(c.permute(1, 2, 0))
+                ct[:, :, T:].zero_()
     elif in_kernel_t:
         for ct in codes_t:
             ct[:, :, T:].zero_()
     outs = []
     for i in range(len(xs)):
-        ct = codes_t[i][:, :, :T].view(torch.float8_e4m3fn) if transposed else None
+        ct = codes_t[i][:, :, :T].view(torch.float8_e4m3fn) if want_t[i] else None
         outs.append(QuantizedOperand(codes[i].view(torch.float8_e4m3fn), exps[i], ct))
     if check_finite:
         if len(outs) == 1:
@@ -501,7 +521,7 @@ def quantize_qkv(
     cu_seqlens,
     granularity: str = "block",
     *,
-    transposed: bool = False,
+    transposed: bool | tuple[bool, bool, bool] = False,
     group_start: torch.Tensor | None = None,
     check_finite: bool = True,
     validate: bool | None = None,
@@ -514,7 +534,8 @@ def quantize_qkv(
 
     ``q`` is ``(T, H_q, D)``, ``k`` and ``v`` are ``(T, H_kv, D)`` (any head counts, GQA included);
     all three share T, D, dtype and device. ``transposed`` writes the ``(H, D, T)`` copy for all
-    three (the FP8 backward needs Q^T and K^T, the forward V^T).
+    three (the FP8 backward needs Q^T and K^T, the forward V^T), or, given as three bools, for the
+    inputs that ask for it (the forward: ``(False, False, True)``).
 
     Returns:
         ``(q_quant, k_quant, v_quant)`` :class:`QuantizedOperand` each.

@@ -1,0 +1,47 @@
+#!/bin/bash
+# Nsight Compute of the FP8 forward kernel on one workload row: warp-state stall reasons and the
+# SASS instructions with the most stall samples (what limits the kernel).
+#   bash benchmarks/probes/fp8_ncu.sh W1
+NCU=${NCU:-/usr/local/cuda/bin/ncu}
+WL=${1:-W1}
+OUT=${OUT:-/tmp}
+cat > /tmp/fp8_ncu_run.py <<PY
+import torch
+from benchmarks.probes.fp8_fwd_probe import _row
+from flamia_pack.kernels.fp8_attention import build_fp8_work_list, fp8_attention_forward, fp8_quantize
+from flamia_pack.scheduler.workloads import workload_lengths
+lens = workload_lengths("$WL")
+q, k, v, cu = _row(lens, 16, 4 if "$WL" == "W5" else 16)
+ops = fp8_quantize(q, k, v, cu); wl = build_fp8_work_list(cu, q.shape[0])
+for _ in range(3):
+    fp8_attention_forward(ops, cu, work_list=wl)
+torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStart()
+fp8_attention_forward(ops, cu, work_list=wl)
+torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStop()
+PY
+PYTHONPATH=. timeout 300 "$NCU" --profile-from-start off --kernel-name regex:_fp8_fwd_kernel --launch-count 1 \
+  --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+  --section SourceCounters --import-source no -f -o "$OUT/fp8rep" python3 /tmp/fp8_ncu_run.py > /dev/null 2>&1
+"$NCU" -i "$OUT/fp8rep.ncu-rep" --page details --csv 2>/dev/null | python3 -c "
+import csv, sys
+for r in csv.reader(sys.stdin):
+    if len(r) > 14 and r[0] != 'ID':
+        print(r[-4][:60], '|', r[-3][:50], '|', r[-2], r[-1])
+" | grep -iv "^$" | head -90
+"$NCU" -i "$OUT/fp8rep.ncu-rep" --page source --csv --print-source sass 2>/dev/null > "$OUT/fp8src.csv"
+python3 - "$OUT/fp8src.csv" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+h = rows[0]
+print(h)
+col = next((i for i, c in enumerate(h) if c.startswith("Warp Stall Sampling (All")), None)
+src = next((i for i, c in enumerate(h) if c == "Source"), 1)
+if col is None:
+    sys.exit()
+body = [r for r in rows[1:] if len(r) > col and r[col].replace(".", "").isdigit()]
+tot = sum(float(r[col]) for r in body) or 1
+for r in sorted(body, key=lambda r: -float(r[col]))[:45]:
+    print(f"{100 * float(r[col]) / tot:5.1f}%  {r[0]:>6}  {r[src][:110]}")
+PY

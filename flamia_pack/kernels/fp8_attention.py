@@ -1,0 +1,193 @@
+"""``precision="fp8"``: token-block scaled FP8 attention, the host side (DESIGN.md §4-5, issue 27).
+
+One call quantizes Q, K and V to E4M3 with document-local exponents (``kernels.quantize.quantize_qkv``,
+one launch; V also in the feature-major layout the FP8 ``P~ V`` product reads) and runs the Gluon
+FP8 forward (``gluon_fp8_fwd.py``) over a work list without merged items (every item holds one
+document, so the kernel needs no per-token document mask). Callers that quantize inside their
+projection pass codes + exponents instead (:func:`fp8_attention_forward`).
+
+Paths: CUDA sm_90 with triton -> the kernels; anything else (CPU, other GPUs) -> the CPU emulation
+:func:`~flamia_pack.kernels.fp8_emulation.fp8_varlen_attention_emulated`, which computes the same
+numerics (module docs there) and is differentiable. The GPU path has no FP8 backward yet (issue 28):
+a backward through it raises.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from flamia_pack.errors import FlamiaError
+from flamia_pack.quant import GRANULARITIES
+
+__all__ = ["FP8Operands", "fp8_quantize", "fp8_attention_forward", "fp8_varlen_attention", "build_fp8_work_list",
+           "fp8_kernels_available"]
+
+FP8_BLOCK_M = 128
+"""Query rows per work-list item and per kernel entry of the FP8 forward."""
+
+
+class FP8Operands(NamedTuple):
+    """What the FP8 forward reads: E4M3 codes and UE8M0 exponent bytes (``e + 127``, dense per token).
+
+    Fields: ``qc`` ``(T, H_q, D)``, ``kc`` ``(T, H_kv, D)`` float8_e4m3fn; ``vt`` V's codes feature-major
+    ``(H_kv, D, T)`` (token stride 1, feature stride a multiple of 16); ``eq`` ``(T, H_q)``, ``ek`` /
+    ``ev`` ``(T, H_kv)`` uint8; ``granularity``: ``"block"`` or ``"token"`` (labels the exponents).
+    """
+
+    qc: torch.Tensor
+    kc: torch.Tensor
+    vt: torch.Tensor
+    eq: torch.Tensor
+    ek: torch.Tensor
+    ev: torch.Tensor
+    granularity: str = "block"
+
+
+def fp8_kernels_available(device) -> bool:
+    """True where the Gluon FP8 forward runs: a CUDA device of compute capability 9.x with triton's Gluon."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    from flamia_pack.kernels.flash_fwd import gluon_available
+
+    return gluon_available()
+
+
+def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                 scale_granularity: str = "block", *, check_finite: bool = False) -> FP8Operands:
+    """Quantize Q, K, V for the FP8 forward in one launch (V also feature-major).
+
+    Args:
+        q: ``(T, H_q, D)``, k, v: ``(T, H_kv, D)`` bf16 / fp16 / fp32 on one device.
+        cu_seqlens: ``(n_docs + 1,)`` int32 on that device (validated by the caller).
+        scale_granularity: ``"block"`` (document-local 32-token groups) or ``"token"``.
+        check_finite: raise on NaN / Inf (one sync); default off, as the BF16 GPU path.
+
+    Returns:
+        :class:`FP8Operands`.
+    """
+    from flamia_pack.kernels.quantize import quantize_qkv
+
+    qq, kq, vq = quantize_qkv(q, k, v, cu_seqlens, scale_granularity, transposed=(False, False, True),
+                              check_finite=check_finite, validate=False)
+    return FP8Operands(qq.codes, kq.codes, vq.codes_t, qq.exponents, kq.exponents, vq.exponents, scale_granularity)
+
+
+def build_fp8_work_list(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: bool = True, validate: bool = True,
+                        max_items: int | None = None):
+    """The work list of the FP8 forward (128-row items, no merged items), for reuse across calls /
+    CUDA graphs: ``fp8_attention_forward(..., work_list=)`` / ``varlen_attention(precision="fp8", work_list=)``.
+
+    Args/Raises: as :func:`flamia_pack.scheduler.worklist.build_work_list`.
+    """
+    from flamia_pack.scheduler.worklist import TileConfig, build_work_list
+
+    return build_work_list(cu_seqlens, total_tokens, TileConfig(block_m=FP8_BLOCK_M, causal=bool(causal),
+                                                                merge_short=False),
+                           max_items=max_items, validate=validate)
+
+
+def _check_fp8_list(work_list, causal: bool, device, T: int):
+    items = getattr(work_list, "items", None)
+    wcfg = getattr(work_list, "config", None)
+    if not isinstance(items, torch.Tensor) or wcfg is None:
+        raise FlamiaError("work_list must be a flamia_pack.scheduler.worklist.WorkList (items, num_items, config)")
+    if wcfg.block_m != FP8_BLOCK_M or wcfg.merge_short or bool(wcfg.causal) != bool(causal):
+        raise FlamiaError(f"the FP8 forward needs a work list of {FP8_BLOCK_M}-row items without merged items built "
+                          f"for causal={causal} (build_fp8_work_list), got block_m={wcfg.block_m}, "
+                          f"merge_short={wcfg.merge_short}, causal={wcfg.causal}")
+    built_t = getattr(work_list, "total_tokens", None)
+    if built_t is not None and int(built_t) != int(T):
+        raise FlamiaError(f"work_list was built for a row of T={built_t} tokens but q has T={T}")
+    if items.device != torch.device(device):
+        raise FlamiaError(f"work_list must be on {device}, got {items.device}")
+    return items, work_list.num_items
+
+
+def fp8_attention_forward(ops: FP8Operands, cu_seqlens: torch.Tensor, *, causal: bool = True,
+                          softmax_scale: float | None = None, work_list=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 forward on already-quantized operands (CUDA sm_90; no host sync with a ``work_list``).
+
+    Args:
+        ops: :class:`FP8Operands` (e.g. from :func:`fp8_quantize`, or a projection that quantizes).
+        cu_seqlens: ``(n_docs + 1,)`` int32 on the device, validated (``cu_seqlens[-1] <= T``).
+        causal, softmax_scale: as ``varlen_attention`` (default scale ``D ** -0.5``).
+        work_list: :func:`build_fp8_work_list`'s list for this row (default: built here).
+
+    Returns:
+        ``(o, lse)``: ``(T, H_q, D)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; row-end padding
+        rows get ``o = 0``, ``lse = +inf``.
+
+    Raises:
+        FlamiaError: not on a device with the FP8 kernels, or a work list built for something else;
+        ValueError (from the kernel launcher): operands of the wrong dtype / shape / layout.
+    """
+    from flamia_pack.kernels.flash_fwd import fill_tails
+    from flamia_pack.kernels.gluon_fp8_fwd import gluon_fp8_fwd
+
+    if not isinstance(ops, FP8Operands):
+        raise FlamiaError(f"ops must be FP8Operands (fp8_quantize), got {type(ops).__name__}")
+    if not fp8_kernels_available(ops.qc.device):
+        raise FlamiaError(f"the FP8 attention kernels need a CUDA GPU of compute capability 9.x (Hopper) with "
+                          f"triton's Gluon; got {ops.qc.device} (use varlen_attention(precision='fp8') for the "
+                          "CPU emulation)")
+    T, H, D = ops.qc.shape
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    if work_list is None:
+        work_list = build_fp8_work_list(cu32, T, causal=causal, validate=False)
+    items, num_items = _check_fp8_list(work_list, causal, ops.qc.device, T)
+    o, lse = gluon_fp8_fwd(ops.qc, ops.kc, ops.vt, ops.eq, ops.ek, ops.ev, cu32, items, num_items, scale,
+                           causal=causal, wl_block_m=FP8_BLOCK_M, skip_len=0)
+    fill_tails([(o, 0.0, 0), (lse, math.inf, 1)], cu32)
+    return o, lse
+
+
+class _NoFP8Backward(torch.autograd.Function):
+    """The GPU FP8 forward in an autograd graph: its backward is issue 28's and not built yet."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, o, lse):
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        raise NotImplementedError(
+            "varlen_attention(precision='fp8') has no GPU backward yet (issue 28): train with precision='bf16', "
+            "or run the forward under torch.no_grad()")
+
+
+def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal: bool, softmax_scale: float,
+                         scale_granularity: str, use_kernels: bool, work_list=None):
+    """``varlen_attention(precision="fp8")`` after the common checks (``attention.py``): ``(o, lse)``.
+
+    ``use_kernels``: the Gluon FP8 path (CUDA sm_90); else the differentiable CPU emulation.
+    """
+    if scale_granularity not in GRANULARITIES:
+        raise FlamiaError(f"scale_granularity must be one of {GRANULARITIES}, got {scale_granularity!r}")
+    D = q.shape[2]
+    if D != 128 and use_kernels:
+        raise FlamiaError(f"precision='fp8' on the GPU supports head_dim 128, got {D} (precision='bf16' runs 64 "
+                          "and 128)")
+    if not use_kernels:
+        from flamia_pack.kernels.fp8_emulation import fp8_attention_forward as emulated_fwd
+        from flamia_pack.kernels.fp8_emulation import fp8_varlen_attention_emulated
+
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            o = fp8_varlen_attention_emulated(q, k, v, cu32, max_seqlen, causal=causal, softmax_scale=softmax_scale,
+                                              scale_granularity=scale_granularity)
+            return o, None
+        o, lse = emulated_fwd(q, k, v, cu32, max_seqlen, causal=causal, softmax_scale=softmax_scale,
+                              scale_granularity=scale_granularity)
+        return o.to(q.device), lse.to(q.device)
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        raise FlamiaError(f"precision='fp8' on the GPU takes bfloat16 q, k, v (quantized inside), got {q.dtype}")
+    ops = fp8_quantize(q, k, v, cu32, scale_granularity)
+    o, lse = fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = _NoFP8Backward.apply(q, k, v, o, lse)
+    return o, lse

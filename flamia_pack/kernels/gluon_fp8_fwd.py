@@ -1,0 +1,434 @@
+"""Packed attention forward in FP8 (E4M3 codes, document-local token-block scales), Gluon, sm_90.
+
+The kernel of ``precision="fp8"`` (DESIGN.md §4-5, paper §3.1-3.5, seed 001 §3-5); its numerics are
+the contract of :mod:`flamia_pack.kernels.fp8_emulation` (same codes, tiles, folds, boost and
+rounding; what cannot be bitwise is listed there). The layout is the BF16 forward's
+(``gluon_fwd.py``): one persistent program per SM takes work-list entries from a global counter, a
+producer warp loads Q once per entry and K / V^T through a ring, and two 4-warp consumer partitions
+of ``BLOCK_M / 2`` query rows each run, per walked key tile ``j`` (software-pipelined: ``S_j`` and
+``P~_{j-1} V_{j-1}`` in flight together)::
+
+    S     = Qc Kc^T                       FP8 wgmma (QGMMA), both operands K-major in shared memory
+    x_ij  = S_ij 2^e_k(j);  s_ij = x_ij (qk 2^e_q(i))      qk = softmax_scale log2 e; masked: -inf
+    m, l  = base-2 online softmax of s;  p_ij = exp2(s_ij - m_i)
+    r_i   = max { e_v(j) : j in the tile, visible to i }   (a tile row with none keeps its r)
+    P~_ij = E4M3( p_ij 2^(e_v(j) - r_i + BOOST) )          exactly 0 on masked pairs
+    acc_i = acc_i alpha_i 2^(r_prev,i - r_i) + (P~ Vc)_i   FP8 wgmma, P~ the register A operand,
+                                                           V^T's tile the K-major B operand
+    O_i   = bf16( acc_i 2^(r_i - BOOST) / l_i ),  LSE_i = (m_i + log2 l_i) ln 2
+
+Range budget (seed 001 §5), next to the fold in :func:`_fp8_softmax`: ``m`` includes the tile, so
+``p <= 1``; ``e_v(j) <= r_i`` for every visible ``j``; so ``P~ <= 2^BOOST <= 448`` for ``BOOST <= 8``
+(nothing saturates; the E4M3 conversion is ``satfinite`` anyway). Causality: ``r_i`` reads only the
+exponents of keys row ``i`` sees (a per-tile max would read future keys on a diagonal tile and leak
+through E4M3's subnormal boundary, seed 001 §4); masked scores are ``-inf`` before the max.
+
+Why the accumulator stays in the MMA across key tiles (``acc`` rescaled by a power of two when
+``r`` changes): it costs one multiply per output row per tile, like the BF16 forward's ``alpha``,
+where promoting each tile's product into a separate fp32 accumulator costs 64 more registers a
+thread and a multiply-add per output element; benchmarks/NOTES.md has the measured error of both.
+
+Documents of one token and merged items are left to the caller (``fp8_attention.py`` builds lists
+without merged items). Inputs: codes and exponents from ``kernels.quantize.quantize_qkv`` (V with
+its feature-major copy).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import constexpr_function
+
+from flamia_pack.kernels.constants import LOG2E
+from flamia_pack.kernels.gluon_common import (
+    _entry_counts, _next_entry, _handoff_load, _handoff_store, _claim_slot, _rows_geometry, _rows_produce_entry,
+    _rows_through_smem, _release_after_reads, _store_rows, _slot_barriers, check_stages, CONSUMER_WARPS, MAXNREG)
+
+__all__ = ["gluon_fp8_fwd", "BOOST_LOG2"]
+
+#: Probability boost of the P~ fold (fp8_emulation.DEFAULT_BOOST_LOG2: the largest with no saturation).
+BOOST_LOG2 = 8
+
+
+@constexpr_function
+def _qgmma_layout(num_warps, n):
+    """Accumulator layout of an FP8 wgmma product with ``n`` columns (k = 32 per instruction)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
+
+
+@gluon.jit
+def _pow2(ebyte):
+    """``2^(ebyte - 127)`` as float32 for UE8M0 bytes (int32) in ``[1, 254]``; byte 0 (``2^-127``, the
+    exponent of a group whose largest magnitude is an fp32 subnormal) gives 0."""
+    return (ebyte << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _zero_cols_outside(buf, lo, hi, NW: gl.constexpr):
+    """Columns (tokens) outside ``[lo, hi)`` of the consumer's V^T tile ``buf`` (``HEAD_DIM x BLOCK_N``
+    E4M3) set to 0: the feature-major twin of ``gluon_common._zero_rows_from``. A document's first
+    tile starts at the 16-token boundary before it (TMA) and holds the previous document's codes
+    below ``lo``; the tile its end cuts holds the next document's from ``hi``: ``0 x NaN`` in
+    ``P~ V`` would carry a NaN across documents."""
+    ROWS: gl.constexpr = buf.type.shape[0]
+    COLS: gl.constexpr = buf.type.shape[1]
+    CHUNK: gl.constexpr = 16
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // COLS, COLS // 16], [NW, 1], [1, 0])
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    keep = (cols >= lo) & (cols < hi)
+    for i in gl.static_range(ROWS // CHUNK):
+        part = buf.slice(i * CHUNK, CHUNK, dim=0)
+        x = part.load(layout)
+        part.store(gl.where(keep[None, :], x, gl.zeros_like(x)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _tile_exponents(EK, EV, stride_e, hk, o_lo, ph, o_hi, j, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """UE8M0 bytes (int32) of walked tile ``j``'s keys for K and V (byte 127, ``e = 0``, outside the
+    document ``[o_lo + ph, o_hi)``: those pairs are masked)."""
+    kj = o_lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    ok = (kj >= o_lo + ph) & (kj < o_hi)
+    off = kj.to(gl.int64) * stride_e + hk
+    ek = gl.load(EK + off, mask=ok, other=127).to(gl.int32)
+    ev = gl.load(EV + off, mask=ok, other=127).to(gl.int32)
+    return ek, ev
+
+
+@gluon.jit
+def _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, ek, ev, MASKED: gl.constexpr, BOOST: gl.constexpr,
+                 BLOCK_N: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
+    """Walked tile ``j``: scores from the raw FP8 product ``st``, the base-2 online softmax and the
+    P~ fold. Returns ``(P~ as the E4M3 A operand, m, l, alpha, r)``; ``r`` (int32 UE8M0 byte per row)
+    is the fold's reference. ``lim``: the row's last visible key relative to the walk's first key
+    (as ``gluon_fwd._fwd_softmax``); ``ph``: the document's first key relative to it (tile 0 of a
+    document that starts off the 16-token grid holds ``ph`` keys of the previous one);
+    ``row_f = qk 2^e_q(i)``."""
+    x = st * _pow2(ek)[None, :]
+    if MASKED:
+        k_rel = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        vis = (k_rel[None, :] <= (lim - j * BLOCK_N)[:, None]) & (k_rel >= ph - j * BLOCK_N)[None, :]
+        x = gl.where(vis, x, float("-inf"))
+    m_ij = gl.maximum(m_i, gl.max(x, 1) * row_f)
+    p = gl.exp2(x * row_f[:, None] - m_ij[:, None])
+    alpha = gl.exp2(m_i - m_ij)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    # Range budget: p <= 1 (m_ij includes this tile) and e_v(j) - r <= 0 on visible pairs, so
+    # P~ <= 2^BOOST <= 448. d is clamped at -126 (2^-126, a normal float): anything that small
+    # rounds to E4M3 0 either way (its smallest subnormal is 2^-9).
+    if MASKED:
+        # r_i over the keys row i sees (never the tile's future keys); a row that sees none keeps
+        # its reference, so the tile is an exact no-op for it (p = 0, alpha = 1, factor 1)
+        r_new = gl.max(gl.where(vis, ev[None, :], -1), 1)
+        r_new = gl.where(r_new >= 0, r_new, r_i)
+        # (clamped above too: a masked key's exponent may exceed r, even be the NaN byte 255, and
+        # its factor must stay finite so that p = 0 gives P~ = 0)
+        d = gl.minimum(gl.maximum(ev[None, :] - r_new[:, None] + BOOST, -126), BOOST)
+        pt = p * ((d + 127) << 23).to(gl.float32, bitcast=True)  # masked pairs: p == 0 exactly
+    else:  # every key of the tile is visible to every row: one reference for the tile
+        r_t = gl.max(ev, 0)
+        d = gl.maximum(ev - r_t + BOOST, -126)
+        pt = p * ((d + 127) << 23).to(gl.float32, bitcast=True)[None, :]
+        r_new = gl.zeros_like(r_i) + r_t
+    return gl.convert_layout(pt.to(gl.float8e4nv), op_layout), m_ij, l_i, alpha, r_new
+
+
+@gluon.jit
+def _rescale(acc, alpha, r_old, r_new, acc_layout: gl.constexpr):
+    """``acc * alpha * 2^(r_old - r_new)``: the running accumulator (in units of ``2^(r - BOOST)``)
+    moved to the new tile's softmax max and fold reference (the power of two clamped to fp32's normal
+    range: real activations' V exponents differ by far less within a document)."""
+    dr = gl.minimum(gl.maximum(r_old - r_new, -126), 127)
+    f = alpha * ((dr + 127) << 23).to(gl.float32, bitcast=True)
+    return acc * gl.convert_layout(f, gl.SliceLayout(1, acc_layout))[:, None]
+
+
+@gluon.jit
+def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, EK, EV, stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c, acc,
+              p_prev, m_i, l_i, r_i, MASKED: gl.constexpr, BOOST: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
+              acc_layout: gl.constexpr):
+    """Walked tile ``j >= 1`` (``gluon_fwd._fwd_step``'s pipelining): ``S_j`` and ``P~_{j-1} V_{j-1}``
+    in flight together, tile ``j``'s softmax and fold while the second one runs. Step 1 first zeroes
+    tile 0's leading columns of the previous document (``ph > 0``)."""
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    r = c + j
+    s = r % STAGES
+    sp = (r - 1) % STAGES
+    mbarrier.wait(ready.index(s), (r // STAGES) & 1)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
+    if j == 1:
+        if ph > 0:
+            _zero_cols_outside(v_bufs.index(sp), ph, BLOCK_N, NW)
+    acc = warpgroup_mma(p_prev, v_bufs.index(sp).permute((1, 0)), acc, is_async=True)
+    ek, ev = _tile_exponents(EK, EV, stride_e, hk, o_lo, ph, o_hi, j, BLOCK_N, s_layout)
+    st = warpgroup_mma_wait(1, deps=(st,))
+    mbarrier.arrive(empty.index(s), count=1)
+    p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, ek, ev, MASKED, BOOST, BLOCK_N,
+                                              s_layout, op_layout)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index(STAGES + sp), count=1)
+    acc = _rescale(acc, alpha, r_i, r_new, acc_layout)
+    return acc, p, m_ij, l_i, r_new
+
+
+@gluon.jit
+def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_phase, q_empty, O, LSE, EQ, EK, EV,
+                       stride_ot, stride_lh, stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale,
+                       c, T, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr):
+    """One entry's FP8 forward from ring position ``c`` (returned advanced) by consumer partition ``WG``
+    (rows ``WG * BLOCK_M / 2`` on): ``gluon_fwd._fwd_consume_entry`` with the FP8 softmax / fold, O
+    through the partition's own bf16 staging rows ``o_smem``."""
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    PART_M: gl.constexpr = BLOCK_M * NW // 8
+    s_layout: gl.constexpr = _qgmma_layout(NW, BLOCK_N)
+    acc_layout: gl.constexpr = _qgmma_layout(NW, HEAD_DIM)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
+    q_part = q_smem.slice(WG * PART_M, PART_M, dim=0)
+    r0 = rs + WG * PART_M
+    q_pos = r0 + gl.arange(0, PART_M, layout=gl.SliceLayout(1, s_layout))
+    if CAUSAL:
+        lim = gl.minimum(q_pos, o_hi - 1) - o_lo
+    else:
+        lim = gl.zeros_like(q_pos) + (o_hi - 1 - o_lo)
+    eq = gl.load(EQ + q_pos.to(gl.int64) * stride_eq + h, mask=q_pos < T, other=127).to(gl.int32)
+    row_f = _pow2(eq) * qk_scale
+    m_i = gl.full([PART_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.full([PART_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
+    r_i = gl.full([PART_M], 127, gl.int32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, acc_layout)
+    ek, ev = _tile_exponents(EK, EV, stride_e, hk, o_lo, ph, o_hi, 0, BLOCK_N, s_layout)
+    mbarrier.wait(q_bar, q_phase)
+    s0 = c % STAGES
+    mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
+    zero = gl.zeros([PART_M, BLOCK_N], gl.float32, s_layout)
+    st = warpgroup_mma(q_part, k_bufs.index(s0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(0, deps=(st,))
+    mbarrier.arrive(empty.index(s0), count=1)
+    if (u1 > 0) & (ph == 0):
+        p, m_i, l_i, _alpha, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, ek, ev, False, BOOST, BLOCK_N,
+                                                s_layout, op_layout)
+    else:
+        p, m_i, l_i, _alpha, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, ek, ev, True, BOOST, BLOCK_N,
+                                                s_layout, op_layout)
+    for j in range(1, u1):
+        acc, p, m_i, l_i, r_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, EK, EV, stride_e, hk, o_lo, ph, o_hi,
+                                          lim, row_f, j, c, acc, p, m_i, l_i, r_i, False, BOOST, PART_M, BLOCK_N, NW,
+                                          s_layout, op_layout, acc_layout)
+    for j in range(gl.maximum(u1, 1), n_steps):
+        acc, p, m_i, l_i, r_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, EK, EV, stride_e, hk, o_lo, ph, o_hi,
+                                          lim, row_f, j, c, acc, p, m_i, l_i, r_i, True, BOOST, PART_M, BLOCK_N, NW,
+                                          s_layout, op_layout, acc_layout)
+    r = c + n_steps - 1
+    sl = r % STAGES
+    mbarrier.wait(ready.index(STAGES + sl), (r // STAGES) & 1)
+    lo_last = gl.where(n_steps == 1, ph, 0)  # a one-tile walk: tile 0 is also the last
+    hi_last = o_hi - o_lo - (n_steps - 1) * BLOCK_N
+    if (hi_last < BLOCK_N) | (lo_last > 0):  # the tile the document end cuts (and a one-tile walk's start)
+        _zero_cols_outside(v_bufs.index(sl), lo_last, hi_last, NW)
+    acc = warpgroup_mma(p, v_bufs.index(sl).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index(STAGES + sl), count=1)
+    _release_after_reads(q_empty)  # every product that read this Q slot retired
+    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+    f = _pow2(gl.maximum(r_i - BOOST, 1)) / l_safe
+    out = (acc * gl.convert_layout(f, gl.SliceLayout(1, acc_layout))[:, None]).to(gl.bfloat16)
+    out = _rows_through_smem(o_smem, out, NW)
+    gl.thread_barrier()  # every warp read its rows before the partition's next entry writes o_smem
+    _store_rows(O, out, r0, re, stride_ot, h * HEAD_DIM)
+    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
+    gl.store(LSE + h * stride_lh + q_pos, lse, mask=q_pos < re)
+    return c + n_steps
+
+
+@gluon.jit
+def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, o_smem, ready, empty, qo_ready, qo_empty, t_smem, O, LSE, EQ, EK, EV,
+                       stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries, total, T,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WL_BM: gl.constexpr,
+                       CAUSAL: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr):
+    """Consumer partition ``WG`` of the persistent FP8 forward: the entries the producer hands over."""
+    QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
+    PART_M: gl.constexpr = BLOCK_M * NW // 8
+    idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [NW], [0])
+    _n_valid, n_total = _entry_counts(num_items_ptr, max_entries, total, WL_BM // BLOCK_M)
+    o_part = o_smem.index(WG)
+    c = 0
+    n = 0
+    t = _next_entry(qo_ready, t_smem, n, idx_layout)
+    while t < n_total:
+        slot = n % QO_STAGES
+        t, h, hk, rs, re, o_lo, o_hi, u1, n_steps, ph = _handoff_load(t_smem.index(slot), idx_layout)
+        c = _fp8_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, o_part, ready, empty, qo_ready.index(slot),
+                               (n // QO_STAGES) & 1, qo_empty.index(slot), O, LSE, EQ, EK, EV, stride_ot, stride_lh,
+                               stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale, c, T, CAUSAL,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, WG, NW, BOOST)
+        n += 1
+        t = _next_entry(qo_ready, t_smem, n, idx_layout)
+
+
+@gluon.jit
+def _fp8_producer_loop(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem,
+                       counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, total, GROUP: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WL_BM: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+    """The producer warp: ``gluon_common._rows_producer_loop`` with the walk of each entry's keys
+    starting at the 16-token boundary at or before its document's first token (TMA boxes of V^T,
+    whose token axis is the contiguous one, must start 16-byte aligned); the hand-over's tenth
+    value is ``ph``, the document's first key relative to that start."""
+    idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
+    n_valid, n_total = _entry_counts(num_items_ptr, max_entries, total, WL_BM // BLOCK_M)
+    c = 0
+    n = 0
+    t = gl.atomic_add(counter_ptr, 1)
+    while t < n_total:
+        t_next = gl.atomic_add(counter_ptr, 1)
+        keep, h, hk, rs, re, ds, o_hi, u1, n_steps = _rows_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
+                                                                    skip_len, GROUP, WL_BM, BLOCK_M, BLOCK_N, CAUSAL,
+                                                                    True)
+        if keep:
+            ph = ds % 16
+            o_lo = ds - ph
+            n_steps = (o_hi - o_lo + BLOCK_N - 1) // BLOCK_N
+            if CAUSAL:  # tiles wholly at or before the entry's first row
+                u1 = (rs - o_lo + 1) // BLOCK_N
+            else:
+                u1 = (o_hi - o_lo) // BLOCK_N
+            slot = _claim_slot(qo_empty, n)
+            _handoff_store(t_smem.index(slot), idx_layout, t, h, hk, rs, re, o_lo, o_hi, u1, n_steps, ph)
+            c = _rows_produce_entry(q_desc, q_desc, k_desc, v_desc, q_bufs.index(slot), q_bufs.index(slot), k_bufs,
+                                    v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps, c, 0,
+                                    HEAD_DIM, BLOCK_N, False, True)
+            n += 1
+        t = t_next
+    slot = _claim_slot(qo_empty, n)
+    _handoff_store(t_smem.index(slot), idx_layout, n_total, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    mbarrier.arrive(qo_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, EK, EV, items_ptr, num_items_ptr, cu_ptr, max_entries,
+                    skip_len, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, total, T, counter_ptr,
+                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr):
+    # one program per SM; two Q slots; the K / V^T ring (split barriers, as the BF16 forward); two 4-warp
+    # consumer partitions and the producer warp (gluon_common._rows_producer_loop, V^T boxes)
+    PARTS: gl.constexpr = 2
+    PART_M: gl.constexpr = BLOCK_M // PARTS
+    q_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
+    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PART_M, HEAD_DIM], gl.bfloat16)
+    o_smem = gl.allocate_shared_memory(gl.bfloat16, [PARTS, PART_M, HEAD_DIM], o_layout)
+    q_ready, q_empty = _slot_barriers(2, True, PARTS)
+    ready, empty = _slot_barriers(2 * STAGES, True, PARTS)
+    t_smem = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    gl.warp_specialize([
+        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, EK,
+                              EV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
+                              total, T, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 0, 4, BOOST)),
+        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, EK,
+                              EV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
+                              total, T, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST)),
+        (_fp8_producer_loop, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty,
+                              t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, total,
+                              GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL)),
+    ], [4, 1], [240, 24])
+
+
+@functools.cache
+def fp8_smem_layout(rows: int, cols: int):
+    """NVMMA shared layout of a ``rows x cols`` E4M3 TMA box (128-byte swizzle for 128 columns)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv)
+
+
+def fp8_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """TMA descriptor over E4M3 codes ``x`` ``(T, H, D)`` viewed as ``(T, H * D)``, boxes of ``block_rows x D``."""
+    T, H, D = x.shape
+    return TensorDescriptor(x, [T, H * D], [H * D, 1], [block_rows, D], fp8_smem_layout(block_rows, D))
+
+
+def fp8_descriptor_t(xt: torch.Tensor, block_cols: int) -> TensorDescriptor:
+    """TMA descriptor over the feature-major codes ``xt`` ``(H, D, T)`` (token stride 1, feature stride
+    ``TP``, a multiple of 16: ``quantize(transposed=True)``) viewed as ``(H * D, T)``, boxes of ``D x block_cols``."""
+    H, D, T = xt.shape
+    return TensorDescriptor(xt, [H * D, T], [xt.stride(1), 1], [D, block_cols], fp8_smem_layout(D, block_cols))
+
+
+def _check_fp8_inputs(qc, kc, vt, eq, ek, ev) -> None:
+    for name, x in (("q codes", qc), ("k codes", kc), ("v^T codes", vt)):
+        if x.dtype != torch.float8_e4m3fn or x.dim() != 3 or not x.is_cuda:
+            raise ValueError(f"gluon_fp8_fwd: {name} must be a 3-d float8_e4m3fn CUDA tensor, got {x.dtype} "
+                             f"shape {tuple(x.shape)} on {x.device}")
+    T, H, D = qc.shape
+    Hkv = kc.shape[1]
+    if not (qc.is_contiguous() and kc.is_contiguous()):
+        raise ValueError("gluon_fp8_fwd: q / k codes must be contiguous (T, H, D)")
+    if kc.shape != (T, Hkv, D) or vt.shape != (Hkv, D, T) or vt.stride(2) != 1 or vt.stride(1) % 16:
+        raise ValueError(f"gluon_fp8_fwd: shapes disagree: q {tuple(qc.shape)}, k {tuple(kc.shape)}, v^T "
+                         f"{tuple(vt.shape)} strides {vt.stride()} (need k (T, H_kv, D), v^T (H_kv, D, T) with "
+                         "token stride 1 and a 16-byte feature stride)")
+    if H % Hkv or D != 128:
+        raise ValueError(f"gluon_fp8_fwd: need H_q % H_kv == 0 and head_dim 128, got H_q={H}, H_kv={Hkv}, D={D}")
+    for name, e, hh in (("q", eq, H), ("k", ek, Hkv), ("v", ev, Hkv)):
+        if e.dtype != torch.uint8 or e.shape != (T, hh) or not e.is_contiguous():
+            raise ValueError(f"gluon_fp8_fwd: {name} exponents must be contiguous uint8 (T, {hh}), got {e.dtype} "
+                             f"{tuple(e.shape)}")
+
+
+def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torch.Tensor, ek: torch.Tensor,
+                  ev: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
+                  softmax_scale: float, *, causal: bool = True, block_m: int = 128, block_n: int = 128,
+                  wl_block_m: int = 128, stages: int = 2, skip_len: int = 1, o: torch.Tensor | None = None,
+                  lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed FP8 attention forward, warp-specialized Gluon, sm_90 (module docs: the numerics).
+
+    Args:
+        qc: ``(T, H_q, 128)`` float8_e4m3fn codes; kc: ``(T, H_kv, 128)``; vt: V's feature-major codes
+            ``(H_kv, 128, T)`` (token stride 1, feature stride a multiple of 16).
+        eq, ek, ev: UE8M0 exponent bytes ``(T, H_q)`` / ``(T, H_kv)`` uint8, dense per token.
+        cu_seqlens, items, num_items: as ``gluon_fwd`` (list built with ``block_m=wl_block_m``; merged
+            items are skipped: build the list without them).
+        softmax_scale: scale of ``q . k``; causal: causal mask inside each document.
+        block_m, block_n, stages, o, lse: as ``gluon_fwd``.
+        skip_len: items of documents of at most this many tokens are skipped (0: none; the list must
+            hold no merged items either way).
+
+    Returns:
+        ``(o, lse)``: ``(T, H_q, 128)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
+        items and padding rows untouched.
+
+    Raises:
+        ValueError: inputs of the wrong dtype / shape / layout, head_dim other than 128, tiles that do
+            not divide, ``block_m / 2`` not a multiple of 64, ``skip_len < 0``.
+    """
+    check_stages("gluon_fp8_fwd", stages)
+    _check_fp8_inputs(qc, kc, vt, eq, ek, ev)
+    if (block_m // 2) % 64 or wl_block_m % block_m or skip_len < 0 or block_n not in (64, 128):
+        raise ValueError(f"gluon_fp8_fwd: need block_m / 2 a multiple of 64 dividing wl_block_m, block_n in (64, 128) "
+                         f"and skip_len >= 0, got block_m={block_m}, wl_block_m={wl_block_m}, block_n={block_n}, "
+                         f"skip_len={skip_len}")
+    T, H, D = qc.shape
+    Hkv = kc.shape[1]
+    o = torch.empty((T, H, D), dtype=torch.bfloat16, device=qc.device) if o is None else o
+    lse = torch.empty((H, T), dtype=torch.float32, device=qc.device) if lse is None else lse
+    max_entries = items.shape[0] * (wl_block_m // block_m)
+    if T == 0 or max_entries == 0:
+        return o, lse
+    total = max_entries * H
+    grid = min(total, torch.cuda.get_device_properties(qc.device).multi_processor_count)
+    _fp8_fwd_kernel[(grid,)](
+        fp8_descriptor(qc, block_m), fp8_descriptor(kc, block_n), fp8_descriptor_t(vt, block_n), o, lse, eq, ek, ev,
+        items, num_items, cu_seqlens, max_entries, int(skip_len), o.stride(0), lse.stride(0), eq.stride(0),
+        ek.stride(0), float(softmax_scale) * LOG2E, total, T, torch.zeros(1, dtype=torch.int32, device=qc.device),
+        GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
+        CAUSAL=bool(causal), BOOST=BOOST_LOG2, num_warps=CONSUMER_WARPS.value // 2, maxnreg=MAXNREG)
+    return o, lse

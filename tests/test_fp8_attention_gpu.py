@@ -1,0 +1,159 @@
+"""GPU tests of the FP8 forward (``gluon_fp8_fwd.py`` through ``varlen_attention(precision="fp8")``).
+
+The kernel is compared with the CPU emulation on the *same* codes and exponents (``fp8_emulation``:
+the numerics contract) and with the fp32 reference: W1-W9-like rows scaled down, random S3-style rows
+(1-60 unaligned documents, 1-token ones included), GQA / MQA, padding rows, causal and not, both
+granularities. Outputs are NaN-poisoned before each run. Also: NaN containment per document, CUDA
+graph capture with a prebuilt list, the errors of bad inputs.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from flamia_pack.errors import FlamiaError  # noqa: E402
+from flamia_pack.kernels import varlen_attention  # noqa: E402
+from flamia_pack.kernels.fp8_attention import (FP8_BLOCK_M, build_fp8_work_list, fp8_attention_forward,  # noqa: E402
+                                               fp8_kernels_available, fp8_quantize)
+from flamia_pack.kernels.fp8_emulation import OperandCodes  # noqa: E402
+from flamia_pack.kernels.fp8_emulation import fp8_attention_forward as emulated_forward  # noqa: E402
+from flamia_pack.kernels.reference import packed_attention_reference  # noqa: E402
+
+_HOPPER = fp8_kernels_available("cuda")
+needs_hopper = pytest.mark.skipif(not _HOPPER, reason="the FP8 kernels need sm_90 and triton's Gluon")
+
+
+def _row(lengths, H, Hkv, pad=0, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    T = int(sum(lengths)) + pad
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn((T, h, 128), device="cuda", generator=g).bfloat16() for h in (H, Hkv, Hkv))
+    return q, k, v, cu
+
+
+def _poisoned_kernel(ops, cu, causal):
+    from flamia_pack.kernels.flash_fwd import fill_tails
+    from flamia_pack.kernels.gluon_fp8_fwd import gluon_fp8_fwd
+
+    T, H, D = ops.qc.shape
+    wl = build_fp8_work_list(cu, T, causal=causal)
+    o = torch.full((T, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((H, T), float("nan"), dtype=torch.float32, device="cuda")
+    gluon_fp8_fwd(ops.qc, ops.kc, ops.vt, ops.eq, ops.ek, ops.ev, cu, wl.items, wl.num_items, D ** -0.5,
+                  causal=causal, wl_block_m=FP8_BLOCK_M, skip_len=0, o=o, lse=lse)
+    fill_tails([(o, 0.0, 0), (lse, math.inf, 1)], cu)
+    return o, lse
+
+
+def _cos(a, b):
+    return float(torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+
+
+_RNG = np.random.default_rng(27)
+ROWS = {
+    "W1-like 4x512": ([512] * 4, 4, 4, 0),
+    "W2-like 1024 + 8x64": ([1024] + [64] * 8, 4, 4, 0),
+    "W5-like GQA 2x1024": ([1024] * 2, 8, 2, 0),
+    "W6-like unaligned": ([300, 1, 77, 700, 129, 128, 2, 31], 4, 2, 0),
+    "W7-like 16x128": ([128] * 16, 2, 2, 0),
+    "MQA + padding": ([5, 250, 1, 1, 600], 2, 1, 37),
+    **{f"S3 random {i}": (list(_RNG.integers(1, 300, _RNG.integers(1, 60))), 2, 1, int(_RNG.integers(0, 50)))
+       for i in range(4)},
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("name", list(ROWS))
+@pytest.mark.parametrize("gran", ["block", "token"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_kernel_matches_emulation_and_reference(name, gran, causal):
+    lens, H, Hkv, pad = ROWS[name]
+    q, k, v, cu = _row(lens, H, Hkv, pad, seed=len(name))
+    ops = fp8_quantize(q, k, v, cu, gran)
+    o, lse = _poisoned_kernel(ops, cu, causal)
+    vc = ops.vt.permute(2, 0, 1).contiguous()
+    quant = tuple(OperandCodes(c.cpu(), e.cpu()) for c, e in ((ops.qc, ops.eq), (ops.kc, ops.ek), (vc, ops.ev)))
+    oe, lsee = emulated_forward(None, None, None, cu.cpu(), causal=causal, scale_granularity=gran, quantized=quant)
+    n = int(cu[-1])
+    assert not o.isnan().any() and not lse.isnan().any()
+    assert bool((o[n:] == 0).all()) and bool(torch.isinf(lse[:, n:]).all())
+    # kernel vs emulation on the same codes: MUFU exp2 and the tree sums of l differ by ulps, which
+    # can move a P~ across an E4M3 rounding boundary (one E4M3 ulp, 2^-3 relative, of one term), and
+    # the FP8 MMA accumulates with fewer bits: close as a whole, a few bf16 ulps at worst
+    oc = o.float().cpu()[:n]
+    assert _cos(oc, oe[:n]) > 0.99999
+    assert float((oc - oe[:n].float()).abs().max()) < 0.125
+    assert float((lse[:, :n].cpu() - lsee[:, :n]).abs().max()) < 2e-3
+    ref = packed_attention_reference(q.float(), k.float(), v.float(), cu, causal=causal)
+    assert _cos(o[:n], ref[:n]) > 0.998
+
+
+@needs_hopper
+def test_public_call_and_graph_capture():
+    q, k, v, cu = _row([700, 300, 24], 4, 2, pad=8)
+    o = varlen_attention(q, k, v, cu, 700, precision="fp8")
+    ref = packed_attention_reference(q.float(), k.float(), v.float(), cu)
+    assert _cos(o[:1024], ref[:1024]) > 0.998
+    wl = build_fp8_work_list(cu, q.shape[0])
+    out = torch.empty_like(o)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out.copy_(varlen_attention(q, k, v, cu, 700, precision="fp8", work_list=wl))
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.copy_(varlen_attention(q, k, v, cu, 700, precision="fp8", work_list=wl))
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, o)
+
+
+@needs_hopper
+def test_nan_stays_in_its_document():
+    q, k, v, cu = _row([400, 300, 500], 2, 2, seed=9)
+    clean = varlen_attention(q, k, v, cu, 500, precision="fp8")
+    k[450, 0, 3] = float("nan")
+    v[420, 1, 7] = float("inf")
+    bad = varlen_attention(q, k, v, cu, 500, precision="fp8")
+    keep = torch.cat([torch.arange(0, 400), torch.arange(700, 1200)]).cuda()
+    assert torch.equal(bad[keep], clean[keep])
+    assert not torch.isfinite(bad[400:700]).all()
+
+
+@needs_hopper
+def test_token_mode_is_causal_bitwise():
+    q, k, v, cu = _row([600, 500], 2, 2, seed=4)
+    base = varlen_attention(q, k, v, cu, 600, precision="fp8", scale_granularity="token")
+    k2, v2 = k.clone(), v.clone()
+    k2[301:600] = torch.randn_like(k2[301:600]) * 50  # the future of document 0 after the cut at 300
+    v2[301:600] = torch.randn_like(v2[301:600]) * 50
+    moved = varlen_attention(q, k2, v2, cu, 600, precision="fp8", scale_granularity="token")
+    assert torch.equal(moved[:301], base[:301]) and torch.equal(moved[600:], base[600:])
+
+
+@needs_hopper
+def test_bad_inputs_are_clear_errors():
+    q, k, v, cu = _row([256], 2, 2)
+    with pytest.raises(FlamiaError, match="head_dim 128"):
+        varlen_attention(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(), cu, 256,
+                         precision="fp8")
+    with pytest.raises(FlamiaError, match="bfloat16"):
+        varlen_attention(q.half(), k.half(), v.half(), cu, 256, precision="fp8")
+    with pytest.raises(FlamiaError, match="work list"):
+        from flamia_pack.kernels.attention import build_attention_work_list
+        varlen_attention(q, k, v, cu, 256, precision="fp8", work_list=build_attention_work_list(cu, 256))
+    with pytest.raises(NotImplementedError, match="issue 28"):
+        varlen_attention(q.requires_grad_(), k, v, cu, 256, precision="fp8").sum().backward()
+    ops = fp8_quantize(q.detach(), k, v, cu)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_attention_forward(ops._replace(qc=q.detach()), cu)
