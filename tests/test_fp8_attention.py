@@ -1,0 +1,285 @@
+"""CPU tests of ``varlen_attention(precision="fp8")`` and its host side (``kernels/fp8_attention.py``,
+``kernels/quantize.py``'s per-input ``transposed`` flags; issue 27): on the CPU the public op runs the
+emulation (``kernels/fp8_emulation.py``), so it must give the emulation's bits, forward and backward;
+the errors of bad arguments; the key-tile grid (``_steps`` / ``_segments``) anchored at the 16-token
+boundary at or before each document's first token. The GPU kernel is tested in
+``test_fp8_attention_gpu.py``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flamia_pack.errors import FlamiaError
+from flamia_pack.kernels import varlen_attention
+from flamia_pack.kernels.config import AttentionKernelConfig
+from flamia_pack.kernels.fp8_attention import FP8Operands, fp8_attention_forward, fp8_quantize
+from flamia_pack.kernels.fp8_emulation import TILE_ALIGN, _segments, _steps
+from flamia_pack.kernels.fp8_emulation import fp8_attention_forward as emulated_forward
+from flamia_pack.kernels.fp8_emulation import fp8_varlen_attention_emulated
+from flamia_pack.kernels.quantize import HAS_TRITON, quantize_qkv
+from flamia_pack.kernels.reference import packed_attention_reference
+from flamia_pack.quant import quantize_token_blocks
+
+# unaligned documents: starts 0, 1, 151, 188, 189, 389 (16-token phases 0, 1, 7, 12, 13, 5), two of
+# them longer than a 128-key tile, two 1-token ones; then 9 row-end padding tokens
+LENS = [1, 150, 37, 1, 200, 3]
+CU = torch.tensor(np.concatenate([[0], np.cumsum(LENS)]), dtype=torch.int32)
+N = int(CU[-1])
+T = N + 9
+MAX_SEQLEN = max(LENS)
+H, HKV = 4, 2
+
+
+def _cos(a, b) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def _inputs(D, seed, T=T, H=H, Hkv=HKV):
+    torch.manual_seed(seed)
+    return tuple(torch.randn(T, h, D).bfloat16() for h in (H, Hkv, Hkv, H))  # q, k, v, dO
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """float8 codes as their bytes (bitwise comparisons)."""
+    return x.view(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# the public op on the CPU is the emulation, bitwise
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("gran", ["block", "token"])
+def test_forward_is_the_emulation_bitwise(gran, causal, D):
+    q, k, v, _ = _inputs(D, seed=4 * (gran == "token") + 2 * causal + (D == 64))
+    o = varlen_attention(q, k, v, CU, MAX_SEQLEN, causal=causal, precision="fp8", scale_granularity=gran)
+    eo, _ = emulated_forward(q, k, v, CU, MAX_SEQLEN, causal=causal, scale_granularity=gran)
+    assert o.shape == (T, H, D) and o.dtype == torch.bfloat16 and o.device == q.device
+    assert torch.equal(o, eo)
+    assert o[N:].abs().max() == 0  # row-end padding
+    ref = packed_attention_reference(q, k, v, CU, causal=causal)  # fp32 compute
+    c = _cos(o[:N], ref[:N])
+    print(f"\nfp8 {gran} causal={causal} D={D}: cos vs fp32 reference {c:.5f}")
+    assert c > 0.998, c
+    # the 1-token documents attend to themselves only: O = V up to the FP8 round trip
+    for t in (0, 188):
+        assert _cos(o[t], v[t].repeat_interleave(H // HKV, 0)) > 0.99
+
+
+@pytest.mark.parametrize("D,gran,causal", [(128, "block", True), (128, "token", False), (64, "block", False),
+                                           (64, "token", True)])
+def test_backward_is_the_emulation_bitwise(D, gran, causal):
+    q, k, v, do = _inputs(D, seed=40 + D + causal)
+    a = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    b = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    o = varlen_attention(*a, CU, MAX_SEQLEN, causal=causal, precision="fp8", scale_granularity=gran)
+    eo = fp8_varlen_attention_emulated(*b, CU, MAX_SEQLEN, causal=causal, scale_granularity=gran)
+    assert o.requires_grad and torch.equal(o.detach(), eo.detach())
+    o.backward(do)
+    eo.backward(do)
+    ref = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    packed_attention_reference(*ref, CU, causal=causal).backward(do.float())
+    for name, ga, gb, gr in zip("qkv", (x.grad for x in a), (x.grad for x in b), (x.grad for x in ref)):
+        assert ga is not None and ga.dtype == torch.bfloat16 and ga.shape == gb.shape
+        assert torch.isfinite(ga).all(), name
+        assert torch.equal(ga, gb), name
+        assert ga[N:].abs().max() == 0, name  # padding rows get no gradient
+        assert _cos(ga, gr) > 0.99, name  # real gradients, not just matching ones (measured ~0.998)
+
+
+def test_backward_with_only_some_inputs_requiring_grad():
+    q, k, v, do = _inputs(64, seed=7)
+    kk = k.clone().requires_grad_(True)
+    o = varlen_attention(q, kk, v, CU, MAX_SEQLEN, precision="fp8")
+    o.backward(do)
+    k2 = k.clone().requires_grad_(True)
+    fp8_varlen_attention_emulated(q, k2, v, CU, MAX_SEQLEN).backward(do)
+    assert torch.equal(kk.grad, k2.grad) and torch.isfinite(kk.grad).all()
+
+
+@pytest.mark.parametrize("gran", ["block", "token"])
+def test_return_lse_under_no_grad_is_the_emulations(gran):
+    q, k, v, _ = _inputs(128, seed=11)
+    eo, else_ = emulated_forward(q, k, v, CU, MAX_SEQLEN, scale_granularity=gran)
+    qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
+    with torch.no_grad():  # inputs that require grad, as in a training model's eval step
+        o, lse = varlen_attention(qg, kg, vg, CU, MAX_SEQLEN, precision="fp8", scale_granularity=gran,
+                                  return_lse=True)
+    assert not o.requires_grad and lse.dtype == torch.float32 and lse.shape == (H, T)
+    assert torch.equal(o, eo) and torch.equal(lse, else_)
+    assert torch.isinf(lse[:, N:]).all() and (lse[:, N:] > 0).all()
+    assert torch.isfinite(lse[:, :N]).all()
+
+
+def test_return_lse_with_grad_raises():
+    q, k, v, _ = _inputs(64, seed=12)
+    q.requires_grad_(True)
+    with pytest.raises(FlamiaError, match="return_lse=True with gradients.*no_grad"):
+        varlen_attention(q, k, v, CU, MAX_SEQLEN, precision="fp8", return_lse=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(scale_granularity="row"), "scale_granularity must be 'block' or 'token', got 'row'"),
+    (dict(config=AttentionKernelConfig()), r"config= picks the BF16 kernels' tiles; precision='fp8'"),
+    (dict(causal_dq_scale=1), "causal_dq_scale must be a bool, got 1"),
+    (dict(causal_dq_scale="yes"), "causal_dq_scale must be a bool"),
+    (dict(causal_dq_scale=None), "causal_dq_scale must be a bool"),
+])
+def test_bad_fp8_arguments(kw, msg):
+    q, k, v, _ = _inputs(64, seed=13, T=40)
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    with pytest.raises(FlamiaError, match=msg):
+        varlen_attention(q, k, v, cu, 40, precision="fp8", **kw)
+
+
+def test_bad_head_dim_for_fp8():
+    q, k, v, _ = _inputs(32, seed=14, T=40)
+    with pytest.raises(FlamiaError, match="head_dim"):
+        varlen_attention(q, k, v, torch.tensor([0, 40], dtype=torch.int32), 40, precision="fp8")
+
+
+def test_prequantized_entry_on_cpu_operands():
+    """``fp8_quantize`` works on the CPU (quant.py's bits, V^T = V's codes feature-major); the
+    pre-quantized forward on CPU operands says it needs the GPU; a plain tuple is not FP8Operands."""
+    torch.manual_seed(15)
+    cu = torch.tensor([0, 1, 17, 33, 39], dtype=torch.int32)
+    q, k, v = (torch.randn(40, h, 16).bfloat16() for h in (2, 1, 1))
+    ops = fp8_quantize(q, k, v, cu, "block")
+    assert isinstance(ops, FP8Operands) and ops.granularity == "block"
+    for codes, ex, x in ((ops.qc, ops.eq, q), (ops.kc, ops.ek, k)):
+        want = quantize_token_blocks(x, cu, "block")
+        assert torch.equal(_bits(codes), _bits(want.codes)) and torch.equal(ex, want.exponents)
+    want_v = quantize_token_blocks(v, cu, "block")
+    assert torch.equal(ops.ev, want_v.exponents)
+    assert ops.vt.shape == (1, 16, 40) and torch.equal(_bits(ops.vt), _bits(want_v.codes.permute(1, 2, 0)))
+    with pytest.raises(FlamiaError, match=r"CUDA GPU of compute capability 9\.x \(Hopper\).*got cpu"):
+        fp8_attention_forward(ops, cu)
+    with pytest.raises(FlamiaError, match="ops must be FP8Operands.*got tuple"):
+        fp8_attention_forward(tuple(ops), cu)
+    with pytest.raises(FlamiaError, match="ops must be FP8Operands"):
+        fp8_attention_forward(q, cu)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize_qkv: one transposed flag per input
+# ---------------------------------------------------------------------------------------------
+
+QCU = torch.tensor([0, 1, 17, 33, 39], dtype=torch.int32)  # unaligned, a 1-token document, 1 padding row
+
+
+def _qkv_small(seed=16):
+    torch.manual_seed(seed)
+    return tuple(torch.randn(40, 2, 16).bfloat16() for _ in range(3))
+
+
+@pytest.mark.parametrize("gran", ["block", "token"])
+def test_quantize_qkv_per_input_transposed(gran):
+    q, k, v = _qkv_small()
+    qq, kq, vq = quantize_qkv(q, k, v, QCU, gran, transposed=(False, False, True))
+    assert qq.codes_t is None and kq.codes_t is None
+    assert vq.codes_t is not None and vq.codes_t.shape == (2, 16, 40)
+    assert torch.equal(_bits(vq.codes_t), _bits(vq.codes.permute(1, 2, 0)))
+    if HAS_TRITON:  # the kernel path pads the token pitch to 16 bytes (TMA strides; quantize's docs)
+        assert vq.codes_t.stride() == (16 * 48, 48, 1)
+    for got, x in ((qq, q), (kq, k), (vq, v)):  # still quant.py's bits
+        want = quantize_token_blocks(x, QCU, gran)
+        assert torch.equal(_bits(got.codes), _bits(want.codes)) and torch.equal(got.exponents, want.exponents)
+
+
+@pytest.mark.parametrize("transposed", [(True, False), (True, False, True, False), "yes", (1, 0, 1), None])
+def test_quantize_qkv_bad_transposed(transposed):
+    q, k, v = _qkv_small()
+    with pytest.raises(FlamiaError, match="transposed must be a bool"):
+        quantize_qkv(q, k, v, QCU, transposed=transposed)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="transposed_store applies to the Triton kernel only")
+def test_quantize_qkv_kernel_store_needs_every_input_transposed():
+    q, k, v = _qkv_small()
+    with pytest.raises(FlamiaError, match="transposed_store='kernel' writes the transposed copy of every input"):
+        quantize_qkv(q, k, v, QCU, transposed=(False, False, True), transposed_store="kernel")
+
+
+# ---------------------------------------------------------------------------------------------
+# the key-tile grid: anchored at the 16-token boundary at or before each document's first token
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 700), st.sampled_from([64, 128]), st.integers(0, TILE_ALIGN - 1), st.booleans())
+def test_steps_tile_one_document_on_the_grid(L, block_n, phase, causal):
+    steps = _steps(L, True, block_n, causal, phase)
+    assert steps and steps[0][0] == 0 and steps[-1][1] == L
+    for (_, a1, _), (b0, _, _) in zip(steps, steps[1:]):
+        assert a1 == b0  # contiguous, increasing
+    sizes = [k1 - k0 for k0, k1, _ in steps]
+    assert sizes[0] == min(L, block_n - phase)
+    assert all(s == block_n for s in sizes[1:-1]) and all(0 < s <= block_n for s in sizes)
+    assert len(steps) == -(-(L + phase) // block_n)
+    for k0, _, r0 in steps:
+        assert r0 == (k0 if causal else 0)
+        if k0:
+            assert (k0 + phase) % block_n == 0  # on the grid anchored `phase` tokens before the document
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=12), st.sampled_from([64, 128]))
+def test_segments_split_on_the_grid(lens, short):
+    cu = [0, *np.cumsum(lens).tolist()]
+    docs = [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+    segs = _segments(cu, short)
+    assert [s[0] for s in segs[1:]] == [s[1] for s in segs[:-1]]  # contiguous
+    if docs:  # covers [0, cu[-1]): empty documents hold no tokens
+        assert segs[0][0] == 0 and segs[-1][1] == cu[-1]
+    else:
+        assert segs == []
+    starts = set(cu)
+    for lo, hi, single in segs:
+        assert lo in starts and hi in starts
+        inside = [(a, b) for a, b in docs if lo <= a < hi]
+        assert all(b <= hi for _, b in inside)  # whole documents only
+        # a document that crosses a key-tile boundary of its 16-aligned grid is walked alone
+        crossing = [a % TILE_ALIGN + (b - a) > short for a, b in inside]
+        if single:
+            assert inside == [(lo, hi)] and crossing == [True]
+        else:
+            assert inside and not any(crossing)
+
+
+def _shifted_row(lens, pre, seed, D=64):
+    """The documents ``lens`` (fixed values) behind a first document of ``pre`` tokens."""
+    torch.manual_seed(seed)
+    base = [torch.randn(sum(lens), h, D) for h in (H, HKV, HKV)]
+    torch.manual_seed(seed + 1)
+    head = [torch.randn(pre, h, D) for h in (H, HKV, HKV)]
+    x = [torch.cat([a, b]).bfloat16() for a, b in zip(head, base)]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(([pre] if pre else []) + lens)]), dtype=torch.int32)
+    return x, cu
+
+
+@pytest.mark.parametrize("gran,causal,block_n", [("block", True, 128), ("token", True, 128), ("block", False, 128),
+                                                  ("token", False, 64)])
+def test_grid_is_anchored_at_16_tokens(gran, causal, block_n):
+    """Shifting every document by 16 tokens leaves its bits alone (same phase on the 16-token grid);
+    by 5 tokens it moves them (another phase: other tile boundaries in the long documents), so the
+    grid is neither anchored at the document start nor at the row's block_n grid."""
+    lens = [150, 37, 1, 200, 3, 90]
+    n = sum(lens)
+    out = {}
+    for pre in (0, 16, 5):
+        x, cu = _shifted_row(lens, pre, seed=21)
+        o, lse = emulated_forward(*x, cu, causal=causal, scale_granularity=gran, block_n=block_n)
+        out[pre] = (o[pre:pre + n], lse[:, pre:pre + n])
+    assert torch.equal(out[16][0], out[0][0]) and torch.equal(out[16][1], out[0][1])
+    assert not torch.equal(out[5][0], out[0][0])  # positive control
