@@ -35,7 +35,7 @@ def _kernel(ops, cu, causal=True):
     o = torch.full((T, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
     lse = torch.full((H, T), float("nan"), dtype=torch.float32, device="cuda")
     from flamia_pack.kernels.flash_fwd import fill_tails
-    gluon_fp8_fwd(ops.qc, ops.kc, ops.vt, ops.eq, ops.ek, ops.ev, cu, wl.items, wl.num_items, D ** -0.5,
+    gluon_fp8_fwd(ops.qc, ops.kc, ops.vt, ops.eq, ops.ekt, ops.evt, cu, wl.items, wl.num_items, D ** -0.5,
                   causal=causal, wl_block_m=FP8_BLOCK_M, skip_len=0, o=o, lse=lse)
     fill_tails([(o, 0.0, 0), (lse, math.inf, 1)], cu)
     return o, lse

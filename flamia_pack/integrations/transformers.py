@@ -32,11 +32,11 @@ varlen path):
 Boundaries derived on the device (1 and 3) cost one device-to-host copy; they are computed once per
 forward and reused by every layer (memoised on the mask / ``position_ids`` tensor object).
 
-Options (:class:`FlamiaAttentionOptions`): ``precision`` (``"bf16"``; ``"fp8"`` is passed to
-``varlen_attention(precision=...)``, which today raises ``NotImplementedError``, passed on unchanged),
-``granularity`` of the FP8 scales (``"block"`` or ``"token"``; passed to ``varlen_attention`` only
-when its signature has a ``granularity`` / ``scale_granularity`` parameter, which today it does not)
-and ``deterministic``. Set the defaults with :func:`register`, per model with :func:`set_options`.
+Options (:class:`FlamiaAttentionOptions`): ``precision`` (``"bf16"`` or ``"fp8"``, passed to
+``varlen_attention(precision=...)``: the FP8 forward on sm_90, no GPU backward yet, whose
+``NotImplementedError`` is passed on unchanged), ``granularity`` of the FP8 scales (``"block"`` or
+``"token"``, passed as ``scale_granularity``) and ``deterministic``. On CUDA the batch's work list
+is built once per forward and reused by every layer (no host synchronisation in the layers). Set the defaults with :func:`register`, per model with :func:`set_options`.
 
 Dtypes: on CUDA the kernels take bfloat16, so float32 / float16 q, k, v are cast to bfloat16 and the
 output back to the input dtype; on the CPU the torch reference runs in the input dtype (float32
@@ -94,11 +94,9 @@ class FlamiaAttentionOptions:
     """How ``"flamia"`` calls :func:`flamia_pack.varlen_attention`.
 
     Attributes:
-        precision: ``"bf16"`` or ``"fp8"`` (passed to ``varlen_attention(precision=...)``; ``"fp8"``
-            raises there until FP8 attention exists).
+        precision: ``"bf16"`` or ``"fp8"`` (passed to ``varlen_attention(precision=...)``).
         granularity: FP8 scale granularity, ``"block"`` (token blocks inside a document) or
-            ``"token"``; used only with ``precision="fp8"`` (and only once ``varlen_attention`` takes
-            a granularity argument).
+            ``"token"``; used only with ``precision="fp8"``.
         deterministic: bitwise reproducible gradients (``varlen_attention(deterministic=...)``).
 
     Raises:
@@ -218,7 +216,29 @@ class _Memo:
         return value
 
 
-_mask_memo, _pos_memo, _same_cu_memo, _max_memo = _Memo(), _Memo(), _Memo(), _Memo()
+_mask_memo, _pos_memo, _same_cu_memo, _max_memo, _list_memo = _Memo(), _Memo(), _Memo(), _Memo(), _Memo()
+
+
+def _work_list(cu: torch.Tensor, cu_dev: torch.Tensor, T: int, max_len: int, causal: bool, head_dim: int,
+               group: int, precision: str):
+    """The work list of this batch's documents, built once per forward (validated: one host copy of
+    ``cu_seqlens``) and reused by every layer, so each attention call does no host synchronisation;
+    None on the CPU (the reference path builds none)."""
+    if cu_dev.device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    lists = _list_memo.get((cu,), dict)
+    key = (T, max_len, causal, head_dim, group, precision)
+    if key not in lists:
+        if precision == "fp8":
+            from flamia_pack.kernels.fp8_attention import build_fp8_work_list
+
+            lists[key] = build_fp8_work_list(cu_dev, T, causal=causal)
+        else:
+            from flamia_pack.kernels.attention import build_attention_work_list
+
+            lists[key] = build_attention_work_list(cu_dev, T, causal=causal, head_dim=head_dim, max_seqlen=max_len,
+                                                   num_kv_groups=group)
+    return lists[key]
 
 
 def _as_int(x: Any, name: str) -> int:
@@ -388,7 +408,7 @@ def flamia_attention_forward(
         else:
             cu = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device=query.device)
             max_len = L
-    cu = cu.to(query.device)
+    cu_dev = cu.to(query.device)
 
     in_dtype = query.dtype
     run_dtype = torch.bfloat16 if query.device.type == "cuda" else in_dtype
@@ -399,7 +419,11 @@ def flamia_attention_forward(
 
     from flamia_pack import varlen_attention
 
-    out = varlen_attention(q, k, v, cu, max_len, causal=causal, softmax_scale=scaling, **_varlen_call_kwargs(opts))
+    wl = None
+    if D in (64, 128) and (opts.precision == "bf16" or D == 128):
+        wl = _work_list(cu, cu_dev, q.shape[0], max_len, causal, D, q.shape[1] // k.shape[1], opts.precision)
+    out = varlen_attention(q, k, v, cu_dev, max_len, causal=causal, softmax_scale=scaling, work_list=wl,
+                           **_varlen_call_kwargs(opts))
     out = out.to(in_dtype)
     if indices is not None:
         full = out.new_zeros(B * L, H, D)

@@ -638,7 +638,7 @@ def varlen_attention(
             does not read it.
 
     Returns:
-        ``o`` ``(T, H_q, D)`` in q's dtype, or ``(o, lse)`` if ``return_lse``.
+        ``o`` ``(T, H_q, D)`` in q's dtype (``precision="fp8"``: bf16), or ``(o, lse)`` if ``return_lse``.
 
     Raises:
         NotImplementedError: a backward through the GPU FP8 forward (issue 28).

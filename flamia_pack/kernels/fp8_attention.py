@@ -33,7 +33,8 @@ class FP8Operands(NamedTuple):
 
     Fields: ``qc`` ``(T, H_q, D)``, ``kc`` ``(T, H_kv, D)`` float8_e4m3fn; ``vt`` V's codes feature-major
     ``(H_kv, D, T)`` (token stride 1, feature stride a multiple of 16); ``eq`` ``(T, H_q)``, ``ek`` /
-    ``ev`` ``(T, H_kv)`` uint8; ``granularity``: ``"block"`` or ``"token"`` (labels the exponents).
+    ``ev`` ``(T, H_kv)`` uint8; ``ekt`` / ``evt``: ``ek`` / ``ev`` as the kernel's key-major int32 tables
+    (``gluon_fp8_fwd.exponent_table``); ``granularity``: ``"block"`` or ``"token"`` (labels the exponents).
     """
 
     qc: torch.Tensor
@@ -42,6 +43,8 @@ class FP8Operands(NamedTuple):
     eq: torch.Tensor
     ek: torch.Tensor
     ev: torch.Tensor
+    ekt: torch.Tensor
+    evt: torch.Tensor
     granularity: str = "block"
 
 
@@ -70,11 +73,13 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     Returns:
         :class:`FP8Operands`.
     """
+    from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
     from flamia_pack.kernels.quantize import quantize_qkv
 
     qq, kq, vq = quantize_qkv(q, k, v, cu_seqlens, scale_granularity, transposed=(False, False, True),
                               check_finite=check_finite, validate=False)
-    return FP8Operands(qq.codes, kq.codes, vq.codes_t, qq.exponents, kq.exponents, vq.exponents, scale_granularity)
+    return FP8Operands(qq.codes, kq.codes, vq.codes_t, qq.exponents, kq.exponents, vq.exponents,
+                       exponent_table(kq.exponents), exponent_table(vq.exponents), scale_granularity)
 
 
 def build_fp8_work_list(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: bool = True, validate: bool = True,
@@ -126,22 +131,22 @@ def fp8_attention_forward(ops: FP8Operands, cu_seqlens: torch.Tensor, *, causal:
         FlamiaError: not on a device with the FP8 kernels, or a work list built for something else;
         ValueError (from the kernel launcher): operands of the wrong dtype / shape / layout.
     """
-    from flamia_pack.kernels.flash_fwd import fill_tails
-    from flamia_pack.kernels.gluon_fp8_fwd import gluon_fp8_fwd
-
     if not isinstance(ops, FP8Operands):
         raise FlamiaError(f"ops must be FP8Operands (fp8_quantize), got {type(ops).__name__}")
     if not fp8_kernels_available(ops.qc.device):
         raise FlamiaError(f"the FP8 attention kernels need a CUDA GPU of compute capability 9.x (Hopper) with "
                           f"triton's Gluon; got {ops.qc.device} (use varlen_attention(precision='fp8') for the "
                           "CPU emulation)")
+    from flamia_pack.kernels.flash_fwd import fill_tails
+    from flamia_pack.kernels.gluon_fp8_fwd import gluon_fp8_fwd
+
     T, H, D = ops.qc.shape
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     if work_list is None:
         work_list = build_fp8_work_list(cu32, T, causal=causal, validate=False)
     items, num_items = _check_fp8_list(work_list, causal, ops.qc.device, T)
-    o, lse = gluon_fp8_fwd(ops.qc, ops.kc, ops.vt, ops.eq, ops.ek, ops.ev, cu32, items, num_items, scale,
+    o, lse = gluon_fp8_fwd(ops.qc, ops.kc, ops.vt, ops.eq, ops.ekt, ops.evt, cu32, items, num_items, scale,
                            causal=causal, wl_block_m=FP8_BLOCK_M, skip_len=0)
     fill_tails([(o, 0.0, 0), (lse, math.inf, 1)], cu32)
     return o, lse
@@ -174,6 +179,8 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
         raise FlamiaError(f"precision='fp8' on the GPU supports head_dim 128, got {D} (precision='bf16' runs 64 "
                           "and 128)")
     if not use_kernels:
+        if work_list is not None:  # checked for the same mistakes as on the GPU, then unused by the emulation
+            _check_fp8_list(work_list, causal, q.device, q.shape[0])
         from flamia_pack.kernels.fp8_emulation import fp8_attention_forward as emulated_fwd
         from flamia_pack.kernels.fp8_emulation import fp8_varlen_attention_emulated
 

@@ -28,8 +28,8 @@ Why the accumulator stays in the MMA across key tiles (``acc`` rescaled by a pow
 where promoting each tile's product into a separate fp32 accumulator costs 64 more registers a
 thread and a multiply-add per output element; benchmarks/NOTES.md has the measured error of both.
 
-Documents of one token and merged items are left to the caller (``fp8_attention.py`` builds lists
-without merged items). Inputs: codes and exponents from ``kernels.quantize.quantize_qkv`` (V with
+Merged items are not supported: ``fp8_attention.py`` builds lists without them (``merge_short``
+off), so every item holds one document, 1-token documents included. Inputs: codes and exponents from ``kernels.quantize.quantize_qkv`` (V with
 its feature-major copy).
 """
 from __future__ import annotations
@@ -61,6 +61,16 @@ def _qgmma_layout(num_warps, n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
 
 
+@constexpr_function
+def _key_pair_layout(n):
+    """Layout of the ``n // 2`` column pairs of ``SliceLayout(0, _qgmma_layout(4, n))`` (a thread of a
+    4-warp product holds columns ``8 i + 2 q + {0, 1}``, ``q`` its lane in the quad): pair ``4 i + q``
+    on lane ``q`` of every quad, register ``i``."""
+    regs = [[4 << i] for i in range((n // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[1], [2], [0], [0], [0]], warp_bases=[[0], [0]],
+                                      block_bases=[], shape=[n // 2])
+
+
 @gluon.jit
 def _pow2(ebyte):
     """``2^(ebyte - 127)`` as float32 for UE8M0 bytes (int32) in ``[1, 254]``; byte 0 (``2^-127``, the
@@ -90,15 +100,20 @@ def _zero_cols_outside(buf, lo, hi, NW: gl.constexpr):
 
 
 @gluon.jit
-def _tile_exponents(EK, EV, stride_e, hk, o_lo, ph, o_hi, j, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """UE8M0 bytes (int32) of walked tile ``j``'s keys for K and V (byte 127, ``e = 0``, outside the
-    document ``[o_lo + ph, o_hi)``: those pairs are masked)."""
-    kj = o_lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    ok = (kj >= o_lo + ph) & (kj < o_hi)
-    off = kj.to(gl.int64) * stride_e + hk
-    ek = gl.load(EK + off, mask=ok, other=127).to(gl.int32)
-    ev = gl.load(EV + off, mask=ok, other=127).to(gl.int32)
-    return ek, ev
+def _tile_exponents(EK, EV, stride_e, hk, o_lo, j, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """UE8M0 bytes (int32) of walked tile ``j``'s keys for K and V from the key-major tables
+    (:func:`exponent_table`: ``(H_kv, TPE)`` int32, padded past T): unmasked, so each thread's column
+    pairs load as 8-byte vectors from one base address (``o_lo`` is a multiple of 16). Entries of
+    other documents or padding are read but enter nothing: those pairs are masked."""
+    # the tables are read as int64 pairs (one 8-byte load per column pair of the thread) and split
+    pj = gl.multiple_of(o_lo, 16) // 2 + j * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=_key_pair_layout(BLOCK_N))
+    off = hk * (stride_e // 2) + pj
+    key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    ek2 = gl.load(EK.to(gl.pointer_type(gl.int64), bitcast=True) + off)
+    ev2 = gl.load(EV.to(gl.pointer_type(gl.int64), bitcast=True) + off)
+    ek = gl.join((ek2 & 0xFFFFFFFF).to(gl.int32), (ek2 >> 32).to(gl.int32)).reshape([BLOCK_N])
+    ev = gl.join((ev2 & 0xFFFFFFFF).to(gl.int32), (ev2 >> 32).to(gl.int32)).reshape([BLOCK_N])
+    return gl.convert_layout(ek, key_layout), gl.convert_layout(ev, key_layout)
 
 
 @gluon.jit
@@ -110,7 +125,7 @@ def _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, ek, ev, MASKED: gl.conste
     (as ``gluon_fwd._fwd_softmax``); ``ph``: the document's first key relative to it (tile 0 of a
     document that starts off the 16-token grid holds ``ph`` keys of the previous one);
     ``row_f = qk 2^e_q(i)``."""
-    x = st * _pow2(ek)[None, :]
+    x = st * _pow2(gl.maximum(ek, 1))[None, :]
     if MASKED:
         k_rel = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         vis = (k_rel[None, :] <= (lim - j * BLOCK_N)[:, None]) & (k_rel >= ph - j * BLOCK_N)[None, :]
@@ -155,8 +170,7 @@ def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, EK, EV, stride_e, hk, o_lo, 
               BLOCK_N: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
               acc_layout: gl.constexpr):
     """Walked tile ``j >= 1`` (``gluon_fwd._fwd_step``'s pipelining): ``S_j`` and ``P~_{j-1} V_{j-1}``
-    in flight together, tile ``j``'s softmax and fold while the second one runs. Step 1 first zeroes
-    tile 0's leading columns of the previous document (``ph > 0``)."""
+    in flight together, tile ``j``'s softmax and fold while the second one runs."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     r = c + j
     s = r % STAGES
@@ -165,11 +179,8 @@ def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, EK, EV, stride_e, hk, o_lo, 
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
-    if j == 1:
-        if ph > 0:
-            _zero_cols_outside(v_bufs.index(sp), ph, BLOCK_N, NW)
     acc = warpgroup_mma(p_prev, v_bufs.index(sp).permute((1, 0)), acc, is_async=True)
-    ek, ev = _tile_exponents(EK, EV, stride_e, hk, o_lo, ph, o_hi, j, BLOCK_N, s_layout)
+    ek, ev = _tile_exponents(EK, EV, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
     st = warpgroup_mma_wait(1, deps=(st,))
     mbarrier.arrive(empty.index(s), count=1)
     p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, ek, ev, MASKED, BOOST, BLOCK_N,
@@ -201,12 +212,12 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
     else:
         lim = gl.zeros_like(q_pos) + (o_hi - 1 - o_lo)
     eq = gl.load(EQ + q_pos.to(gl.int64) * stride_eq + h, mask=q_pos < T, other=127).to(gl.int32)
-    row_f = _pow2(eq) * qk_scale
+    row_f = _pow2(gl.maximum(eq, 1)) * qk_scale  # byte 0 (2^-127, a subnormal amax) read as 2^-126: never 0
     m_i = gl.full([PART_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.full([PART_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
     r_i = gl.full([PART_M], 127, gl.int32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, acc_layout)
-    ek, ev = _tile_exponents(EK, EV, stride_e, hk, o_lo, ph, o_hi, 0, BLOCK_N, s_layout)
+    ek, ev = _tile_exponents(EK, EV, stride_e, hk, o_lo, 0, BLOCK_N, s_layout)
     mbarrier.wait(q_bar, q_phase)
     s0 = c % STAGES
     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
@@ -220,6 +231,9 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
     else:
         p, m_i, l_i, _alpha, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, ek, ev, True, BOOST, BLOCK_N,
                                                 s_layout, op_layout)
+    if (ph > 0) & (n_steps > 1):  # tile 0's leading columns hold the previous document (the last tile: below)
+        mbarrier.wait(ready.index(STAGES + s0), (c // STAGES) & 1)
+        _zero_cols_outside(v_bufs.index(s0), ph, BLOCK_N, NW)
     for j in range(1, u1):
         acc, p, m_i, l_i, r_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, EK, EV, stride_e, hk, o_lo, ph, o_hi,
                                           lim, row_f, j, c, acc, p, m_i, l_i, r_i, False, BOOST, PART_M, BLOCK_N, NW,
@@ -363,6 +377,20 @@ def fp8_descriptor_t(xt: torch.Tensor, block_cols: int) -> TensorDescriptor:
     return TensorDescriptor(xt, [H * D, T], [xt.stride(1), 1], [D, block_cols], fp8_smem_layout(D, block_cols))
 
 
+#: Columns of an exponent table past ceil16(T): a walk starts up to 15 tokens before its document
+#: and reads whole tiles, up to 15 + 127 tokens past the row's last one.
+TABLE_PAD = 256
+
+
+def exponent_table(e: torch.Tensor) -> torch.Tensor:
+    """The kernel's key-major exponent table of ``e`` (``(T, H)`` uint8 UE8M0, dense per token):
+    ``(H, ceil16(T) + TABLE_PAD)`` int32, ``table[h, t] = e[t, h]``, byte 127 (``e = 0``) past T."""
+    T, H = e.shape
+    out = torch.full((H, -(-T // 16) * 16 + TABLE_PAD), 127, dtype=torch.int32, device=e.device)
+    out[:, :T] = e.t()
+    return out
+
+
 def _check_fp8_inputs(qc, kc, vt, eq, ek, ev) -> None:
     for name, x in (("q codes", qc), ("k codes", kc), ("v^T codes", vt)):
         if x.dtype != torch.float8_e4m3fn or x.dim() != 3 or not x.is_cuda:
@@ -378,10 +406,13 @@ def _check_fp8_inputs(qc, kc, vt, eq, ek, ev) -> None:
                          "token stride 1 and a 16-byte feature stride)")
     if H % Hkv or D != 128:
         raise ValueError(f"gluon_fp8_fwd: need H_q % H_kv == 0 and head_dim 128, got H_q={H}, H_kv={Hkv}, D={D}")
-    for name, e, hh in (("q", eq, H), ("k", ek, Hkv), ("v", ev, Hkv)):
-        if e.dtype != torch.uint8 or e.shape != (T, hh) or not e.is_contiguous():
-            raise ValueError(f"gluon_fp8_fwd: {name} exponents must be contiguous uint8 (T, {hh}), got {e.dtype} "
-                             f"{tuple(e.shape)}")
+    if eq.dtype != torch.uint8 or eq.shape != (T, H) or not eq.is_contiguous():
+        raise ValueError(f"gluon_fp8_fwd: q exponents must be contiguous uint8 (T, {H}), got {eq.dtype} {tuple(eq.shape)}")
+    width = -(-T // 16) * 16 + TABLE_PAD
+    for name, e in (("k", ek), ("v", ev)):
+        if e.dtype != torch.int32 or e.shape != (Hkv, width) or not e.is_contiguous():
+            raise ValueError(f"gluon_fp8_fwd: {name} exponents must be the int32 table (H_kv, ceil16(T) + {TABLE_PAD}) = "
+                             f"({Hkv}, {width}) of exponent_table, got {e.dtype} {tuple(e.shape)}")
 
 
 def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torch.Tensor, ek: torch.Tensor,
@@ -394,7 +425,8 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
     Args:
         qc: ``(T, H_q, 128)`` float8_e4m3fn codes; kc: ``(T, H_kv, 128)``; vt: V's feature-major codes
             ``(H_kv, 128, T)`` (token stride 1, feature stride a multiple of 16).
-        eq, ek, ev: UE8M0 exponent bytes ``(T, H_q)`` / ``(T, H_kv)`` uint8, dense per token.
+        eq: Q's UE8M0 exponent bytes ``(T, H_q)`` uint8, dense per token; ek, ev: K's and V's as
+            :func:`exponent_table` tables ``(H_kv, ceil16(T) + TABLE_PAD)`` int32.
         cu_seqlens, items, num_items: as ``gluon_fwd`` (list built with ``block_m=wl_block_m``; merged
             items are skipped: build the list without them).
         softmax_scale: scale of ``q . k``; causal: causal mask inside each document.
