@@ -26,7 +26,9 @@ through E4M3's subnormal boundary, seed 001 §4); masked scores are ``-inf`` bef
 Why the accumulator stays in the MMA across key tiles (``acc`` rescaled by a power of two when
 ``r`` changes): it costs one multiply per output row per tile, like the BF16 forward's ``alpha``,
 where promoting each tile's product into a separate fp32 accumulator costs 64 more registers a
-thread and a multiply-add per output element; benchmarks/NOTES.md has the measured error of both.
+thread and a multiply-add per output element; the emulation's model of the FP8 MMA's 14-bit
+accumulator (``fp8_emulation.pv_accumulator="mma14"``) moved O by at most one bf16 ulp
+(docs/fp8.md); the hardware comparison is benchmarks/NOTES.md's open item.
 
 Merged items are not supported: ``fp8_attention.py`` builds lists without them (``merge_short``
 off), so every item holds one document, 1-token documents included. Inputs: codes and exponents from ``kernels.quantize.quantize_qkv`` (V with
