@@ -72,8 +72,7 @@ def test_forward_is_the_emulation_bitwise(gran, causal, D):
         assert _cos(o[t], v[t].repeat_interleave(H // HKV, 0)) > 0.99
 
 
-@pytest.mark.parametrize("D,gran,causal", [(128, "block", True), (128, "token", False), (64, "block", False),
-                                           (64, "token", True)])
+@pytest.mark.parametrize("D,gran,causal", [(128, "block", True), (64, "token", False)])
 def test_backward_is_the_emulation_bitwise(D, gran, causal):
     q, k, v, do = _inputs(D, seed=40 + D + causal)
     a = [x.clone().requires_grad_(True) for x in (q, k, v)]
@@ -268,8 +267,7 @@ def _shifted_row(lens, pre, seed, D=64):
     return x, cu
 
 
-@pytest.mark.parametrize("gran,causal,block_n", [("block", True, 128), ("token", True, 128), ("block", False, 128),
-                                                  ("token", False, 64)])
+@pytest.mark.parametrize("gran,causal,block_n", [("block", True, 128), ("token", False, 64)])
 def test_grid_is_anchored_at_16_tokens(gran, causal, block_n):
     """Shifting every document by 16 tokens leaves its bits alone (same phase on the 16-token grid);
     by 5 tokens it moves them (another phase: other tile boundaries in the long documents), so the
