@@ -384,3 +384,26 @@ def test_bad_inputs():
         fp8_attention_backward(do, q, k, v, o, lse.T, cu)
     with pytest.raises(FlamiaError, match="do must be"):
         fp8_attention_backward(do[:, :1], q, k, v, o, lse, cu)
+
+
+def test_fp8_numerics_probe_forward():
+    """benchmarks/probes/fp8_numerics.py: its ablated forward with every rounding on is the emulation
+    bitwise (the probe's own check); with none it is the float64 reference up to the bf16 output;
+    the K smoothing leaves the reference unchanged (a per-row score shift)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes"))
+    import fp8_numerics as N
+
+    N.check()
+    g = torch.Generator().manual_seed(5)
+    cu = torch.tensor([0, 200, 201, 530])
+    q, k, v = (torch.randn((530, 2, 64), generator=g).bfloat16() for _ in range(3))
+    ref = packed_attention_reference(q, k, v, cu, compute_dtype=torch.float64)
+    exact = N.ablated_forward(*(N.operand(x, cu, "block", False) for x in (q, k, v)), cu.tolist(), round_p=False)
+    assert bool(((exact.double() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-6).all())  # one bf16 ulp at most
+    cos, rel_max, _ = N.metrics(exact, ref, 530)
+    assert cos > 0.99999 and rel_max < 0.01
+    smoothed = packed_attention_reference(q, N.smooth_k(k, cu), v, cu, compute_dtype=torch.float64)
+    assert float((smoothed - ref).abs().max()) < 1e-5  # smooth_k rounds k - mu to fp32
