@@ -22,7 +22,10 @@ float32: with ``amax = 1.m * 2**E``, ``448 * 2**e = 1.75 * 2**(8 + e)``, so ``e 
 of two. ``amax`` itself is the integer max of the float32 bit patterns with the sign cleared (for
 non-negative floats the bit order is the value order), which also makes NaN/Inf visible.
 
-* all-zero group: ``e = 0`` (any exponent would do; 0 is the conventional finite choice);
+* all-zero group: ``e = -127``, the smallest (any exponent encodes zeros; the smallest never wins a
+  maximum, and the FP8 kernels take maxima of exponents as fold references -- ``r_i`` over V's keys,
+  ``rho_j`` over dO's rows -- where an all-zero token or group with ``e = 0`` underflowed every other
+  term of a small-magnitude tensor to E4M3 0, e.g. dO rows zeroed by ``-100`` labels);
 * clamp: ``e`` is clamped to ``[-127, 127]`` (UE8M0 stores ``e + 127`` in a byte; 255 is NaN). For
   finite float32/bf16 inputs the rule gives ``e <= 120``, and ``e = -127`` only for groups whose
   ``amax < 448 * 2**-127`` (about 2.6e-36) -- in those groups small elements underflow to code 0;
@@ -206,8 +209,8 @@ def exponent_from_amax_bits(amax_bits: torch.Tensor) -> tuple[torch.Tensor, torc
         amax_bits: int32 tensor of any shape, ``float32(amax).view(int32) & 0x7fffffff``.
 
     Returns:
-        ``(e, ebyte)``: ``e`` int32 in ``[-127, 120]`` used for scaling (0 for all-zero and for
-        non-finite groups), and ``ebyte`` uint8 UE8M0 (``e + 127``; 255 for non-finite groups).
+        ``(e, ebyte)``: ``e`` int32 in ``[-127, 120]`` used for scaling (-127 for all-zero groups, 0
+        for non-finite ones), and ``ebyte`` uint8 UE8M0 (``e + 127``; 255 for non-finite groups).
     """
     b = amax_bits.to(torch.int32)
     big_e = b >> 23
@@ -216,7 +219,7 @@ def exponent_from_amax_bits(amax_bits: torch.Tensor) -> tuple[torch.Tensor, torc
     e = torch.where(big_e == 0, torch.full_like(e, E_MIN), e)  # subnormal amax
     e = e.clamp(E_MIN, E_MAX)
     nonfinite = b >= _FP32_INF_BITS
-    e = torch.where((b == 0) | nonfinite, torch.zeros_like(e), e)
+    e = torch.where(nonfinite, torch.zeros_like(e), e)  # (all-zero: big_e == 0 above, so E_MIN)
     ebyte = torch.where(nonfinite, torch.full_like(e, UE8M0_NAN), e + UE8M0_BIAS).to(torch.uint8)
     return e, ebyte
 

@@ -159,7 +159,7 @@ def test_exponent_matches_float64_ceil_log2():
 
 
 def test_exponent_special_values():
-    assert _e_of(0.0) == 0
+    assert _e_of(0.0) == -127  # all-zero group: the smallest exponent (never wins a maximum)
     assert _e_of(1e-30) == math.ceil(math.log2(1e-30 / 448))
     assert _e_of(1e30) == math.ceil(math.log2(1e30 / 448))
     assert _e_of(1e-40) == -127  # float32 subnormal amax: clamped
@@ -220,7 +220,7 @@ def test_zero_tiny_huge_groups():
     cu = torch.tensor([0, 96], dtype=torch.int32)
     qz = quantize_token_blocks(x, cu)
     e = exp_of(qz.exponents)[:, 0]
-    assert (e[:32] == 0).all() and (codes_u8(qz.codes[:32]) == 0).all()
+    assert (e[:32] == -127).all() and (codes_u8(qz.codes[:32]) == 0).all()  # all-zero: the smallest exponent
     for lo, hi in ((32, 64), (64, 96)):
         amax = x[lo:hi].abs().max().item()
         assert (e[lo:hi] == math.ceil(math.log2(amax / 448.0))).all()
@@ -407,7 +407,7 @@ def _check_block(xblock: torch.Tensor, ebyte: int, codes: torch.Tensor) -> None:
     amax = xblock.double().abs().max().item()
     e = ebyte - 127
     if amax == 0:
-        assert e == 0
+        assert e == -127  # the smallest: an all-zero block never wins a maximum of exponents
     else:
         assert amax <= 448 * 2.0**e and amax > 448 * 2.0 ** (e - 1)
     want = (xblock.double() * 2.0**-e).float().to(torch.float8_e4m3fn)

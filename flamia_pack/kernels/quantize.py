@@ -273,7 +273,7 @@ if HAS_TRITON:
         e = tl.where(big_e == 0, -127, e)
         e = tl.maximum(e, -127)
         nonfinite = amax >= 0x7F800000
-        e = tl.where((amax == 0) | nonfinite, 0, e)
+        e = tl.where(nonfinite, 0, e)  # all-zero: big_e == 0 above, so -127 (quant.py's rule)
         ebyte = tl.where(nonfinite, 255, e + 127)
         scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, a normal float32
         y = x.to(tl.float32) * scale[:, None]
