@@ -222,3 +222,13 @@ def test_note_when_the_rule_picks_the_schedule_predicted_slower(tmp_path):
     mixed = {"policy": "mixed", "predicted_ms": 10.0, "static_ms": 11.0, "dynamic_ms": 9.0, "settings": {"causal": False}}
     assert _plan_policy_note(mixed, "auto") == ("rule: static or dynamic per row; the simulator predicts "
                                                  "dynamic on every row 10.0% faster")
+
+
+def test_plan_fp8_rejects_geometry_overrides(tmp_path):
+    """The FP8 kernel has one geometry (128 x 128 tiles, no merged items): a what-if override would
+    rescale its measured calibration for tiles it does not run."""
+    f = tmp_path / "lens.txt"
+    f.write_text("20\n20\n500\n")
+    for flag in (["--merge-short"], ["--block-n", "64"], ["--block-m", "64"]):
+        r = _run(f, "--precision", "fp8", "--pass", "fwd", *flag)
+        assert r.exit_code == 2 and "do not apply to --precision fp8" in r.output, (flag, r.output)

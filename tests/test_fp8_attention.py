@@ -315,3 +315,11 @@ def test_all_zero_tokens_do_not_underflow_the_others(gran):
     o_ref = varlen_attention(q, k, vs, cu, 349)
     o = varlen_attention(q, k, vs, cu, 349, precision="fp8", scale_granularity=gran)
     assert _cos(o, o_ref) > 0.998
+
+
+def test_nan_on_the_cpu_path_names_the_call():
+    q = torch.randn(256, 2, 128).bfloat16()
+    q[10, 0, 3] = float("nan")
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    with pytest.raises(FlamiaError, match=r"precision='fp8'\) on the CPU runs the FP8 emulation, which needs finite"):
+        varlen_attention(q, q, q, cu, 156, precision="fp8", check_finite=False)

@@ -184,12 +184,20 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
         from flamia_pack.kernels.fp8_emulation import fp8_attention_forward as emulated_fwd
         from flamia_pack.kernels.fp8_emulation import fp8_varlen_attention_emulated
 
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            o = fp8_varlen_attention_emulated(q, k, v, cu32, max_seqlen, causal=causal, softmax_scale=softmax_scale,
-                                              scale_granularity=scale_granularity)
-            return o, None
-        o, lse = emulated_fwd(q, k, v, cu32, max_seqlen, causal=causal, softmax_scale=softmax_scale,
-                              scale_granularity=scale_granularity)
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        try:
+            if grad:
+                o = fp8_varlen_attention_emulated(q, k, v, cu32, max_seqlen, causal=causal,
+                                                  softmax_scale=softmax_scale, scale_granularity=scale_granularity)
+                return o, None
+            o, lse = emulated_fwd(q, k, v, cu32, max_seqlen, causal=causal, softmax_scale=softmax_scale,
+                                  scale_granularity=scale_granularity)
+        except FlamiaError as exc:
+            if "NaN or Inf" in str(exc):
+                raise FlamiaError("varlen_attention(precision='fp8') on the CPU runs the FP8 emulation, which needs "
+                                  "finite q, k, v (check_finite=False does not apply to it): "
+                                  f"{str(exc).split(';')[0]}") from None
+            raise
         return o.to(q.device), lse.to(q.device)
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         raise FlamiaError(f"precision='fp8' on the GPU takes bfloat16 q, k, v (quantized inside), got {q.dtype}")
