@@ -326,10 +326,14 @@ def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs
 def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready, empty,
                         qo_ready, qo_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries,
                         skip_len, total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr, IS_FWD: gl.constexpr):
+                        BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr, IS_FWD: gl.constexpr,
+                        V_T: gl.constexpr = False):
     """Persistent dQ / forward programs' producer: as ``_dkdv_producer_loop`` (global counter, the
     index and geometry handed over in ``t_smem``), the Q (and dO) tiles in slot ``n % 2``, the K / V ring
-    running on."""
+    running on. ``V_T`` (the FP8 forward, ``v_desc`` over V^T, as ``_rows_produce_entry``): each entry's
+    key walk starts at the 16-token boundary at or before its document's first token (TMA boxes of V^T,
+    whose token axis is the contiguous one, must start 16-byte aligned), and the hand-over's tenth value
+    is ``ph``, the document's first key relative to that start."""
     idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
     n_valid, n_total = _entry_counts(num_items_ptr, max_entries, total, WL_BM // BLOCK_M)
     c = 0
@@ -341,12 +345,21 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
                                                                       skip_len, GROUP, WL_BM, BLOCK_M, BLOCK_N,
                                                                       CAUSAL, IS_FWD)
         if keep:
+            if V_T:
+                ph = o_lo % 16
+                o_lo = o_lo - ph
+                n_steps = (o_hi - o_lo + BLOCK_N - 1) // BLOCK_N
+                if CAUSAL:  # tiles wholly at or before the entry's first row
+                    u1 = (rs - o_lo + 1) // BLOCK_N
+                else:
+                    u1 = (o_hi - o_lo) // BLOCK_N
+            else:
+                ph = 0  # the tenth hand-over value (rel) is read only by ITEMS consumers
             slot = _claim_slot(qo_empty, n)
-            _handoff_store(t_smem.index(slot), idx_layout, t, h, hk, rs, re, o_lo, o_hi, u1, n_steps,
-                           0)  # the tenth (rel) is read only by ITEMS consumers
+            _handoff_store(t_smem.index(slot), idx_layout, t, h, hk, rs, re, o_lo, o_hi, u1, n_steps, ph)
             c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
                                     k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
-                                    c, 0, HEAD_DIM, BLOCK_N, not IS_FWD)
+                                    c, 0, HEAD_DIM, BLOCK_N, not IS_FWD, V_T)
             n += 1
         t = t_next
     slot = _claim_slot(qo_empty, n)

@@ -48,8 +48,8 @@ from triton.runtime.jit import constexpr_function
 
 from flamia_pack.kernels.constants import LOG2E
 from flamia_pack.kernels.gluon_common import (
-    _entry_counts, _next_entry, _handoff_load, _handoff_store, _claim_slot, _rows_geometry, _rows_produce_entry,
-    _rows_through_smem, _release_after_reads, _store_rows, _slot_barriers, check_stages, CONSUMER_WARPS, MAXNREG)
+    _entry_counts, _next_entry, _handoff_load, _rows_producer_loop, _rows_through_smem, _release_after_reads,
+    _store_rows, _slot_barriers, check_stages, CONSUMER_WARPS, MAXNREG)
 
 __all__ = ["gluon_fp8_fwd", "BOOST_LOG2"]
 
@@ -292,51 +292,12 @@ def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, o_smem, ready, empty, qo_ready, q
 
 
 @gluon.jit
-def _fp8_producer_loop(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready, empty, qo_ready, qo_empty, t_smem,
-                       counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, total, GROUP: gl.constexpr,
-                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WL_BM: gl.constexpr,
-                       CAUSAL: gl.constexpr):
-    """The producer warp: ``gluon_common._rows_producer_loop`` with the walk of each entry's keys
-    starting at the 16-token boundary at or before its document's first token (TMA boxes of V^T,
-    whose token axis is the contiguous one, must start 16-byte aligned); the hand-over's tenth
-    value is ``ph``, the document's first key relative to that start."""
-    idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [1], [0])
-    n_valid, n_total = _entry_counts(num_items_ptr, max_entries, total, WL_BM // BLOCK_M)
-    c = 0
-    n = 0
-    t = gl.atomic_add(counter_ptr, 1)
-    while t < n_total:
-        t_next = gl.atomic_add(counter_ptr, 1)
-        keep, h, hk, rs, re, ds, o_hi, u1, n_steps = _rows_geometry(items_ptr, num_items_ptr, cu_ptr, t, n_valid,
-                                                                    skip_len, GROUP, WL_BM, BLOCK_M, BLOCK_N, CAUSAL,
-                                                                    True)
-        if keep:
-            ph = ds % 16
-            o_lo = ds - ph
-            n_steps = (o_hi - o_lo + BLOCK_N - 1) // BLOCK_N
-            if CAUSAL:  # tiles wholly at or before the entry's first row
-                u1 = (rs - o_lo + 1) // BLOCK_N
-            else:
-                u1 = (o_hi - o_lo) // BLOCK_N
-            slot = _claim_slot(qo_empty, n)
-            _handoff_store(t_smem.index(slot), idx_layout, t, h, hk, rs, re, o_lo, o_hi, u1, n_steps, ph)
-            c = _rows_produce_entry(q_desc, q_desc, k_desc, v_desc, q_bufs.index(slot), q_bufs.index(slot), k_bufs,
-                                    v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps, c, 0,
-                                    HEAD_DIM, BLOCK_N, False, True)
-            n += 1
-        t = t_next
-    slot = _claim_slot(qo_empty, n)
-    _handoff_store(t_smem.index(slot), idx_layout, n_total, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    mbarrier.arrive(qo_ready.index(slot), count=1)
-
-
-@gluon.jit
 def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, EK, EV, items_ptr, num_items_ptr, cu_ptr, max_entries,
                     skip_len, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, total, T, counter_ptr,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr):
     # one program per SM; two Q slots; the K / V^T ring (split barriers, as the BF16 forward); two 4-warp
-    # consumer partitions and the producer warp (gluon_common._rows_producer_loop, V^T boxes)
+    # consumer partitions and the producer warp (gluon_common._rows_producer_loop, V^T boxes on the 16-token grid)
     PARTS: gl.constexpr = 2
     PART_M: gl.constexpr = BLOCK_M // PARTS
     q_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -354,9 +315,10 @@ def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, EK, EV, items_ptr, num_i
         (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, EK,
                               EV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
                               total, T, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST)),
-        (_fp8_producer_loop, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready, empty, q_ready, q_empty,
-                              t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries, skip_len, total,
-                              GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL)),
+        (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
+                               q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
+                               max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
+                               True, True)),
     ], [4, 1], [240, 24])
 
 
