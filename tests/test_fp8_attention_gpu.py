@@ -8,7 +8,8 @@ graph capture with a prebuilt list, the errors of bad inputs.
 """
 from __future__ import annotations
 
-import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ if not torch.cuda.is_available():
 
 from flamia_pack.errors import FlamiaError  # noqa: E402
 from flamia_pack.kernels import varlen_attention  # noqa: E402
-from flamia_pack.kernels.fp8_attention import (FP8_BLOCK_M, build_fp8_work_list, fp8_attention_forward,  # noqa: E402
+from flamia_pack.kernels.fp8_attention import (build_fp8_work_list, fp8_attention_forward,  # noqa: E402
                                                fp8_kernels_available, fp8_quantize)
 from flamia_pack.kernels.fp8_emulation import OperandCodes  # noqa: E402
 from flamia_pack.kernels.fp8_emulation import fp8_attention_forward as emulated_forward  # noqa: E402
@@ -31,30 +32,9 @@ _HOPPER = fp8_kernels_available("cuda")
 needs_hopper = pytest.mark.skipif(not _HOPPER, reason="the FP8 kernels need sm_90 and triton's Gluon")
 
 
-def _row(lengths, H, Hkv, pad=0, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    T = int(sum(lengths)) + pad
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
-    q, k, v = (torch.randn((T, h, 128), device="cuda", generator=g).bfloat16() for h in (H, Hkv, Hkv))
-    return q, k, v, cu
-
-
-def _poisoned_kernel(ops, cu, causal):
-    from flamia_pack.kernels.flash_fwd import fill_tails
-    from flamia_pack.kernels.gluon_fp8_fwd import gluon_fp8_fwd
-
-    T, H, D = ops.qc.shape
-    wl = build_fp8_work_list(cu, T, causal=causal)
-    o = torch.full((T, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse = torch.full((H, T), float("nan"), dtype=torch.float32, device="cuda")
-    gluon_fp8_fwd(ops.qc, ops.kc, ops.vt, ops.eq, ops.ekt, ops.evt, cu, wl.items, wl.num_items, D ** -0.5,
-                  causal=causal, wl_block_m=FP8_BLOCK_M, skip_len=0, o=o, lse=lse)
-    fill_tails([(o, 0.0, 0), (lse, math.inf, 1)], cu)
-    return o, lse
-
-
-def _cos(a, b):
-    return float(torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes"))
+from fp8_fwd_probe import _cos, _row  # noqa: E402  (the probe's inputs and its NaN-poisoned launch)
+from fp8_fwd_probe import _kernel as _poisoned_kernel  # noqa: E402
 
 
 _RNG = np.random.default_rng(27)

@@ -365,6 +365,7 @@ def _quantize_many(
     group_size: int = GROUP_SIZE,
 ) -> list[QuantizedOperand]:
     _check_inputs(xs)
+    want_t = _per_tensor_flags(transposed, len(xs))
     group = group_size_of(granularity, group_size)
     x0 = xs[0]
     T, _, D = x0.shape
@@ -377,14 +378,13 @@ def _quantize_many(
             raise MetadataError(f"group_start must have shape (T={T},), got {tuple(group_start.shape)}")
 
     if not HAS_TRITON:  # CPU build without triton: the reference is the same function
-        want = _per_tensor_flags(transposed, len(xs))
         if dev.type != "cpu":
             raise FlamiaError("the fused quantizer needs triton for CUDA tensors (pip install triton)")
         outs = []
         for x in xs:
             qz = quantize_token_blocks(x, cu, granularity, group_size=group_size, group_start=group_start,
                                        check_finite=check_finite, validate=False)
-            ct = qz.codes.permute(1, 2, 0).contiguous() if want[len(outs)] else None
+            ct = qz.codes.permute(1, 2, 0).contiguous() if want_t[len(outs)] else None
             outs.append(QuantizedOperand(qz.codes, qz.exponents, ct))
         return outs
 
@@ -394,7 +394,6 @@ def _quantize_many(
     xs = [x if (x.stride(2) == 1 and x.stride(1) == D and x.stride(0) % D == 0) else x.contiguous() for x in xs]
     if transposed_store not in ("torch", "kernel"):
         raise FlamiaError(f"transposed_store must be 'torch' or 'kernel', got {transposed_store!r}")
-    want_t = _per_tensor_flags(transposed, len(xs))
     transposed = any(want_t)
     in_kernel_t = transposed and transposed_store == "kernel"
     cfg = launch_config(group, D, in_kernel_t)
