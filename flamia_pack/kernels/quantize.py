@@ -496,9 +496,9 @@ def quantize(
             write). ``"kernel"``: written by the quantizer in the same pass (DESIGN.md §4), but
             ptxas 12.9 (bundled with triton <= 3.8) miscompiles that kernel on sm_90 for float32
             inputs and "token" tiles (corrupted codes_t, triton-lang/triton#11111; measured on the
-            H200, benchmarks/NOTES.md). Use it only after checking bitwise on your toolchain (the
-            GPU tests do); per that issue, integer stores are clean, so ``hw_cvt=False`` is the
-            candidate workaround (not yet verified on a GPU).
+            H200, benchmarks/NOTES.md). With ``hw_cvt=False`` (the integer encoder) it is bitwise on
+            the H200 for bf16 inputs, "block" and "token" (benchmarks/RESULTS.md). Check bitwise on
+            your toolchain before other combinations (the GPU tests do).
 
     Returns:
         :class:`QuantizedOperand`; bitwise equal to ``quant.quantize_token_blocks``.
