@@ -8,8 +8,8 @@ projection pass codes + exponents instead (:func:`fp8_attention_forward`).
 
 Paths: CUDA sm_90 with triton -> the kernels; anything else (CPU, other GPUs) -> the CPU emulation
 :func:`~flamia_pack.kernels.fp8_emulation.fp8_varlen_attention_emulated`, which computes the same
-numerics (module docs there) and is differentiable. The GPU path has no FP8 backward yet (issue 28):
-a backward through it raises.
+numerics (module docs there) and is differentiable. On the GPU, a call that needs gradients saves the
+codes (and Q^T, K^T from the same quantizer launch) for the Gluon FP8 backward (``fp8_backward.py``).
 """
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ class FP8Operands(NamedTuple):
     ``(H_kv, D, T)`` (token stride 1, feature stride a multiple of 16); ``eq`` ``(T, H_q)``, ``ek`` /
     ``ev`` ``(T, H_kv)`` uint8; ``ekt`` / ``evt``: ``ek`` / ``ev`` as the kernel's key-major int32 tables
     (``gluon_fp8_fwd.exponent_table``); ``granularity``: ``"block"`` or ``"token"`` (labels the exponents).
+    What only the backward reads (``fp8_quantize(backward=True)``, else None): ``qt`` ``(H_q, D, T)``
+    and ``kt`` ``(H_kv, D, T)`` feature-major codes (layout of ``vt``), ``vc`` ``(T, H_kv, D)`` row-major.
     """
 
     qc: torch.Tensor
@@ -46,6 +48,9 @@ class FP8Operands(NamedTuple):
     ekt: torch.Tensor
     evt: torch.Tensor
     granularity: str = "block"
+    qt: Optional[torch.Tensor] = None
+    kt: Optional[torch.Tensor] = None
+    vc: Optional[torch.Tensor] = None
 
 
 def fp8_kernels_available(device) -> bool:
@@ -61,7 +66,8 @@ def fp8_kernels_available(device) -> bool:
 
 
 def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                 scale_granularity: str = "block", *, check_finite: bool = False) -> FP8Operands:
+                 scale_granularity: str = "block", *, check_finite: bool = False,
+                 backward: bool = False) -> FP8Operands:
     """Quantize Q, K, V for the FP8 forward in one launch (V also feature-major).
 
     Args:
@@ -69,6 +75,8 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
         cu_seqlens: ``(n_docs + 1,)`` int32 on that device (validated by the caller).
         scale_granularity: ``"block"`` (document-local 32-token groups) or ``"token"``.
         check_finite: raise on NaN / Inf (one sync); default off, as the BF16 GPU path.
+        backward: also keep what the FP8 backward reads (Q^T and K^T written by the same launch, V's
+            row-major codes).
 
     Returns:
         :class:`FP8Operands`.
@@ -76,10 +84,12 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
     from flamia_pack.kernels.quantize import quantize_qkv
 
-    qq, kq, vq = quantize_qkv(q, k, v, cu_seqlens, scale_granularity, transposed=(False, False, True),
+    qq, kq, vq = quantize_qkv(q, k, v, cu_seqlens, scale_granularity, transposed=(backward, backward, True),
                               check_finite=check_finite, validate=False)
     return FP8Operands(qq.codes, kq.codes, vq.codes_t, qq.exponents, kq.exponents, vq.exponents,
-                       exponent_table(kq.exponents), exponent_table(vq.exponents), scale_granularity)
+                       exponent_table(kq.exponents), exponent_table(vq.exponents), scale_granularity,
+                       qq.codes_t if backward else None, kq.codes_t if backward else None,
+                       vq.codes if backward else None)
 
 
 def build_fp8_work_list(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: bool = True, validate: bool = True,
@@ -152,18 +162,28 @@ def fp8_attention_forward(ops: FP8Operands, cu_seqlens: torch.Tensor, *, causal:
     return o, lse
 
 
-class _NoFP8Backward(torch.autograd.Function):
-    """The GPU FP8 forward in an autograd graph: its backward is issue 28's and not built yet."""
+class _FP8Attention(torch.autograd.Function):
+    """The GPU FP8 forward and backward (``fp8_backward.py``) as one autograd node: the forward's codes
+    are saved for the backward (no re-quantization of Q, K, V)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, o, lse):
+    def forward(ctx, q, k, v, cu32, causal, softmax_scale, granularity, work_list):
+        ops = fp8_quantize(q, k, v, cu32, granularity, backward=True)
+        o, lse = fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)
+        ctx.save_for_backward(o, lse, cu32, *(ops[:8]), ops.qt, ops.kt, ops.vc)
+        ctx.fp8 = (causal, float(softmax_scale), granularity)
+        ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        raise NotImplementedError(
-            "varlen_attention(precision='fp8') has no GPU backward yet (issue 28): train with precision='bf16', "
-            "or run the forward under torch.no_grad()")
+        from flamia_pack.kernels.fp8_backward import fp8_backward
+
+        o, lse, cu32, *rest = ctx.saved_tensors
+        causal, scale, granularity = ctx.fp8
+        ops = FP8Operands(*rest[:8], granularity, *rest[8:])
+        dq, dk, dv = fp8_backward(do, ops, o, lse, cu32, causal=causal, softmax_scale=scale, dlse=dlse)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal: bool, softmax_scale: float,
@@ -201,8 +221,7 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
         return o.to(q.device), lse.to(q.device)
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         raise FlamiaError(f"precision='fp8' on the GPU takes bfloat16 q, k, v (quantized inside), got {q.dtype}")
-    ops = fp8_quantize(q, k, v, cu32, scale_granularity)
-    o, lse = fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = _NoFP8Backward.apply(q, k, v, o, lse)
-    return o, lse
+        return _FP8Attention.apply(q, k, v, cu32, bool(causal), float(softmax_scale), scale_granularity, work_list)
+    ops = fp8_quantize(q, k, v, cu32, scale_granularity)
+    return fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)

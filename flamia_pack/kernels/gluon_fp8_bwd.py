@@ -1,0 +1,430 @@
+"""Packed attention backward in FP8 (E4M3 codes, document-local token-block scales), Gluon, sm_90.
+
+The backward of ``precision="fp8"`` (issue 28; DESIGN.md §4-5; paper §3.3; seed 001 §4-5). Its
+numerics are the contract of :mod:`flamia_pack.kernels.fp8_emulation_bwd`. One program owns a
+128-key tile of one kv head on the forward's key grid (``f + 128 n``, ``f = floor16(doc start)``:
+the feature-major TMA boxes must start on a 16-byte boundary) and walks the 64-row query steps on
+the grid ``f + 64 m`` that see it, for every query head of its GQA group. A producer warp loads K,
+V, K^T once and, per step, Q, dO (row-major: the ``S^T`` / ``dP^T`` B operands, K-major along D)
+and Q^T, dO^T (feature-major: the ``dK`` / ``dV`` B operands, K-major along the queries) plus the
+step's per-query vectors; the consumer (8 warps, 16 keys each) runs, per step::
+
+    S^T   = Kc Qc^T,  dP^T = Vc dOc^T                  FP8 wgmma (QGMMA), fp32 out
+    P     = exp2( S 2^e_k(j) (qk 2^e_q(i)) - LSE_i log2 e )       replicates the forward's scores
+    dS    = P ( dP 2^(e_v(j) + e_do(i)) - Delta_i );  U = dS 2^(e_q(i) + e_k(j))
+    dV:   rho_j = max {2^e_do(i) : i sees j};  P~v = E4M3(P 2^e_do(i) 2^BOOST / rho_j)
+          dv <- dv (rho_prev / rho_j) + P~v dOc^T-tile        (acc in units of rho_j 2^-BOOST)
+    dK:   s_j = 2^sigma_k(j) (quant.py's rule on max_i |U_ij| of the step);  Ck = E4M3(U / s_j)
+          dk <- dk (s_prev / s_j) + Ck Qc^T-tile               (acc in units of s_j)
+    dQ:   t_i = 2^sigma_q(i) (the rule on max_j |U_ij| of the tile);  Cq = E4M3(U / t_i) through
+          shared memory (keys contiguous);  dQacc_i += (Cq Kc)_i t_i 2^-e_q(i) scale   (TMA reduce-add)
+
+Range budget (seed 001 §5): ``P <= 1`` (the saved LSE bounds every visible score) and ``2^e_do(i) <=
+rho_j``, so ``P~v <= 2^BOOST <= 448``; ``|U / s_j| <= 448`` and ``|U / t_i| <= 448`` by the rule's
+choice (``amax <= 448 2^sigma``); the E4M3 conversion is ``satfinite``. The rescale ratios are powers
+of two clamped to ``2^127`` (an accumulator that is still 0). Causality: ``rho_j`` and ``s_j`` read
+the step's queries that see key ``j`` (dK_j and dV_j depend on them in exact attention), ``t_i``
+reads the keys query ``i`` sees; dQ accumulates in fp32 with no data-dependent accumulator scale,
+so ``causal_dq_scale`` holds in both granularities. Masked pairs are selected to 0 (never ``0 x
+NaN``); tiles' rows / columns of other documents are zeroed in shared memory before the products
+that contract over them (K^T once, Q^T / dO^T on steps cut by the document), so a NaN in one document
+reaches no other.
+
+Why two payloads and not one ``32 x 32``-block payload: Hopper's FP8 wgmma has no block scales and a
+k = 32 instruction, so a scale that varies along a product's contraction needs one promotion per
+instruction (4 per step and product); a per-row scale of each product needs one rescale per step.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+from triton.runtime.jit import constexpr_function
+
+from flamia_pack.kernels.constants import LOG2E
+from flamia_pack.kernels.gluon_common import (
+    _tma_reduce_add, _slot_barriers, check_stages, descriptor, CONSUMER_WARPS, MAXNREG)
+from flamia_pack.kernels.gluon_fp8_fwd import (
+    BOOST_LOG2, _qgmma_layout, _zero_cols_outside, fp8_descriptor, fp8_descriptor_t)
+
+__all__ = ["gluon_fp8_bwd", "fp8_bwd_entries", "factor_table", "BWD_BLOCK_M", "BWD_BLOCK_N"]
+
+BWD_BLOCK_M = 64
+"""Query rows per step of the FP8 dK/dV programs (the grid ``floor16(doc start) + 64 m``)."""
+BWD_BLOCK_N = 128
+"""Keys per FP8 dK/dV program (the forward's key tile)."""
+#: Columns of a factor table past ceil16(T): a step reads up to 63 rows past a document's last one.
+FACTOR_PAD = 256
+
+
+@constexpr_function
+def _dq_layout(num_warps, m, n):
+    """Accumulator layout of the ``m x n`` FP8 dQ partial (``m`` = 64 queries): one warpgroup along
+    the rows, the others side by side along the columns (k = 32 per instruction)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                     instr_shape=[16, n // (num_warps // 4), 32])
+
+
+@gluon.jit
+def _pow2_of(x):
+    """``2^sigma`` as float32 for quant.py's rule ``sigma = ceil(log2(x / 448))`` on ``x >= 0`` (fp32):
+    from the bits, exact. 0 where ``x`` is 0 or subnormal (callers keep their reference there)."""
+    b = x.to(gl.int32, bitcast=True)
+    big = b >> 23
+    e = big - 135 + ((b & 0x7FFFFF) > 0x600000).to(gl.int32)
+    e = gl.minimum(gl.maximum(e, -126), 120)
+    return gl.where(big > 0, ((e + 127) << 23).to(gl.float32, bitcast=True), 0.0)
+
+
+@gluon.jit
+def _inv(x):
+    """``1 / x`` for a power of two ``x = 2^e``, ``e`` in ``[-126, 126]``, exactly, from the bits (no
+    division: the IEEE one costs ~10 instructions an element)."""
+    return ((254 << 23) - x.to(gl.int32, bitcast=True)).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _bwd_produce(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_bufs, do_bufs, qt_bufs, dot_bufs,
+                 k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs, LSE, DELTA, FQ, FDO, stride_lh, stride_f,
+                 a, f, m0, n_steps, end, hk, qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr):
+    """The producer warp: K, V, K^T of the tile (``kv_bar``), then per step ``(g, j)`` the query step's
+    four tiles into ring slot ``s`` and its vectors into ``ld_bufs[5 s + (0..4)]``: ``LSE log2 e``,
+    ``Delta``, ``qk 2^e_q`` (the forward's row factor), ``2^e_q``, ``2^e_do`` (stored before the
+    slot's ``ready`` arrive)."""
+    STAGES: gl.constexpr = q_bufs.type.shape[0]
+    ld_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [a, hk * HEAD_DIM], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [a, hk * HEAD_DIM], kv_bar, v_smem)
+    tma.async_copy_global_to_shared(kt_desc, [hk * HEAD_DIM, a], kv_bar, kt_smem)
+    c = 0
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        for j in range(n_steps):
+            s = c % STAGES
+            q0 = f + (m0 + j) * BLOCK_M
+            ri = q0 + gl.arange(0, BLOCK_M, layout=ld_layout)
+            ok = ri < end
+            lse = gl.load(LSE + h * stride_lh + ri, mask=ok, other=0.0)
+            delta = gl.load(DELTA + h * stride_lh + ri, mask=ok, other=0.0)
+            fq = gl.load(FQ + h * stride_f + ri)  # factor tables are padded past T: unmasked
+            fdo = gl.load(FDO + h * stride_f + ri)
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            ld_bufs.index(5 * s).store(lse * 1.4426950408889634)
+            ld_bufs.index(5 * s + 1).store(delta)
+            ld_bufs.index(5 * s + 2).store(fq * qk_scale)
+            ld_bufs.index(5 * s + 3).store(fq)
+            ld_bufs.index(5 * s + 4).store(fdo)
+            gl.thread_barrier()
+            mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes + 2 * qt_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q0, h * HEAD_DIM], ready.index(s), q_bufs.index(s))
+            tma.async_copy_global_to_shared(do_desc, [q0, h * HEAD_DIM], ready.index(s), do_bufs.index(s))
+            tma.async_copy_global_to_shared(qt_desc, [h * HEAD_DIM, q0], ready.index(s), qt_bufs.index(s))
+            tma.async_copy_global_to_shared(dot_desc, [h * HEAD_DIM, q0], ready.index(s), dot_bufs.index(s))
+            c += 1
+
+
+@gluon.jit
+def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
+              dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sm_scale,
+              MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr):
+    """One query step (module docs); returns ``(dk, dv, sk, rho)`` with the dK / dV products in flight."""
+    STAGES: gl.constexpr = q_bufs.type.shape[0]
+    s_layout: gl.constexpr = _qgmma_layout(NW, BLOCK_M)
+    acc_layout: gl.constexpr = _qgmma_layout(NW, HEAD_DIM)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
+    dq_layout: gl.constexpr = _dq_layout(NW, BLOCK_M, HEAD_DIM)
+    col: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_acc: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    s = c % STAGES
+    q0 = f + (m0 + j) * BLOCK_M
+    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+    # the previous step's dK / dV retire first: their A operands are dead, their B slot is released
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=c > 0)
+    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    if MASKED:
+        q_pos = q0 + gl.arange(0, BLOCK_M, layout=col)
+        vis = (q_pos >= start)[None, :] & (q_pos < end)[None, :] & (k_pos >= start)[:, None] & (k_pos < end)[:, None]
+        if CAUSAL:
+            vis = vis & (k_pos[:, None] <= q_pos[None, :])
+        if (q0 < start) | (q0 + BLOCK_M > end):  # the step holds other documents' rows: 0 in Q^T, dO^T
+            _zero_cols_outside(qt_bufs.index(s), start - q0, end - q0, NW)
+            _zero_cols_outside(dot_bufs.index(s), start - q0, end - q0, NW)
+    st = warpgroup_mma_wait(1, deps=(st,))
+    lse2 = ld_bufs.index(5 * s).load(col)
+    rowf = ld_bufs.index(5 * s + 2).load(col)
+    p = gl.exp2((st * kf[:, None]) * rowf[None, :] - lse2[None, :])
+    fdo = ld_bufs.index(5 * s + 4).load(col)
+    # dV fold (the E4M3 A operand made while dP^T runs): reference per key over the step's queries
+    # that see it
+    if MASKED:
+        p = gl.where(vis, p, 0.0)
+        rho_new = gl.max(gl.where(vis, fdo[None, :], 0.0), 1)
+        rho_new = gl.where(rho_new > 0.0, rho_new, rho)
+        pv = p * (fdo[None, :] * (_inv(rho_new) * (2.0 ** BOOST))[:, None])
+    else:
+        rho_t = gl.max(fdo, 0)
+        rho_new = gl.zeros_like(rho) + rho_t
+        pv = p * (fdo * (_inv(rho_t) * (2.0 ** BOOST)))[None, :]
+    pv8 = gl.convert_layout(pv.to(gl.float8e4nv), op_layout)
+    dpt = warpgroup_mma_wait(0, deps=(dpt,))
+    delta = ld_bufs.index(5 * s + 1).load(col)
+    ds = p * ((dpt * vf[:, None]) * fdo[None, :] - delta[None, :])
+    if MASKED:
+        ds = gl.where(vis, ds, 0.0)
+    eqf = ld_bufs.index(5 * s + 3).load(col)
+    u = (ds * kf[:, None]) * eqf[None, :]
+    # dQ payload: one power of two per query over the tile's keys (8 warps: a cross-warp max)
+    tq = _pow2_of(gl.max(gl.abs(u), 0))
+    tq_safe = gl.where(tq > 0.0, tq, 1.0)
+    fq = gl.convert_layout(tq_safe * _inv(eqf) * sm_scale, gl.SliceLayout(1, dq_layout))
+    cq = (u * _inv(tq_safe)[None, :]).to(gl.float8e4nv)
+    ds_smem.store(gl.permute(cq, (1, 0)))  # (queries, keys), keys contiguous: the K-major A operand
+    # dK payload: one power of two per key over the step's queries
+    sk_new = _pow2_of(gl.max(gl.abs(u), 1))
+    sk_new = gl.where(sk_new > 0.0, sk_new, sk)
+    ck8 = gl.convert_layout((u * _inv(sk_new)[:, None]).to(gl.float8e4nv), op_layout)
+    fence_async_shared()
+    gl.thread_barrier()
+    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    dqp = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)), dq_zero, use_acc=False, is_async=True)
+    dv = dv * gl.convert_layout(gl.minimum(rho * _inv(rho_new), 1.7014118346046923e38), row_acc)[:, None]
+    dv = warpgroup_mma(pv8, dot_bufs.index(s).permute((1, 0)), dv, is_async=True)
+    dk = dk * gl.convert_layout(gl.minimum(sk * _inv(sk_new), 1.7014118346046923e38), row_acc)[:, None]
+    dk = warpgroup_mma(ck8, qt_bufs.index(s).permute((1, 0)), dk, is_async=True)
+    # the dQ partial retires first (groups retire in order), then goes out by one TMA reduce-add
+    dqp = warpgroup_mma_wait(2, deps=(dqp,))
+    dqp = dqp * fq[:, None]
+    tma.store_wait(0)  # the previous reduce has read the staging tile
+    gl.thread_barrier()
+    dq_stage.store(dqp)
+    fence_async_shared()
+    gl.thread_barrier()
+    _tma_reduce_add(dq_desc, [q0, h * HEAD_DIM], dq_stage)
+    return dk, dv, sk_new, rho_new
+
+
+@gluon.jit
+def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs, ds_smem,
+                 dq_stage, dq_desc, DK, DV, FK, FV, stride_f, stride_dkt, stride_dvt, a, f, m0, n_steps, u0, u1,
+                 start, end, hk, sm_scale, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The 8-warp consumer of one program: every step of every head of the group, then dK, dV."""
+    NW: gl.constexpr = CONSUMER_WARPS
+    s_layout: gl.constexpr = _qgmma_layout(NW, BLOCK_M)
+    acc_layout: gl.constexpr = _qgmma_layout(NW, HEAD_DIM)
+    row: gl.constexpr = gl.SliceLayout(1, s_layout)
+    k_pos = a + gl.arange(0, BLOCK_N, layout=row)
+    kf = gl.load(FK + hk * stride_f + k_pos)
+    vf = gl.load(FV + hk * stride_f + k_pos)
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+    sk = gl.full([BLOCK_N], 1.0, gl.float32, row)
+    rho = gl.full([BLOCK_N], 1.0, gl.float32, row)
+    mbarrier.wait(kv_bar, 0)
+    if (a < start) | (a + BLOCK_N > end):  # other documents' keys: 0 in K^T (the dQ partial reads every key)
+        _zero_cols_outside(kt_smem, start - a, end - a, NW)
+    c = 0
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        for j in range(0, u0):
+            dk, dv, sk, rho = _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty,
+                                        ld_bufs, ds_smem, dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf,
+                                        vf, dk, dv, sk, rho, sm_scale, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
+                                        BLOCK_N, NW)
+            c += 1
+        for j in range(u0, u1):
+            dk, dv, sk, rho = _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty,
+                                        ld_bufs, ds_smem, dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf,
+                                        vf, dk, dv, sk, rho, sm_scale, False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
+                                        BLOCK_N, NW)
+            c += 1
+        for j in range(u1, n_steps):
+            dk, dv, sk, rho = _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty,
+                                        ld_bufs, ds_smem, dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf,
+                                        vf, dk, dv, sk, rho, sm_scale, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
+                                        BLOCK_N, NW)
+            c += 1
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    tma.store_wait(0)  # the last reduce has read its staging tile before the program exits
+    rows = a + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    ok = ((rows >= start) & (rows < end))[:, None]
+    r64 = rows.to(gl.int64)[:, None]
+    fk = gl.convert_layout(sk * _inv(kf) * sm_scale, gl.SliceLayout(1, acc_layout))
+    fv = gl.convert_layout(rho * (2.0 ** -BOOST), gl.SliceLayout(1, acc_layout))
+    gl.store(DK + r64 * stride_dkt + hk * HEAD_DIM + cols[None, :], (dk * fk[:, None]).to(gl.bfloat16), mask=ok)
+    gl.store(DV + r64 * stride_dvt + hk * HEAD_DIM + cols[None, :], (dv * fv[:, None]).to(gl.bfloat16), mask=ok)
+
+
+@gluon.jit
+def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, dq_desc, LSE, DELTA, FQ, FDO, FK,
+                    FV, DK, DV, ENTRIES, n_entries_ptr, max_entries, stride_lh, stride_f, stride_dkt, stride_dvt,
+                    qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr):
+    # head-major: entry e of kv head hk (fp8_bwd_entries' decreasing-cost order)
+    pid = gl.program_id(0)
+    e = pid % max_entries
+    hk = pid // max_entries
+    if e >= gl.load(n_entries_ptr):
+        return
+    a = gl.load(ENTRIES + 4 * e)
+    f = gl.load(ENTRIES + 4 * e + 1)
+    start = gl.load(ENTRIES + 4 * e + 2)
+    end = gl.load(ENTRIES + 4 * e + 3)
+    if CAUSAL:
+        m0 = (a - f) // BLOCK_M
+        u0 = 2
+    else:
+        m0 = 0
+        u0 = gl.where(f < start, 1, 0)
+    n_steps = (end - f + BLOCK_M - 1) // BLOCK_M - m0
+    u0 = gl.minimum(u0, n_steps)
+    u1 = gl.maximum(u0, (end - f) // BLOCK_M - m0)
+    if (a < start) | (a + BLOCK_N > end):  # a tile with other documents' keys: every step masked
+        u0 = n_steps
+        u1 = n_steps
+    q_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    qt_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_M], qt_desc.layout)
+    dot_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_M], dot_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    kt_smem = gl.allocate_shared_memory(gl.float8e4nv, [HEAD_DIM, BLOCK_N], kt_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv)
+    ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, BLOCK_N], ds_layout)
+    dq_stage = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_desc.layout)
+    ld_bufs = gl.allocate_shared_memory(gl.float32, [5 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    ready, empty = _slot_barriers(STAGES, True)
+    kv_ready, _kv_empty = _slot_barriers(1, False)
+    kv_bar = kv_ready.index(0)
+    gl.warp_specialize([
+        (_bwd_consume, (q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs,
+                        ds_smem, dq_stage, dq_desc, DK, DV, FK, FV, stride_f, stride_dkt, stride_dvt, a, f, m0,
+                        n_steps, u0, u1, start, end, hk, sm_scale, GROUP, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
+                        BLOCK_N)),
+        (_bwd_produce, (q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_bufs, do_bufs, qt_bufs,
+                        dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs, LSE, DELTA, FQ, FDO,
+                        stride_lh, stride_f, a, f, m0, n_steps, end, hk, qk_scale, GROUP, HEAD_DIM, BLOCK_M)),
+    ], [1], [24])
+
+
+def factor_table(e: torch.Tensor) -> torch.Tensor:
+    """Float32 powers of two of UE8M0 bytes ``e`` (``(T, H)`` uint8, dense per token), key-major:
+    ``(H, ceil16(T) + FACTOR_PAD)``, ``table[h, t] = 2^(clamp(e[t, h], 1, 254) - 127)`` (always a normal
+    float: byte 0, a group of zeros, reads 2^-126; 255, a non-finite group, 2^127), 1.0 past T."""
+    T, H = e.shape
+    out = torch.ones((H, -(-T // 16) * 16 + FACTOR_PAD), dtype=torch.float32, device=e.device)
+    b = e.t().to(torch.int32).clamp(1, 254)
+    out[:, :T] = (b << 23).view(torch.float32)
+    return out
+
+
+def fp8_bwd_entries(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: bool = True,
+                    block_m: int = BWD_BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The FP8 dK/dV programs' work list, built on the device (no host sync): one entry per
+    (document, 128-key tile on the grid ``floor16(start) + 128 n``), in decreasing cost (query steps).
+
+    Args:
+        cu_seqlens: ``(n_docs + 1,)`` int32 on the device, validated; total_tokens: T.
+        causal: as the forward (the cost order differs).
+
+    Returns:
+        ``(entries, n_entries, max_entries)``: ``(max_entries, 4)`` int32 rows ``(a, f, start, end)``
+        (tile base, the document's grid origin ``floor16(start)``, its token range), entries past
+        ``n_entries`` (a ``(1,)`` int32 device tensor) unused; ``max_entries = ceil(T / 128) + n_docs``.
+    """
+    cu = cu_seqlens.to(torch.int64)
+    n_docs = cu.numel() - 1
+    max_entries = -(-int(total_tokens) // BWD_BLOCK_N) + n_docs
+    dev = cu.device
+    start, end = cu[:-1], cu[1:]
+    f = start - start % 16
+    n_tiles = torch.where(end > start, (end - f + BWD_BLOCK_N - 1) // BWD_BLOCK_N, torch.zeros_like(start))
+    cum = torch.cumsum(n_tiles, 0)
+    p = torch.arange(max_entries, device=dev)
+    doc = torch.searchsorted(cum, p, right=True).clamp(max=max(n_docs - 1, 0))
+    valid = p < cum[-1] if n_docs else torch.zeros_like(p, dtype=torch.bool)
+    n = p - (cum[doc] - n_tiles[doc])
+    a = f[doc] + n * BWD_BLOCK_N
+    e_end = end[doc]
+    steps = (e_end - f[doc] + block_m - 1) // block_m - (((a - f[doc]) // block_m) if causal else 0)
+    cost = torch.where(valid, steps, torch.full_like(steps, -1))
+    order = torch.argsort(cost, descending=True, stable=True)
+    entries = torch.stack([a, f[doc], start[doc], e_end], 1)[order].to(torch.int32).contiguous()
+    return entries, cum[-1:].to(torch.int32) if n_docs else torch.zeros(1, dtype=torch.int32, device=dev), max_entries
+
+
+def gluon_fp8_bwd(qc, kc, vc, qt, kt, vt_unused, dc, dct, fq, fk, fv, fdo, lse, delta, cu_seqlens, softmax_scale,
+                  *, causal: bool = True, stages: int = 2, entries=None, dq_acc: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 attention backward (module docs), warp-specialized Gluon, sm_90.
+
+    Args:
+        qc, dc: ``(T, H_q, 128)`` float8_e4m3fn codes of Q and dO; kc, vc: ``(T, H_kv, 128)``;
+            qt, dct: ``(H_q, 128, TP)`` and kt: ``(H_kv, 128, TP)`` feature-major codes (token stride 1,
+            ``TP`` a multiple of 16); vt_unused: accepted for symmetry, not read.
+        fq, fdo: ``(H_q, ceil16(T) + FACTOR_PAD)`` and fk, fv: ``(H_kv, ...)`` float32 factor tables
+            (:func:`factor_table` of the exponent bytes).
+        lse: ``(H_q, T)`` float32 natural-log LSE of the FP8 forward; delta: ``(H_q, T)`` float32
+            ``rowsum(dO^ O) - dLSE``.
+        cu_seqlens: ``(n_docs + 1,)`` int32, validated; softmax_scale: the forward's.
+        causal: as the forward; stages: ring depth (>= 2); entries: :func:`fp8_bwd_entries`' result
+            (default: built here); dq_acc: optional zeroed ``(T, H_q, 128)`` float32 accumulator.
+
+    Returns:
+        ``(dq, dk, dv)`` bf16 ``(T, H_q, 128)``, ``(T, H_kv, 128)`` x 2; padding rows 0 (every row of a
+        document is written by exactly one program: the outputs are not pre-zeroed).
+
+    Raises:
+        ValueError: operands of the wrong dtype / shape / layout, head_dim other than 128.
+    """
+    check_stages("gluon_fp8_bwd", stages)
+    T, H, D = qc.shape
+    Hkv = kc.shape[1]
+    for name, x in (("q", qc), ("k", kc), ("v", vc), ("do", dc)):
+        if x.dtype != torch.float8_e4m3fn or x.dim() != 3 or x.shape[0] != T or x.shape[2] != D \
+                or not x.is_contiguous() or not x.is_cuda:
+            raise ValueError(f"gluon_fp8_bwd: {name} codes must be contiguous float8_e4m3fn CUDA (T={T}, H, {D}), got "
+                             f"{x.dtype} {tuple(x.shape)}")
+    for name, x, hh in (("q^T", qt, H), ("k^T", kt, Hkv), ("do^T", dct, H)):
+        if x.dtype != torch.float8_e4m3fn or x.shape != (hh, D, T) or x.stride(2) != 1 or x.stride(1) % 16:
+            raise ValueError(f"gluon_fp8_bwd: {name} codes must be feature-major float8_e4m3fn ({hh}, {D}, {T}) with "
+                             f"token stride 1 and a 16-byte feature stride, got {x.dtype} {tuple(x.shape)} "
+                             f"{x.stride()}")
+    if D != 128 or H % Hkv or dc.shape[1] != H or vc.shape[1] != Hkv:
+        raise ValueError(f"gluon_fp8_bwd: need head_dim 128 and H_q % H_kv == 0, got D={D}, H_q={H}, H_kv={Hkv}")
+    width = -(-T // 16) * 16 + FACTOR_PAD
+    for name, x, hh in (("q", fq, H), ("k", fk, Hkv), ("v", fv, Hkv), ("do", fdo, H)):
+        if x.dtype != torch.float32 or x.shape != (hh, width) or not x.is_contiguous():
+            raise ValueError(f"gluon_fp8_bwd: the {name} factor table must be float32 ({hh}, {width}) "
+                             f"(factor_table), got {x.dtype} {tuple(x.shape)}")
+    for name, x in (("lse", lse), ("delta", delta)):
+        if x.dtype != torch.float32 or x.shape != (H, T) or x.stride(1) != 1:
+            raise ValueError(f"gluon_fp8_bwd: {name} must be float32 ({H}, {T}), got {x.dtype} {tuple(x.shape)}")
+    dq_acc = torch.zeros((T, H, D), dtype=torch.float32, device=qc.device) if dq_acc is None else dq_acc
+    dk = torch.empty((T, Hkv, D), dtype=torch.bfloat16, device=qc.device)
+    dv = torch.empty((T, Hkv, D), dtype=torch.bfloat16, device=qc.device)
+    if entries is None:
+        entries = fp8_bwd_entries(cu_seqlens, T, causal=causal)
+    ent, n_ent, max_entries = entries
+    if T > 0 and max_entries > 0:
+        _fp8_bwd_kernel[(max_entries * Hkv,)](
+            fp8_descriptor(qc, BWD_BLOCK_M), fp8_descriptor(dc, BWD_BLOCK_M), fp8_descriptor_t(qt, BWD_BLOCK_M),
+            fp8_descriptor_t(dct, BWD_BLOCK_M), fp8_descriptor(kc, BWD_BLOCK_N), fp8_descriptor(vc, BWD_BLOCK_N),
+            fp8_descriptor_t(kt, BWD_BLOCK_N), descriptor(dq_acc, BWD_BLOCK_M), lse, delta, fq, fdo, fk, fv, dk, dv,
+            ent, n_ent, max_entries, lse.stride(0), fq.stride(0), dk.stride(0), dv.stride(0),
+            float(softmax_scale) * LOG2E, float(softmax_scale),
+            GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=stages,
+            CAUSAL=bool(causal), BOOST=BOOST_LOG2, num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
+    from flamia_pack.kernels.flash_fwd import fill_tails
+
+    fill_tails([(dk, 0.0, 0), (dv, 0.0, 0)], cu_seqlens)
+    return dq_acc.to(torch.bfloat16), dk, dv
