@@ -164,11 +164,16 @@ def fp8_attention_forward(ops: FP8Operands, cu_seqlens: torch.Tensor, *, causal:
 
 class _FP8Attention(torch.autograd.Function):
     """The GPU FP8 forward and backward (``fp8_backward.py``) as one autograd node: the forward's codes
-    are saved for the backward (no re-quantization of Q, K, V)."""
+    are saved for the backward (no re-quantization of Q, K, V). ``quantizer``: optional
+    ``(q, k, v, cu32) -> FP8Operands`` with the backward's layouts, replacing :func:`fp8_quantize` (for
+    experiments with other exponent assignments; the kernels read any per-token exponents)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu32, causal, softmax_scale, granularity, work_list):
-        ops = fp8_quantize(q, k, v, cu32, granularity, backward=True)
+    def forward(ctx, q, k, v, cu32, causal, softmax_scale, granularity, work_list, quantizer=None):
+        if quantizer is None:
+            ops = fp8_quantize(q, k, v, cu32, granularity, backward=True)
+        else:
+            ops = quantizer(q, k, v, cu32)
         o, lse = fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)
         ctx.save_for_backward(o, lse, cu32, *(ops[:8]), ops.qt, ops.kt, ops.vc)
         ctx.fp8 = (causal, float(softmax_scale), granularity)
@@ -183,7 +188,7 @@ class _FP8Attention(torch.autograd.Function):
         causal, scale, granularity = ctx.fp8
         ops = FP8Operands(*rest[:8], granularity, *rest[8:])
         dq, dk, dv = fp8_backward(do, ops, o, lse, cu32, causal=causal, softmax_scale=scale, dlse=dlse)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal: bool, softmax_scale: float,
