@@ -255,3 +255,41 @@ def test_shared_dq_payload_exponent_leaks(monkeypatch):
     moved = ((a[:cut + 1].float() - b[:cut + 1].float()).abs().amax((1, 2)) > 0).sum()
     print(f"\nshared dQ payload exponent: {int(moved)} rows before the cut moved")
     assert moved > 0
+
+
+@pytest.mark.parametrize("gran", ["token", "block"])
+def test_public_op_with_causal_dq_scale(gran):
+    """``varlen_attention(precision="fp8", causal_dq_scale=True)`` on the CPU (the emulation):
+    perturbing q, k, v, dO after a cut leaves dQ before it bitwise unchanged in "token" mode and
+    moves only the cut's 32-token group in "block" mode; a perturbation of another document moves
+    nothing outside it."""
+    from flamia_pack.kernels import varlen_attention
+
+    cu = torch.tensor([0, 40, 263, 290], dtype=torch.int32)
+    cut, group0 = 117, 104  # the third 32-token group of document [40, 263)
+    base = inputs(2, 2, 64, seed=8, T=296)
+
+    def perturbed(lo, hi):
+        out = []
+        for i, x in enumerate(base):
+            y = x.clone()
+            y[lo:hi] = (y[lo:hi].float() + 64 * torch.randn(y[lo:hi].shape,
+                                                          generator=torch.Generator().manual_seed(i))).bfloat16()
+            out.append(y)
+        return out
+
+    def grads(xs):
+        q, k, v = (x.clone().requires_grad_(True) for x in xs[:3])
+        varlen_attention(q, k, v, cu, 223, precision="fp8", scale_granularity=gran,
+                         causal_dq_scale=True).backward(xs[3])
+        return q.grad, k.grad, v.grad
+
+    g0, g1, g2 = grads(base), grads(perturbed(cut + 1, 263)), grads(perturbed(263, 290))
+    moved = ((g0[0][:cut + 1].float() - g1[0][:cut + 1].float()).abs().amax((1, 2)) > 0).nonzero().flatten()
+    if gran == "token":
+        assert moved.numel() == 0
+    else:
+        assert moved.numel() > 0 and int(moved.min()) >= group0
+    assert not torch.equal(g0[1][40:cut + 1], g1[1][40:cut + 1])  # later queries feed dK (legit)
+    for a, b in zip(g0, g2):
+        assert torch.equal(a[:263], b[:263]) and torch.equal(a[290:], b[290:])
