@@ -70,7 +70,10 @@ def test_forward_backward_vs_fp64_random(H, Hkv, D, gran):
     lse_err = float((lse[:, :N].double() - rl[:, :N]).abs().max())
     print(f"\nrandom H={H} Hkv={Hkv} D={D} {gran}: cos {c} max|dLSE| {lse_err:.3g} fwd {fst} bwd {bst}")
     # measured (torch 2.13 CPU): O 0.99900 (D 64) / 0.99911 (D 128), dQ 0.99791 / 0.99800,
-    # dK 0.99799 / 0.99801, dV 0.99896 / 0.99893
+    # dK 0.99799 / 0.99801, dV 0.99896 / 0.99893; dS zero fraction 5e-5 (dQ payload) / 4e-5 (dK)
+    # (E4M3 is a float format: a payload's exponent only decides which small dS entries fall below
+    # the subnormal floor, so the per-row / per-key payloads gave the 32 x 32-block one's cosines
+    # to 5 digits)
     assert c["o"] >= 0.9989
     assert c["dq"] >= 0.9978 and c["dk"] >= 0.9978 and c["dv"] >= 0.9985
     assert lse_err < 0.15  # worst rows are the 1-token documents (LSE = s_ii, |s_ii| ~ 8-11)
@@ -79,7 +82,8 @@ def test_forward_backward_vs_fp64_random(H, Hkv, D, gran):
     assert o[N:].abs().max() == 0 and torch.isinf(lse[:, N:]).all() and dq[N:].abs().max() == 0
     # range budget: nothing reached past 2^boost = 256 (< 448)
     assert fst["ptilde_max"] <= 256 and bst["ptilde_dv_max"] <= 256
-    assert bst["ds_zero_fraction"] < 1e-3 and abs(bst["ds_row_residual"]) < 2e-3
+    assert bst["ds_zero_fraction"] < 1e-3 and bst["ds_zero_fraction_dk"] < 1e-3
+    assert abs(bst["ds_row_residual"]) < 2e-3
 
 
 def test_outlier_channels_and_replication_controls():
@@ -101,8 +105,10 @@ def test_outlier_channels_and_replication_controls():
     print(f"outliers forward: O cos {cos(o[:N], ro[:N]):.5f} {fst}")
     ok = res[None]
     # measured: O 0.9943, dQ 0.9838, dK 0.9873, dV 0.9941 (below issue 27/28's targets: E4M3's
-    # 3-bit mantissa on scores dominated by x20 channels), dS zero fraction 0.41
+    # 3-bit mantissa on scores dominated by x20 channels), dS zero fraction 0.34 (dQ payload) /
+    # 0.27 (dK payload)
     assert cos(o[:N], ro[:N]) >= 0.993 and ok["dq"] >= 0.98 and ok["dk"] >= 0.98 and ok["dv"] >= 0.99
+    assert ok["ds_zero_fraction"] < 0.4 and ok["ds_zero_fraction_dk"] < 0.35
     assert res["bf16_delta"]["ds_row_residual_rms"] >= 1.8 * ok["ds_row_residual_rms"]
     assert res["bf16_scores"]["dq"] < ok["dq"] - 0.05 and res["bf16_scores"]["norm"] > 1.1
 

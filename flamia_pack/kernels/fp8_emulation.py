@@ -96,7 +96,7 @@ PV_ACCUMULATORS = ("fp32", "promote14", "mma14")
 MMA_ACC_BITS = 14
 #: k-step of one FP8 wgmma instruction (32 bytes of K per step).
 MMA_K = 32
-#: dS / token-group block side (DESIGN.md §4).
+#: Token-group block side (DESIGN.md §4); the forward's tile sizes are multiples of it.
 BLOCK = 32
 #: Key tiles of a document start at the TILE_ALIGN-token boundary at or before its first token
 #: (row-local index): the kernel's V^T boxes start on 16-byte boundaries (TMA), E4M3 is 1 byte.
@@ -128,7 +128,7 @@ def _check_options(scale_granularity, block_m, block_n, boost_log2, pv_accumulat
     for name, b in (("block_m", block_m), ("block_n", block_n)):
         _check_int(name, b, BLOCK, 256)
         if b % BLOCK:
-            raise FlamiaError(f"{name} must be a multiple of {BLOCK} (the dS / scale-group block), got {b}")
+            raise FlamiaError(f"{name} must be a multiple of {BLOCK} (the scale-group block), got {b}")
     if isinstance(boost_log2, bool) or not isinstance(boost_log2, numbers.Integral) or not (
             0 <= int(boost_log2) <= MAX_BOOST_LOG2):
         raise FlamiaError(
@@ -532,7 +532,7 @@ class _FP8Emulated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        from flamia_pack.kernels.fp8_emulation_bwd import _backward_impl
+        from flamia_pack.kernels.fp8_emulation_bwd import BWD_BLOCK_M, _backward_impl
 
         qc, qe, kc, ke, vc, ve, o, lse = ctx.saved_tensors
         T, H, Hkv, D = ctx.shape
@@ -540,7 +540,7 @@ class _FP8Emulated(torch.autograd.Function):
         ops = (OperandCodes(qc, qe), OperandCodes(kc, ke), OperandCodes(vc, ve))
         dq, dk, dv = _backward_impl(do.detach().cpu(), ops, o, lse, ctx.cu, T, H, Hkv, D,
                                     causal=opts["causal"], softmax_scale=opts["softmax_scale"],
-                                    scale_granularity=opts["scale_granularity"], block_m=opts["block_m"],
+                                    scale_granularity=opts["scale_granularity"], block_m=BWD_BLOCK_M,
                                     block_n=opts["block_n"], boost=opts["boost_log2"], dlse=None, stats=None,
                                     bf16_scores=None)
         dq, dk, dv = (g.to(device=ctx.dev, dtype=dt) for g, dt in zip((dq, dk, dv), ctx.dtypes))
@@ -570,7 +570,8 @@ def fp8_varlen_attention_emulated(
     gradients flow to q, k, v). Computes on the CPU; the result and the gradients are moved to
     q's device. Returns ``o`` ``(T, H, D)`` bfloat16; gradients in q, k, v's dtypes (bfloat16
     values: the backward rounds them to bf16 first). The forward's codes, O and LSE are saved.
-    """
+    The backward walks the kernel's 64-row query steps (``fp8_emulation_bwd.BWD_BLOCK_M``) whatever
+    ``block_m`` (the forward's query tile, which does not change the forward's bits)."""
     opts = dict(causal=bool(causal), softmax_scale=softmax_scale, scale_granularity=scale_granularity,
                 block_m=block_m, block_n=block_n, boost_log2=boost_log2, pv_accumulator=pv_accumulator,
                 kernel_head_dims=bool(_kernel_head_dims))

@@ -1,59 +1,84 @@
 """CPU emulation of the FP8 attention backward that replicates the forward (issue 28; DESIGN.md
-§4-5; paper §3.3; seed 001 §4-5). Notation, tiles and the exactness of E4M3 products as in
-:mod:`flamia_pack.kernels.fp8_emulation` (fp32 unless said otherwise)::
+§4-5; paper §3.3; seed 001 §4-5): the numerics contract of the Gluon FP8 backward kernels.
+Notation and the exactness of E4M3 products as in :mod:`flamia_pack.kernels.fp8_emulation`
+(all arithmetic fp32 unless said otherwise; ``exact`` = the fp64 sum of E4M3 products, exact,
+rounded once to fp32)::
 
     dO -> E4M3 codes dc, exponents e_do(i)     (once, same token-block scheme as Q, K, V)
     Delta_i = fp32( sum_d dO^_id O_id ) - dLSE_i        (fp64 sum of the reconstructed dO and the
                                                          saved bf16 O, rounded once)
-    per key tile (the forward's block_n grid) and every row that sees it:
+
+Grid. Per document, ``f = floor16(doc_start)`` (row-local token index, ``TILE_ALIGN = 16``).
+Key tiles: ``block_n = 128`` keys ``[f + 128 n, f + 128 (n + 1))`` cut to the document (the
+forward's key walk, :func:`~flamia_pack.kernels.fp8_emulation._steps`). Query steps (the dK/dV
+programs' walk): ``block_m = 64`` rows ``[f + 64 m, f + 64 (m + 1))`` cut to the document; row i is
+in step ``m(i) = (i - f) // 64``. ``block_m`` may be 16, 32, 64 or 128 (a multiple of 16 dividing
+128). Per (key tile, query step) and pair (i, j), i seeing j (else every term below is 0)::
+
     s_ij    = scores(...)                 the forward's function on the same codes: bitwise the same S
-    P_ij    = exp2(s_ij - fp32(LSE_i * log2 e))   visible pairs, else 0    (P from the saved LSE)
-    dP_ij   = fp32(dc_i . vc_j) * 2^(e_do(i) + e_v(j))        exact product, exact factors
+    P_ij    = exp2(s_ij - fp32(LSE_i * log2 e))          (P from the saved LSE)
+    dP_ij   = fp32(dc_i . vc_j) * 2^(e_do(i) + e_v(j))    exact product, exact factors
     dS_ij   = fp32( P_ij * fp32(dP_ij - Delta_i) )
-    U_ij    = dS_ij * 2^(e_q(i) + e_k(j))                     (exact: the fold of both row/column
-                                                               factors, DESIGN.md §4)
-    U -> E4M3 with one power-of-two exponent sigma per 32 x 32 block of the document's grid
-         (sigma = ceil(log2(amax / 448)), quant.py's rule: no saturation):  U^ = code * 2^sigma
-    "token" (strict): the dQ payload instead has one sigma per (query row, key tile), so dQ_i
-         reads nothing from later queries; dK keeps the 32 x 32 payload (dK_j legitimately reads
-         every later query, DESIGN.md §5)
-    dQ_i   += fp32( sum_j U^_ij kc_j )              (fp64 tile product, rounded once per tile)
-    dK_j   += fp32( sum_i U^_ij qc_i )              per query tile of block_m rows, ascending
-    dV_j   += fp32( sum_i P~v_ij dc_i ) * 2^(rho_j - boost)      per query tile, ascending, with
-    P~v_ij  = E4M3_RNE( P_ij * 2^(e_do(i) - rho_j + boost) ),  rho_j = max{ e_do(i): i in the query
-              tile, i sees j }   (the transpose of the forward's fold: dV contracts over queries,
-              so the forward's P~ -- folded along keys with 2^(e_v(j) - r_i) -- cannot serve dV; the
-              same range budget holds: P <= 1 (1 + 2^-20) and e_do(i) <= rho_j)
-    final:  dQ = bf16(fp32(acc * 2^-e_q) * scale),  dK = bf16(fp32(sum_g acc_g * 2^-e_k) * scale),
-            dV = bf16(sum_g acc_g)   (GQA: the group's query heads summed in fp32, ascending)
+    U_ij    = dS_ij * 2^(e_q(i) + e_k(j))                 both operand exponents folded in; masked U = 0
 
-Why the fold serves both products: within a 32 x 32 block of the "block" mode e_q and e_k are
-constant (the scale groups are the same document-local 32-token grid), so ``U`` and ``dS`` differ
-by one power of two there and ``dQ_i = scale * 2^-e_q(i) * sum_j U^_ij kc_j`` and
-``dK_j = scale * 2^-e_k(j) * sum_i U^_ij qc_i`` divide out a row-constant factor afterwards. A
-128-key tile has 4 blocks along the dQ contraction, so a kernel issues one k = 32 FP8 wgmma per
-block and scales each by ``2^sigma`` (or promotes per block); the emulation forms the whole tile
-in fp64 and rounds once (the per-block promotion differs at the fp32-ulp level).
+Two payloads of U, each with quant.py's exponent rule (``ceil(log2(amax / 448))``, -127 for an
+all-zero group: no saturation), codes ``E4M3_RNE(U 2^-sigma)``::
 
-Causality of dQ (with dO fixed, "token"): dS_ij for visible j <= i reads q_i, k_j, v_j, dO_i, O_i,
-LSE_i; the strict payload's sigma reads row i only; dQ accumulates in fp32 with no data-dependent
-accumulator scale, so there is no sequence-wide dependency and ``causal_dq_scale`` is satisfied
-trivially (issue 28 item 4). Tested bitwise.
+    dQ payload  sigma_q(i) = rule( max_j |U_ij| over the key tile ),   codeq_ij = E4M3(U_ij 2^-sigma_q(i))
+    dK payload  sigma_k(j) = rule( max_i |U_ij| over the query step ), codek_ij = E4M3(U_ij 2^-sigma_k(j))
+
+Why two: Hopper's FP8 wgmma has no block scales and a k = 32 instruction, so a scale that varies
+along a product's contraction (a 32 x 32 block) needs one promotion per instruction; a per-row scale
+of the product (sigma_q for dS.K, sigma_k for dS^T.Q) needs one per step. Accumulation::
+
+    dQ_i  += exact( sum_j codeq_ij kc_j ) * fp32(2^(sigma_q(i) - e_q(i)) * softmax_scale)
+             key tiles ascending;  dQ_i = bf16(acc_i)
+    dK_j  += exact( sum_i codek_ij qc_i ) * 2^sigma_k(j)
+             one fp32 accumulator per key over the GQA group's query heads (head-major: for each
+             head, its query steps ascending);  dK_j = bf16( fp32(acc_j * 2^-e_k(j)) * softmax_scale )
+    rho_j  = max { e_do(i) : i in the step, i sees j }      (0 when none: then P~v = 0)
+    P~v_ij = E4M3_RNE( P_ij * 2^(e_do(i) - rho_j + boost) )
+    dV_j  += exact( sum_i P~v_ij dc_i ) * 2^(rho_j - boost)      same head / step order as dK;
+             dV_j = bf16(acc_j)
+
+dV cannot reuse the forward's P~ (folded along keys with 2^(e_v(j) - r_i), dV contracts over
+queries); the range budget holds as in the forward: P <= 1 (1 + 2^-20) and e_do(i) <= rho_j, so
+P~v <= 2^boost <= 256 < 448. ``"token"`` and ``"block"`` differ only in the quantization groups of
+q, k, v and dO. The kernel folds dQ's factor into each key tile's partial before an fp32 reduce-add
+whose order is not fixed (dQ bits then differ at the fp32-ulp level); everything before the
+exponential (codes, exponents, masks, sigma_q, sigma_k, rho) must match bitwise.
+
+Range: U is fp32 and carries 2^e_q(i). A query token (``"token"``) or 32-token group (``"block"``)
+that is all zero has e_q = -127 (quant.py's rule), so its row of U lies in fp32's subnormal range and
+its dQ payload keeps few bits (measured: dQ cosine 0.05 on such a row of N(0,1) data, token mode);
+the exponents of nonzero activations keep U normal.
+
+Short documents: the emulation computes a chunk of whole documents that each fit one query step
+and one key tile (``fp8_emulation._segments`` with ``min(block_m, block_n)``) as one masked tile
+pair; keys see only their own document's rows and the other documents' U and P~v are exact zeros,
+so sigma_k, rho and every sum equal the per-(document, step) ones.
+
+Causality of dQ (with dO fixed): dS_ij for visible j <= i reads q_i, k_j, v_j, dO_i, O_i, LSE_i;
+sigma_q(i) reads row i's visible keys only; dQ accumulates in fp32 with no data-dependent
+accumulator scale. So ``causal_dq_scale`` holds in both modes, and under ``"token"`` dQ_i reads
+nothing of later tokens (bitwise; tested). dK_j and dV_j legitimately read every later query.
 
 Diagnostics (``stats``, seed 001 §5 / issue 28): ``ds_zero_fraction`` (visible dS != 0 whose dQ
-payload code is 0; paper 0.4%), ``ds_zero_fraction_dk`` (same for the 32 x 32 payload),
+payload code is 0; paper 0.4%), ``ds_zero_fraction_dk`` (same for the dK payload),
 ``ds_row_residual`` / ``ds_row_residual_rms`` (signed mean / rms over valid rows of
-``sum_j dS^_ij / sum_j |dS_ij|``, the decoded dQ payload; exactly 0 in exact arithmetic when P
+``sum_j dS^_ij / sum_j |dS_ij|``, dS^ the decoded dQ payload; exactly 0 in exact arithmetic when P
 sums to 1 and Delta matches), ``ds_row_residual_prequant_rms`` (same for the fp32 dS before
 rounding), ``ptilde_dv_max`` (largest P~v, <= 2^boost).
 
-Positive control (``mismatch="bf16_scores"``): S recomputed from the unquantized q, k in fp32
-instead of the forward's codes -- P no longer matches the saved LSE and the row residual and the
-gradient error grow (tested). A different ``block_n`` in the backward changes nothing of S or P
-here (every S element is computed alone), only the dV fold's grouping; see tests for the numbers.
+Positive controls (``mismatch=``): ``"bf16_scores"``: S recomputed from the unquantized q, k in
+fp32 instead of the forward's codes -- P no longer matches the saved LSE and the row residual and
+the gradient error grow; ``"bf16_delta"``: Delta from the unquantized dO while dP uses its codes --
+the row residual grows (tested). A different ``block_n`` in the backward changes nothing of S or P
+(every S element is computed alone), only the payload groups and the sums' grouping.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -82,37 +107,35 @@ from flamia_pack.kernels.fp8_emulation import (
 )
 from flamia_pack.quant import UE8M0_BIAS, _abs_bits, exponent_from_amax_bits, quantize_token_blocks
 
-__all__ = ["fp8_attention_backward", "MISMATCHES"]
+__all__ = ["fp8_attention_backward", "MISMATCHES", "BWD_BLOCK_M", "BWD_BLOCK_MS"]
 
 #: Deliberately mismatched backward variants (positive controls only).
 MISMATCHES = (None, "bf16_scores", "bf16_delta")
+#: Rows of a dK/dV query step (the kernel's), on the grid ``floor16(doc_start) + block_m * m``.
+BWD_BLOCK_M = 64
+#: Query steps allowed: multiples of TILE_ALIGN that divide the 128-key tile.
+BWD_BLOCK_MS = (16, 32, 64, 128)
 
 
-def _sigma_blocks(U: torch.Tensor, rb: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
-    """Exponent per (row block, column block) of ``U`` ``(H, m, n)``, gathered back to ``(H, m, n)``.
-
-    ``rb`` ``(m,)`` / ``cb`` ``(n,)``: consecutive block indices (0..). The exponent rule is
-    quant.py's (``ceil(log2(amax / 448))`` from the fp32 bits, 0 for an all-zero block)."""
-    H, m, n = U.shape
-    nrb, ncb = int(rb.max()) + 1, int(cb.max()) + 1
-    idx = (rb[:, None] * ncb + cb[None, :]).reshape(-1)
-    bits = _abs_bits(U).reshape(H, -1)
-    amax = torch.zeros((H, nrb * ncb), dtype=torch.int32).scatter_reduce_(
-        1, idx[None, :].expand(H, -1), bits, reduce="amax")
-    e, _ = exponent_from_amax_bits(amax)
-    return e.gather(1, idx[None, :].expand(H, -1)).reshape(H, m, n)
-
-
-def _sigma_rows(U: torch.Tensor) -> torch.Tensor:
-    """Strict mode: one exponent per query row of the tile, ``(H, m, 1)``."""
-    e, _ = exponent_from_amax_bits(_abs_bits(U).amax(-1, keepdim=True))
+def _sigma(U: torch.Tensor, dim: int) -> torch.Tensor:
+    """quant.py's exponent rule (``ceil(log2(amax / 448))`` from the fp32 bits, -127 for an
+    all-zero group) on ``max |U|`` along ``dim`` of ``U`` ``(H, m, n)``, kept as a size-1 dim:
+    ``dim=-1`` gives sigma_q ``(H, m, 1)`` (per query row over the key tile), ``dim=-2`` gives
+    sigma_k ``(H, 1, n)`` (per key over the query step)."""
+    e, _ = exponent_from_amax_bits(_abs_bits(U).amax(dim, keepdim=True))
     return e
 
 
-def _encode(U: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 codes of ``U * 2^-sigma`` and their decoded values ``code * 2^sigma`` in fp64."""
-    codes = (U * pow2(-sigma)).to(torch.float8_e4m3fn)
-    return codes, codes.double() * pow2(sigma).double()
+def _encode(U: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of ``U * 2^-sigma`` (RNE; no saturation: ``|U| 2^-sigma <= 448`` by the rule)."""
+    return (U * pow2(-sigma)).to(torch.float8_e4m3fn)
+
+
+def _check_bwd_options(scale_granularity, block_m, block_n, boost_log2) -> None:
+    _check_options(scale_granularity, BLOCK, block_n, boost_log2)
+    if isinstance(block_m, bool) or not isinstance(block_m, numbers.Integral) or int(block_m) not in BWD_BLOCK_MS:
+        raise FlamiaError(f"block_m (the backward's query step) must be one of {BWD_BLOCK_MS} (a multiple of "
+                          f"{TILE_ALIGN} dividing 128), got {block_m!r}")
 
 
 def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, scale_granularity,
@@ -121,6 +144,7 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
     g = H // Hkv
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     qk = qk_scale_f32(scale)
+    scale32 = torch.tensor(scale, dtype=torch.float32)
     cu_t = torch.tensor(cu, dtype=torch.long)
     dq_ = quantize_token_blocks(do, cu_t, scale_granularity, validate=False)
     dec = dq_.codes.double() * pow2(dq_.exponents.to(torch.int32) - UE8M0_BIAS).double()[..., None]
@@ -134,27 +158,25 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
     dk = torch.zeros((T, Hkv, D), dtype=torch.bfloat16)
     dv = torch.zeros((T, Hkv, D), dtype=torch.bfloat16)
     st = dict(vis_nz=0, zero_q=0, zero_k=0, pv_max=0.0, res=[], res_pre=[])
-    strict = scale_granularity == "token"
     for lo, hi, single in _segments(cu, min(block_m, block_n)):
         L = hi - lo
+        phase = lo % TILE_ALIGN  # a single document's grid starts f = lo - phase
         doc, dpos = _doc_local(cu, lo, hi)
         qc, eq = _heads(qo.codes, qo.exponents, lo, hi, 1)
         kc, ek = _heads(ko.codes, ko.exponents, lo, hi, g)
         vc, ev = _heads(vo.codes, vo.exponents, lo, hi, g)
         dc, edo = _heads(dq_.codes, dq_.exponents, lo, hi, 1)
-        blk = doc * (L + 1) + dpos // BLOCK
-        blk = torch.unique(blk, return_inverse=True)[1]  # consecutive 32-block ids of the segment
-        qt = dpos // block_m  # query tile of each row (single-document segments)
+        # query step m = (i - f) // block_m of each row; a chunk's documents each fit one step (and
+        # each key sees its own document only), so a chunk is one step: the bits are the same
+        step = (dpos + phase) // block_m if single else torch.zeros(L, dtype=torch.long)
         dq_acc = torch.zeros((H, L, D), dtype=torch.float32)
-        dk_acc = torch.zeros((H, L, D), dtype=torch.float32)
-        dv_acc = torch.zeros((H, L, D), dtype=torch.float32)
+        dk_acc = torch.zeros((Hkv, L, D), dtype=torch.float32)
+        dv_acc = torch.zeros((Hkv, L, D), dtype=torch.float32)
         res = torch.zeros((H, L), dtype=torch.float64)
         res_pre = torch.zeros((H, L), dtype=torch.float64)
         mass = torch.zeros((H, L), dtype=torch.float64)
-        for k0, k1, r0 in _steps(L, single, block_n, causal, lo % TILE_ALIGN):
-            if single and causal:
-                r0 = (r0 // block_m) * block_m  # whole query tiles (rows before k0 see nothing)
-            rows, keys = slice(r0, L), slice(k0, k1)
+        for k0, k1, r0 in _steps(L, single, block_n, causal, phase):
+            rows, keys = slice(r0, L), slice(k0, k1)  # rows before r0 see no key of the tile
             vis = visibility(doc, dpos, rows, keys, causal)
             if bf16_scores is None:
                 s = scores(qc[:, rows], eq[:, rows], kc[:, keys], ek[:, keys], qk)
@@ -169,51 +191,54 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
             ds = p * (dp - delta[:, lo:hi][:, rows, None])
             ds = torch.where(vis, ds, torch.zeros((), dtype=torch.float32))
             fold_r, fold_c = pow2(eq[:, rows])[..., None], pow2(ek[:, keys])[:, None, :]
-            u = ds * fold_r * fold_c
-            # the 32 x 32 payload (dK in both modes, dQ in "block")
-            sig_b = _sigma_blocks(u, blk[rows], blk[keys])
-            codes_b, ub = _encode(u, sig_b)
-            if strict:
-                sig_r = _sigma_rows(u)
-                codes_q, uq = _encode(u, sig_r)
-            else:
-                codes_q, uq = codes_b, ub
-            dq_acc[:, rows] += torch.matmul(uq, kc[:, keys]).float()
-            # dK, dV: per query tile of the rows, ascending (the dK/dV programs walk query tiles)
-            # (a chunk of short documents: each key's own document is its one query tile, so all
-            # rows at once give the same sums -- the other documents add exact zeros)
-            tiles = qt[rows] if single else torch.zeros(L, dtype=torch.long)
-            for t in torch.unique(tiles).tolist():
-                sel = (tiles == t).nonzero().flatten() + r0
-                vis_t = vis[sel - r0]
-                dk_acc[:, keys] += torch.matmul(ub[:, sel - r0].transpose(-1, -2), qc[:, sel]).float()
-                # dV fold: rho_j = max e_do over the tile's rows that see key j
-                rho, has = reference_exponent(edo[:, sel], vis_t.transpose(0, 1))  # (H, n)
-                pvt = _fold_p(p[:, sel - r0].transpose(-1, -2), edo[:, sel], rho, vis_t.transpose(0, 1), boost)
-                pvf = pvt.float()
-                st["pv_max"] = max(st["pv_max"], float(pvf.max()) if pvf.numel() else 0.0)
-                dv_acc[:, keys] += exact_mm(pvf, dc[:, sel]) * pow2(rho - boost)[..., None]
+            u = ds * fold_r * fold_c  # (H, R, n); masked pairs exactly 0
+            # dQ payload: sigma_q per (row, key tile); the tile's partial scaled by one fp32 factor
+            sig_q = _sigma(u, -1)
+            codes_q = _encode(u, sig_q)
+            fac_q = pow2(sig_q - eq[:, rows, None]) * scale32
+            dq_acc[:, rows] += exact_mm(codes_q.float(), kc[:, keys]) * fac_q
+            # dK / dV: per query step of the rows, ascending; one partial per (query head, step)
+            parts = []
+            srow = step[rows]
+            for m in torch.unique(srow).tolist():
+                sel = (srow == m).nonzero().flatten()  # tile-relative rows of step m
+                ia = sel + r0  # segment-relative
+                um, vis_m = u[:, sel], vis[sel]
+                sig_k = _sigma(um, -2)  # (H, 1, n)
+                codes_k = _encode(um, sig_k)
+                pk = exact_mm(codes_k.float().transpose(-1, -2), qc[:, ia]) * pow2(sig_k).transpose(-1, -2)
+                rho, _ = reference_exponent(edo[:, ia], vis_m.transpose(0, 1))  # (H, n)
+                pvt = _fold_p(p[:, sel].transpose(-1, -2), edo[:, ia], rho, vis_m.transpose(0, 1), boost).float()
+                pv = exact_mm(pvt, dc[:, ia]) * pow2(rho - boost)[..., None]
+                parts.append((pk, pv))
+                st["pv_max"] = max(st["pv_max"], float(pvt.max()) if pvt.numel() else 0.0)
+                if stats is not None:
+                    nz = vis_m & (ds[:, sel] != 0)
+                    st["zero_k"] += int((nz & (codes_k.float() == 0)).sum())
+            # one fp32 accumulator per key: the GQA group's query heads (head-major), steps ascending
+            acc_k = torch.zeros((Hkv, k1 - k0, D), dtype=torch.float32)
+            acc_v = torch.zeros((Hkv, k1 - k0, D), dtype=torch.float32)
+            for j in range(g):
+                for pk, pv in parts:
+                    acc_k += pk[j::g]
+                    acc_v += pv[j::g]
+            dk_acc[:, keys] = acc_k
+            dv_acc[:, keys] = acc_v
             if stats is not None:
                 nz = vis & (ds != 0)
                 st["vis_nz"] += int(nz.sum())
                 st["zero_q"] += int((nz & (codes_q.float() == 0)).sum())
-                st["zero_k"] += int((nz & (codes_b.float() == 0)).sum())
-                unf = (fold_r * fold_c).double()
-                res[:, rows] += (uq / unf).sum(-1)
+                res[:, rows] += (codes_q.double() * pow2(sig_q).double() / (fold_r * fold_c).double()).sum(-1)
                 res_pre[:, rows] += ds.double().sum(-1)
                 mass[:, rows] += ds.double().abs().sum(-1)
         if stats is not None:
             ok = mass > 0
             st["res"].append((res[ok] / mass[ok]))
             st["res_pre"].append((res_pre[ok] / mass[ok]))
-        dq[lo:hi] = ((dq_acc * pow2(-eq)[..., None]) * scale).to(torch.bfloat16).transpose(0, 1)
-        dkh = dk_acc * pow2(-ek)[..., None]
-        dkg, dvg = dkh[0::g].clone(), dv_acc[0::g].clone()
-        for j in range(1, g):  # the group's query heads, ascending, in fp32
-            dkg += dkh[j::g]
-            dvg += dv_acc[j::g]
-        dk[lo:hi] = (dkg * scale).to(torch.bfloat16).transpose(0, 1)
-        dv[lo:hi] = dvg.to(torch.bfloat16).transpose(0, 1)
+        dq[lo:hi] = dq_acc.to(torch.bfloat16).transpose(0, 1)
+        ekv = ek[0::g]  # (Hkv, L): the kv heads' own exponents
+        dk[lo:hi] = ((dk_acc * pow2(-ekv)[..., None]) * scale32).to(torch.bfloat16).transpose(0, 1)
+        dv[lo:hi] = dv_acc.to(torch.bfloat16).transpose(0, 1)
     if stats is not None:
         res = torch.cat(st["res"]) if st["res"] else torch.zeros(1, dtype=torch.float64)
         res_pre = torch.cat(st["res_pre"]) if st["res_pre"] else torch.zeros(1, dtype=torch.float64)
@@ -241,7 +266,7 @@ def fp8_attention_backward(
     causal: bool = True,
     softmax_scale: Optional[float] = None,
     scale_granularity: str = "block",
-    block_m: int = 128,
+    block_m: int = BWD_BLOCK_M,
     block_n: int = 128,
     boost_log2: int = DEFAULT_BOOST_LOG2,
     quantized=None,
@@ -257,21 +282,23 @@ def fp8_attention_backward(
         q, k, v: the forward's inputs (``(T, H, D)``, ``(T, H_kv, D)``), or None with ``quantized``.
         o, lse: the forward's outputs (:func:`~flamia_pack.kernels.fp8_emulation.fp8_attention_forward`):
             ``(T, H, D)`` (bf16) and ``(H, T)`` float32 natural-log LSE.
-        cu_seqlens, max_seqlen, causal, softmax_scale, scale_granularity, block_m, block_n,
-            boost_log2, quantized: as the forward (the *same* values for replication; ``block_n``
-            may differ, see module docs).
+        cu_seqlens, max_seqlen, causal, softmax_scale, scale_granularity, boost_log2, quantized:
+            as the forward (the *same* values for replication).
+        block_m: rows of a dK/dV query step, 16, 32, 64 (default, the kernel's) or 128.
+        block_n: keys of a key tile (the forward's, default 128; another value changes only the
+            payload groups and the sums' grouping, see module docs).
         dlse: optional ``(H, T)`` gradient of ``lse``.
         stats: optional dict, filled with the diagnostics of the module docs.
-        mismatch: None, or ``"bf16_scores"`` (positive control: needs q, k).
+        mismatch: None, ``"bf16_scores"`` (positive control: needs q, k) or ``"bf16_delta"``.
 
     Returns:
         ``(dq, dk, dv)`` bfloat16 ``(T, H, D)``, ``(T, H_kv, D)``, ``(T, H_kv, D)``; padding rows 0.
 
     Raises:
         FlamiaError: as the forward, plus ``do`` / ``o`` / ``lse`` of the wrong shape or dtype,
-            unknown ``mismatch``; MetadataError: invalid ``cu_seqlens``.
+            unknown ``mismatch``, ``block_m`` not in (16, 32, 64, 128); MetadataError: invalid ``cu_seqlens``.
     """
-    _check_options(scale_granularity, block_m, block_n, boost_log2)
+    _check_bwd_options(scale_granularity, block_m, block_n, boost_log2)
     if mismatch not in MISMATCHES:
         raise FlamiaError(f"mismatch must be one of {MISMATCHES}, got {mismatch!r}")
     if mismatch == "bf16_scores" and (q is None or k is None):
