@@ -70,13 +70,15 @@ def literal_backward(do, q, k, v, o, lse, cu, gran, *, causal=True, block_m=64, 
     dk = torch.zeros((T, Hkv, D), dtype=torch.bfloat16)
     dv = torch.zeros((T, Hkv, D), dtype=torch.bfloat16)
 
-    def tile(I, J, h, kh):  # P and U of rows I, keys J (one document), query head h
+    def tile(I, J, h, kh, dq_payload=False):  # P and U of rows I, keys J (one document), query head h
         vis = J[None, :] <= I[:, None] if causal else torch.ones(len(I), len(J), dtype=torch.bool)
         s = scores(qc[I, h][None], eq[I, h][None], kc[J, kh][None], ek[J, kh][None], qk)[0]
         p = torch.where(vis, torch.exp2(s - lse2[h, I][:, None]), zero)
         dp = exact_mm(dc[I, h], vc[J, kh].T) * pow2(edo[I, h])[:, None] * pow2(ev[J, kh])[None, :]
         ds = torch.where(vis, p * (dp - delta[I, h][:, None]), zero)
-        return vis, p, ds * pow2(eq[I, h])[:, None] * pow2(ek[J, kh])[None, :]
+        if dq_payload:  # dQ = dS K contracts over keys: K's exponent folded in
+            return vis, p, ds * pow2(ek[J, kh])[None, :]
+        return vis, p, ds * pow2(eq[I, h])[:, None]  # dK = dS^T Q: Q's
 
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         if b <= a:
@@ -101,14 +103,14 @@ def literal_backward(do, q, k, v, o, lse, cu, gran, *, causal=True, block_m=64, 
                         rho = torch.where(vis.any(0), rho, 0)
                         pt = torch.where(vis, p * pow2(edo[I, h][:, None] - rho[None, :] + boost), zero)
                         acc_v += exact_mm(e4m3(pt).T, dc[I, h]) * pow2(rho - boost)[:, None]
-                dk[J, kh] = ((acc_k * pow2(-ek[J, kh])[:, None]) * s32).bfloat16()
+                dk[J, kh] = (acc_k * s32).bfloat16()
                 dv[J, kh] = acc_v.bfloat16()
             for h in range(H):
                 I = torch.arange(a, b)
-                _, _, u = tile(I, J, h, h // g)
+                _, _, u = tile(I, J, h, h // g, dq_payload=True)
                 sq = rule(u, 1)  # sigma_q(i): over the key tile
                 part = exact_mm(e4m3(u * pow2(-sq)[:, None]), kc[J, h // g])
-                dq_acc[h] += part * (pow2(sq - eq[I, h]) * s32)[:, None]
+                dq_acc[h] += part * (pow2(sq) * s32)[:, None]
         dq[a:b] = dq_acc.transpose(0, 1).bfloat16()
     return dq, dk, dv
 
@@ -181,10 +183,10 @@ def test_bad_query_step():
 @given(st.integers(0, 2 ** 31 - 1), st.integers(-30, 30), st.floats(0.01, 0.5))
 def test_payload_fold_identities(seed, shift, zero_frac):
     """Both payloads: no code saturates or is NaN (|U 2^-sigma| <= 448); decoding a payload and
-    dividing out the operand exponents is exactly the E4M3 rounding of dS at the payload's own
-    scale, so ``exact(codeq . kc) 2^(sigma_q - e_q)`` = ``sum_j dS^_ij k^_j`` and
-    ``exact(codek^T . qc) 2^sigma_k 2^-e_k`` = ``sum_i dS^_ij q^_i`` exactly (fp64); sigma_q of row i
-    reads row i only, sigma_k of key j its column only."""
+    dividing out its operand exponent is exactly the E4M3 rounding of dS at the payload's own scale,
+    so ``exact(codeq . kc) 2^sigma_q`` = ``sum_j dS^_ij k^_j`` (Uq = dS 2^e_k) and
+    ``exact(codek^T . qc) 2^sigma_k`` = ``sum_i dS^_ij q^_i`` (Uk = dS 2^e_q) exactly (fp64); sigma_q
+    of row i reads row i only, sigma_k of key j its column only."""
     g = torch.Generator().manual_seed(seed)
     m, n, D = 7, 9, 8
     eq = torch.randint(-12, 4, (1, m), generator=g, dtype=torch.int32)
@@ -195,32 +197,31 @@ def test_payload_fold_identities(seed, shift, zero_frac):
     ds[0, 0] = 0.0  # an all-zero row
     qc = e4m3(torch.randn(1, m, D, generator=g) * 50)
     kc = e4m3(torch.randn(1, n, D, generator=g) * 50)
-    u = ds * pow2(eq)[..., None] * pow2(ek)[:, None, :]
-    sq, sk = B._sigma(u, -1), B._sigma(u, -2)
+    fq, fk = pow2(eq)[..., None], pow2(ek)[:, None, :]
+    uq, uk = ds * fk, ds * fq
+    sq, sk = B._sigma(uq, -1), B._sigma(uk, -2)
     assert sq.shape == (1, m, 1) and sk.shape == (1, 1, n) and int(sq[0, 0, 0]) == -127
-    for sig in (sq, sk):
+    for u, sig, fold in ((uq, sq, fk), (uk, sk, fq)):
         c = B._encode(u, sig).float()
         assert torch.isfinite(c).all() and float(c.abs().max()) <= 448
         # decode = the E4M3 rounding of dS at the payload's scale, exactly
-        dsh = c.double() * pow2(sig).double() / (pow2(eq)[..., None] * pow2(ek)[:, None, :]).double()
-        scale_ds = pow2(sig).double() / (pow2(eq)[..., None] * pow2(ek)[:, None, :]).double()
-        assert torch.equal(dsh, e4m3(ds.double() / scale_ds) * scale_ds)
-    cq, ck = B._encode(u, sq).double(), B._encode(u, sk).double()
-    dsq = cq * (pow2(sq).double() / (pow2(eq)[..., None] * pow2(ek)[:, None, :]).double())
-    dsk = ck * (pow2(sk).double() / (pow2(eq)[..., None] * pow2(ek)[:, None, :]).double())
+        scale_ds = pow2(sig).double() / fold.double()
+        assert torch.equal(c.double() * scale_ds, e4m3(ds.double() / scale_ds) * scale_ds)
+    cq, ck = B._encode(uq, sq).double(), B._encode(uk, sk).double()
+    dsq = cq * (pow2(sq).double() / fk.double())
+    dsk = ck * (pow2(sk).double() / fq.double())
     kh, qh = kc * pow2(ek).double()[..., None], qc * pow2(eq).double()[..., None]
-    assert torch.equal(torch.matmul(cq, kc) * pow2(sq - eq[..., None]).double(), torch.matmul(dsq, kh))
-    assert torch.equal(torch.matmul(ck.transpose(-1, -2), qc) * pow2(sk).transpose(-1, -2).double()
-                       * pow2(-ek).double()[..., None], torch.matmul(dsk.transpose(-1, -2), qh))
+    assert torch.equal(torch.matmul(cq, kc) * pow2(sq).double(), torch.matmul(dsq, kh))
+    assert torch.equal(torch.matmul(ck.transpose(-1, -2), qc) * pow2(sk).transpose(-1, -2).double(),
+                       torch.matmul(dsk.transpose(-1, -2), qh))
     # locality: change everything but row i (column j): sigma_q(i) (sigma_k(j)) stays
-    u2 = u * 1000.0
     for i in range(m):
-        w = u2.clone()
-        w[:, i] = u[:, i]
+        w = uq * 1000.0
+        w[:, i] = uq[:, i]
         assert torch.equal(B._sigma(w, -1)[:, i], sq[:, i])
     for j in range(n):
-        w = u2.clone()
-        w[:, :, j] = u[:, :, j]
+        w = uk * 1000.0
+        w[:, :, j] = uk[:, :, j]
         assert torch.equal(B._sigma(w, -2)[..., j], sk[..., j])
 
 

@@ -91,11 +91,16 @@ def case(i):
     return ok
 
 
+_MODULE = None
+
+
 def check():
     fails = 0
     for i in range(len(CASES)):
         try:
-            r = subprocess.run([sys.executable, __file__, "--case", str(i)], capture_output=True, text=True, timeout=180)
+            extra = ["--bwd-module", _MODULE] if _MODULE else []
+            r = subprocess.run([sys.executable, __file__, "--case", str(i)] + extra, capture_output=True, text=True,
+                               timeout=180)
             print(r.stdout.strip() or f"case {i}: no output", flush=True)
             if r.returncode:
                 print(f"case {i}: rc={r.returncode}\n{r.stderr[-2500:]}", flush=True)
@@ -108,6 +113,34 @@ def check():
     print(f"check: {len(CASES) - fails}/{len(CASES)} cases pass")
 
 
+def _use_module(path):
+    """Replace ``flamia_pack.kernels.gluon_fp8_bwd`` by the file at ``path`` (an A/B variant)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("flamia_pack.kernels.gluon_fp8_bwd", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["flamia_pack.kernels.gluon_fp8_bwd"] = mod
+    spec.loader.exec_module(mod)
+
+
+def _kernel_only(q, k, v, do, cu):
+    """The FP8 backward kernel alone on prepared operands (a closure to time)."""
+    from flamia_pack.kernels.fp8_attention import fp8_attention_forward, fp8_quantize
+    from flamia_pack.kernels.fp8_bwd_prep import fp8_bwd_delta
+    from flamia_pack.kernels.gluon_fp8_bwd import factor_table, fp8_bwd_entries, gluon_fp8_bwd
+    from flamia_pack.kernels.quantize import quantize
+
+    ops = fp8_quantize(q, k, v, cu, "block", backward=True)
+    o, lse = fp8_attention_forward(ops, cu)
+    d8 = quantize(do, cu, "block", transposed=True, transposed_store="kernel", hw_cvt=False, check_finite=False,
+                  validate=False)
+    delta = fp8_bwd_delta(d8.codes, d8.exponents, o)
+    tabs = [factor_table(e) for e in (ops.eq, ops.ek, ops.ev, d8.exponents)]
+    ent = fp8_bwd_entries(cu, q.shape[0])
+    return lambda: gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, None, d8.codes, d8.codes_t, *tabs, lse,
+                                 delta, cu, 128 ** -0.5, entries=ent)
+
+
 def speed(rows):
     import triton
     from flamia_pack.kernels import varlen_attention
@@ -118,8 +151,8 @@ def speed(rows):
         return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
     print("| row | BF16 train ms | FP8 train ms | FP8/BF16 train | BF16 fwd ms | FP8 fwd ms | BF16 bwd ms | FP8 bwd ms |"
-          " FP8 bwd TFLOP/s | bwd speedup |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          " FP8 bwd kernel ms | kernel TFLOP/s | bwd speedup | kernel vs BF16 bwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for w in rows:
         lens = workload_lengths(w)
         Hkv = 4 if w == "W5" else 16
@@ -139,8 +172,9 @@ def speed(rows):
         fl = attention_flops(lens, 16, 128) * 2.5
         (t16, f16), (t8, f8) = res["bf16"], res["fp8"]
         b16, b8 = t16 - f16, t8 - f8
+        tk = ms(_kernel_only(q, k, v, do, cu))
         print(f"| {w} | {t16:.3f} | {t8:.3f} | {t16 / t8:.2f}x | {f16:.3f} | {f8:.3f} | {b16:.3f} | {b8:.3f} | "
-              f"{fl / b8 / 1e9:.0f} | {b16 / b8:.2f}x |", flush=True)
+              f"{tk:.3f} | {fl / tk / 1e9:.0f} | {b16 / b8:.2f}x | {b16 / tk:.2f}x |", flush=True)
 
 
 def main():
@@ -148,7 +182,12 @@ def main():
     ap.add_argument("--parts", default="check,speed")
     ap.add_argument("--rows", default="W1,W2,W3,W4,W5,W6,W7,W8,W9")
     ap.add_argument("--case", type=int, default=None)
+    ap.add_argument("--bwd-module", default=None, help="a variant file of gluon_fp8_bwd.py to run instead")
     a = ap.parse_args()
+    if a.bwd_module:
+        global _MODULE
+        _MODULE = a.bwd_module
+        _use_module(a.bwd_module)
     if a.case is not None:
         sys.exit(0 if case(a.case) else 1)
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)

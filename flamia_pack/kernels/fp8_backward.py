@@ -1,8 +1,8 @@
 """``precision="fp8"`` backward on the GPU, the host side (issue 28; DESIGN.md §4-5).
 
 Quantizes dO once (the forward's token-block scheme, both layouts, one launch), forms
-``Delta = rowsum(dO^ O) - dLSE`` from the reconstructed dO and the saved O, builds the factor tables
-and the dK/dV programs' list, and runs ``gluon_fp8_bwd`` (dK, dV and the dQ reduce in one launch).
+``Delta = rowsum(dO^ O) - dLSE`` from the reconstructed dO and the saved O (``fp8_bwd_prep``),
+builds the factor tables and the dK/dV programs' list, and runs ``gluon_fp8_bwd`` (dK, dV and the dQ reduce in one launch).
 The forward saves its codes (:class:`~flamia_pack.kernels.fp8_attention.FP8Operands` with the
 feature-major Q^T, K^T and the row-major V codes: ``fp8_quantize(backward=True)``), so nothing is
 re-quantized but dO.
@@ -13,23 +13,7 @@ import torch
 
 from flamia_pack.errors import FlamiaError
 
-__all__ = ["fp8_backward", "fp8_delta"]
-
-
-def fp8_delta(do_codes: torch.Tensor, do_exponents: torch.Tensor, o: torch.Tensor,
-              dlse: torch.Tensor | None = None) -> torch.Tensor:
-    """``Delta = rowsum(dO^ * O) - dLSE`` as ``(H, T)`` float32 (fp32 products and sums).
-
-    Args:
-        do_codes: ``(T, H, D)`` float8_e4m3fn; do_exponents: ``(T, H)`` uint8 UE8M0; o: ``(T, H, D)``
-            (the saved forward output); dlse: optional ``(H, T)``.
-    """
-    from flamia_pack.quant import dequantize
-
-    delta = (dequantize(do_codes, do_exponents) * o.float()).sum(-1).t()
-    if dlse is not None:
-        delta = delta - dlse.float()
-    return delta.contiguous()
+__all__ = ["fp8_backward"]
 
 
 def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32: torch.Tensor, *, causal: bool,
@@ -48,6 +32,7 @@ def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32
     Raises:
         FlamiaError: operands saved without the backward's layouts.
     """
+    from flamia_pack.kernels.fp8_bwd_prep import fp8_bwd_delta
     from flamia_pack.kernels.gluon_fp8_bwd import factor_table, gluon_fp8_bwd
     from flamia_pack.kernels.quantize import quantize
 
@@ -56,7 +41,7 @@ def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32
                           "fp8_quantize(..., backward=True)")
     dq8 = quantize(do.to(torch.bfloat16).contiguous(), cu32, ops.granularity, transposed=True,
                    transposed_store="kernel", hw_cvt=False, check_finite=False, validate=False)
-    delta = fp8_delta(dq8.codes, dq8.exponents, o, dlse)
+    delta = fp8_bwd_delta(dq8.codes, dq8.exponents, o, dlse)
     return gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, None, dq8.codes, dq8.codes_t,
                          factor_table(ops.eq), factor_table(ops.ek), factor_table(ops.ev), factor_table(dq8.exponents),
                          lse, delta, cu32, softmax_scale, causal=causal, entries=entries)

@@ -19,23 +19,24 @@ in step ``m(i) = (i - f) // 64``. ``block_m`` may be 16, 32, 64 or 128 (a multip
     P_ij    = exp2(s_ij - fp32(LSE_i * log2 e))          (P from the saved LSE)
     dP_ij   = fp32(dc_i . vc_j) * 2^(e_do(i) + e_v(j))    exact product, exact factors
     dS_ij   = fp32( P_ij * fp32(dP_ij - Delta_i) )
-    U_ij    = dS_ij * 2^(e_q(i) + e_k(j))                 both operand exponents folded in; masked U = 0
+    Uq_ij   = dS_ij * 2^e_k(j)        the dQ product's contraction runs over keys: K's exponent folded in
+    Uk_ij   = dS_ij * 2^e_q(i)        the dK product's contraction runs over queries: Q's  (masked: 0)
 
-Two payloads of U, each with quant.py's exponent rule (``ceil(log2(amax / 448))``, -127 for an
+Two payloads, each with quant.py's exponent rule (``ceil(log2(amax / 448))``, -127 for an
 all-zero group: no saturation), codes ``E4M3_RNE(U 2^-sigma)``::
 
-    dQ payload  sigma_q(i) = rule( max_j |U_ij| over the key tile ),   codeq_ij = E4M3(U_ij 2^-sigma_q(i))
-    dK payload  sigma_k(j) = rule( max_i |U_ij| over the query step ), codek_ij = E4M3(U_ij 2^-sigma_k(j))
+    dQ payload  sigma_q(i) = rule( max_j |Uq_ij| over the key tile ),   codeq_ij = E4M3(Uq_ij 2^-sigma_q(i))
+    dK payload  sigma_k(j) = rule( max_i |Uk_ij| over the query step ), codek_ij = E4M3(Uk_ij 2^-sigma_k(j))
 
 Why two: Hopper's FP8 wgmma has no block scales and a k = 32 instruction, so a scale that varies
 along a product's contraction (a 32 x 32 block) needs one promotion per instruction; a per-row scale
 of the product (sigma_q for dS.K, sigma_k for dS^T.Q) needs one per step. Accumulation::
 
-    dQ_i  += exact( sum_j codeq_ij kc_j ) * fp32(2^(sigma_q(i) - e_q(i)) * softmax_scale)
+    dQ_i  += exact( sum_j codeq_ij kc_j ) * fp32(2^sigma_q(i) * softmax_scale)
              key tiles ascending;  dQ_i = bf16(acc_i)
     dK_j  += exact( sum_i codek_ij qc_i ) * 2^sigma_k(j)
              one fp32 accumulator per key over the GQA group's query heads (head-major: for each
-             head, its query steps ascending);  dK_j = bf16( fp32(acc_j * 2^-e_k(j)) * softmax_scale )
+             head, its query steps ascending);  dK_j = bf16( acc_j * softmax_scale )
     rho_j  = max { e_do(i) : i in the step, i sees j }      (0 when none: then P~v = 0)
     P~v_ij = E4M3_RNE( P_ij * 2^(e_do(i) - rho_j + boost) )
     dV_j  += exact( sum_i P~v_ij dc_i ) * 2^(rho_j - boost)      same head / step order as dK;
@@ -48,10 +49,9 @@ q, k, v and dO. The kernel folds dQ's factor into each key tile's partial before
 whose order is not fixed (dQ bits then differ at the fp32-ulp level); everything before the
 exponential (codes, exponents, masks, sigma_q, sigma_k, rho) must match bitwise.
 
-Range: U is fp32 and carries 2^e_q(i). A query token (``"token"``) or 32-token group (``"block"``)
-that is all zero has e_q = -127 (quant.py's rule), so its row of U lies in fp32's subnormal range and
-its dQ payload keeps few bits (measured: dQ cosine 0.05 on such a row of N(0,1) data, token mode);
-the exponents of nonzero activations keep U normal.
+Range: each payload carries only the exponent of the operand its product contracts over, so an
+all-zero query token or group (e_q = -127) leaves the dQ payload of its row normal (its codes in the
+dK payload meet q codes that are 0).
 
 Short documents: the emulation computes a chunk of whole documents that each fit one query step
 and one key tile (``fp8_emulation._segments`` with ``min(block_m, block_n)``) as one masked tile
@@ -191,11 +191,11 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
             ds = p * (dp - delta[:, lo:hi][:, rows, None])
             ds = torch.where(vis, ds, torch.zeros((), dtype=torch.float32))
             fold_r, fold_c = pow2(eq[:, rows])[..., None], pow2(ek[:, keys])[:, None, :]
-            u = ds * fold_r * fold_c  # (H, R, n); masked pairs exactly 0
+            uq, u = ds * fold_c, ds * fold_r  # (H, R, n): the dQ and dK payloads' U; masked pairs exactly 0
             # dQ payload: sigma_q per (row, key tile); the tile's partial scaled by one fp32 factor
-            sig_q = _sigma(u, -1)
-            codes_q = _encode(u, sig_q)
-            fac_q = pow2(sig_q - eq[:, rows, None]) * scale32
+            sig_q = _sigma(uq, -1)
+            codes_q = _encode(uq, sig_q)
+            fac_q = pow2(sig_q) * scale32
             dq_acc[:, rows] += exact_mm(codes_q.float(), kc[:, keys]) * fac_q
             # dK / dV: per query step of the rows, ascending; one partial per (query head, step)
             parts = []
@@ -228,7 +228,7 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
                 nz = vis & (ds != 0)
                 st["vis_nz"] += int(nz.sum())
                 st["zero_q"] += int((nz & (codes_q.float() == 0)).sum())
-                res[:, rows] += (codes_q.double() * pow2(sig_q).double() / (fold_r * fold_c).double()).sum(-1)
+                res[:, rows] += (codes_q.double() * pow2(sig_q).double() / fold_c.double()).sum(-1)
                 res_pre[:, rows] += ds.double().sum(-1)
                 mass[:, rows] += ds.double().abs().sum(-1)
         if stats is not None:
@@ -236,8 +236,7 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
             st["res"].append((res[ok] / mass[ok]))
             st["res_pre"].append((res_pre[ok] / mass[ok]))
         dq[lo:hi] = dq_acc.to(torch.bfloat16).transpose(0, 1)
-        ekv = ek[0::g]  # (Hkv, L): the kv heads' own exponents
-        dk[lo:hi] = ((dk_acc * pow2(-ekv)[..., None]) * scale32).to(torch.bfloat16).transpose(0, 1)
+        dk[lo:hi] = (dk_acc * scale32).to(torch.bfloat16).transpose(0, 1)
         dv[lo:hi] = dv_acc.to(torch.bfloat16).transpose(0, 1)
     if stats is not None:
         res = torch.cat(st["res"]) if st["res"] else torch.zeros(1, dtype=torch.float64)

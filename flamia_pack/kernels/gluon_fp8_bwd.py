@@ -11,17 +11,18 @@ step's per-query vectors; the consumer (8 warps, 16 keys each) runs, per step::
 
     S^T   = Kc Qc^T,  dP^T = Vc dOc^T                  FP8 wgmma (QGMMA), fp32 out
     P     = exp2( S 2^e_k(j) (qk 2^e_q(i)) - LSE_i log2 e )       replicates the forward's scores
-    dS    = P ( dP 2^(e_v(j) + e_do(i)) - Delta_i );  U = dS 2^(e_q(i) + e_k(j))
+    dS    = P ( dP 2^(e_v(j) + e_do(i)) - Delta_i );  Uq = dS 2^e_k(j),  Uk = dS 2^e_q(i)
     dV:   rho_j = max {2^e_do(i) : i sees j};  P~v = E4M3(P 2^e_do(i) 2^BOOST / rho_j)
           dv <- dv (rho_prev / rho_j) + P~v dOc^T-tile        (acc in units of rho_j 2^-BOOST)
-    dK:   s_j = 2^sigma_k(j) (quant.py's rule on max_i |U_ij| of the step);  Ck = E4M3(U / s_j)
-          dk <- dk (s_prev / s_j) + Ck Qc^T-tile               (acc in units of s_j)
-    dQ:   t_i = 2^sigma_q(i) (the rule on max_j |U_ij| of the tile);  Cq = E4M3(U / t_i) through
-          shared memory (keys contiguous);  dQacc_i += (Cq Kc)_i t_i 2^-e_q(i) scale   (TMA reduce-add)
+    dK:   s_j = 2^sigma_k(j) (quant.py's rule on max_i |Uk_ij| of the step);  Ck = E4M3(Uk / s_j)
+          dk <- dk (s_prev / s_j) + Ck Qc^T-tile               (acc in units of s_j; dK = dk s_j scale)
+    dQ:   t_i = 2^sigma_q(i) (the rule on max_j |Uq_ij| of the tile);  Cq = E4M3(Uq / t_i) through
+          shared memory (keys contiguous);  dQacc_i += (Cq Kc)_i t_i scale         (TMA reduce-add)
 
 Range budget (seed 001 §5): ``P <= 1`` (the saved LSE bounds every visible score) and ``2^e_do(i) <=
 rho_j``, so ``P~v <= 2^BOOST <= 448``; ``|U / s_j| <= 448`` and ``|U / t_i| <= 448`` by the rule's
-choice (``amax <= 448 2^sigma``); the E4M3 conversion is ``satfinite``. The rescale ratios are powers
+choice (``amax <= 448 2^sigma``); each payload carries only the exponent of the operand its
+product contracts over (``e_k`` for dQ = dS K, ``e_q`` for dK = dS^T Q); the E4M3 conversion is ``satfinite``. The rescale ratios are powers
 of two clamped to ``2^127`` (an accumulator that is still 0). Causality: ``rho_j`` and ``s_j`` read
 the step's queries that see key ``j`` (dK_j and dV_j depend on them in exact attention), ``t_i``
 reads the keys query ``i`` sees; dQ accumulates in fp32 with no data-dependent accumulator scale,
@@ -179,18 +180,18 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     ds = p * ((dpt * vf[:, None]) * fdo[None, :] - delta[None, :])
     if MASKED:
         ds = gl.where(vis, ds, 0.0)
-    eqf = ld_bufs.index(5 * s + 3).load(col)
-    u = (ds * kf[:, None]) * eqf[None, :]
-    # dQ payload: one power of two per query over the tile's keys (8 warps: a cross-warp max)
-    tq = _pow2_of(gl.max(gl.abs(u), 0))
-    tq_safe = gl.where(tq > 0.0, tq, 1.0)
-    fq = gl.convert_layout(tq_safe * _inv(eqf) * sm_scale, gl.SliceLayout(1, dq_layout))
-    cq = (u * _inv(tq_safe)[None, :]).to(gl.float8e4nv)
-    ds_smem.store(gl.permute(cq, (1, 0)))  # (queries, keys), keys contiguous: the K-major A operand
     # dK payload: one power of two per key over the step's queries
-    sk_new = _pow2_of(gl.max(gl.abs(u), 1))
+    uk = ds * ld_bufs.index(5 * s + 3).load(col)[None, :]
+    sk_new = _pow2_of(gl.max(gl.abs(uk), 1))
     sk_new = gl.where(sk_new > 0.0, sk_new, sk)
-    ck8 = gl.convert_layout((u * _inv(sk_new)[:, None]).to(gl.float8e4nv), op_layout)
+    ck8 = gl.convert_layout((uk * _inv(sk_new)[:, None]).to(gl.float8e4nv), op_layout)
+    # dQ payload: one power of two per query over the tile's keys (8 warps: a cross-warp max)
+    uq = ds * kf[:, None]
+    tq = _pow2_of(gl.max(gl.abs(uq), 0))
+    tq_safe = gl.where(tq > 0.0, tq, 1.0)
+    fq = gl.convert_layout(tq_safe * sm_scale, gl.SliceLayout(1, dq_layout))
+    cq = (uq * _inv(tq_safe)[None, :]).to(gl.float8e4nv)
+    ds_smem.store(gl.permute(cq, (1, 0)))  # (queries, keys), keys contiguous: the K-major A operand
     fence_async_shared()
     gl.thread_barrier()
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
@@ -258,7 +259,7 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     ok = ((rows >= start) & (rows < end))[:, None]
     r64 = rows.to(gl.int64)[:, None]
-    fk = gl.convert_layout(sk * _inv(kf) * sm_scale, gl.SliceLayout(1, acc_layout))
+    fk = gl.convert_layout(sk * sm_scale, gl.SliceLayout(1, acc_layout))
     fv = gl.convert_layout(rho * (2.0 ** -BOOST), gl.SliceLayout(1, acc_layout))
     gl.store(DK + r64 * stride_dkt + hk * HEAD_DIM + cols[None, :], (dk * fk[:, None]).to(gl.bfloat16), mask=ok)
     gl.store(DV + r64 * stride_dvt + hk * HEAD_DIM + cols[None, :], (dv * fv[:, None]).to(gl.bfloat16), mask=ok)
