@@ -16,6 +16,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLORS = {"bf16": "#1f77b4", "fp8-block": "#2ca02c", "fp8-token": "#9467bd", "fp8-leak": "#d62728"}
+OTHER_SEED = {"bf16": "#17becf", "fp8-block": "#98df8a", "fp8-token": "#c5b0d5", "fp8-leak": "#ff9896"}
 
 
 def read_run(d: pathlib.Path) -> dict:
@@ -53,7 +54,7 @@ def table(runs: list[dict]) -> list[dict]:
         tr, ev = r["train"], r["eval"]
         last = ev[-1]["val_loss"] if ev else {}
         losses = [t["loss"] for t in tr]
-        tps = sorted(t["tok_s"] for t in tr[20:] if t.get("tok_s")) or [0.0]
+        tps = sorted(t["tok_s"] for t in (tr[20:] or tr) if t.get("tok_s")) or [0.0]
         rows.append({
             "run": r["name"], "attn": r["attn"], "seed": r["seed"], "steps": tr[-1]["step"] if tr else 0,
             "train_loss_last100": sum(losses[-100:]) / max(1, len(losses[-100:])) if losses else float("nan"),
@@ -89,11 +90,11 @@ def plot(runs: list[dict], out: pathlib.Path, smooth: int = 50) -> pathlib.Path:
     except ImportError:
         raise SystemExit("error: matplotlib is not installed here; the plot is a separate CPU step: "
                          "pip install matplotlib, then run this script on the copied log.jsonl files") from None
-    fig, ax = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig, ax = plt.subplots(1, 4, figsize=(22, 4.8), gridspec_kw={"width_ratios": [1, 1.2, 1, 0.7]})
     dashes = {0: "-", 1: (0, (5, 2)), 2: (0, (1, 1))}
     for i, r in enumerate(runs):
-        color = COLORS.get(r["attn"], None)
-        ls = "-" if (r["seed"] or 0) == 0 else (0, (3, 1, 1, 1))
+        color = (COLORS if (r["seed"] or 0) == 0 else OTHER_SEED).get(r["attn"], None)
+        ls = "-"
         label = f"{r['attn']} s{r['seed']}"
         steps = [t["step"] for t in r["train"]]
         ax[0].plot(steps, _smooth([t["loss"] for t in r["train"]], smooth), color=color, ls=ls, lw=1.2, label=label)
@@ -116,6 +117,23 @@ def plot(runs: list[dict], out: pathlib.Path, smooth: int = 50) -> pathlib.Path:
         if tail:
             lo, hi = min(tail), max(tail)
             a.set_ylim(lo - 0.05 * (hi - lo + 1e-3), hi + 0.3 * (hi - lo + 1e-3))
+    # the final evaluation: own - exact (the leak's signature) and, for the leak, own - control; the
+    # two BF16 seeds' difference of exact losses is the run-to-run noise to compare with
+    rows = table(runs)
+    names = [x["run"] for x in rows]
+    gaps = [x["gap_own_minus_exact"] for x in rows]
+    colors = [(COLORS if (x["seed"] or 0) == 0 else OTHER_SEED).get(x["attn"], "gray") for x in rows]
+    ax[3].barh(names, gaps, color=colors)
+    for i, x in enumerate(rows):
+        if x["val_control"] is not None:
+            ax[3].plot([x["val_own"] - x["val_control"]], [i], "k^", ms=7, label="own - control")
+    bf = [x["val_exact"] for x in rows if x["attn"] == "bf16"]
+    if len(bf) >= 2:
+        noise = max(bf) - min(bf)
+        ax[3].axvspan(-noise, noise, color="gray", alpha=0.2, label=f"BF16 seed spread ({noise:.4f})")
+    ax[3].axvline(0, color="k", lw=0.8)
+    ax[3].set(title="final val: own - exact", xlabel="nats / byte")
+    ax[3].legend(fontsize=7)
     for a in ax:
         a.grid(alpha=0.3)
     ax[0].legend(fontsize=8)

@@ -231,7 +231,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--leak-mode", default="next-floor", help=f"fp8-leak only: {', '.join(fp8_leak.LEAK_MODES)}")
     p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cuda' or 'cpu'")
     p.add_argument("--estimate", action="store_true", help="print FLOPs per step and the H200 time estimate, then exit")
-    p.add_argument("--quiet", action="store_true", help="no per-window log lines")
+    p.add_argument("--quiet", action="store_true", help="print nothing while training (the log has it all)")
+    p.add_argument("--verbose", action="store_true", help="print every --log-every window, not only at evaluations")
     args = p.parse_args(argv)
     if args.attn not in ATTNS:
         p.error(f"--attn must be one of {', '.join(ATTNS)}, got {args.attn!r}")
@@ -574,7 +575,8 @@ def train(args: argparse.Namespace) -> dict:
             step_s = dt / len(pending) if step_s is None else 0.7 * step_s + 0.3 * dt / len(pending)
             if flops is None and len(cus) >= min(16, args.steps):
                 flops = step_flops(args, cus)
-            say(f"step {step}: loss {vals[-1][0]:.4f}, grad norm {vals[-1][1]:.3f}, {ntok / dt / 1e3:.1f}k tok/s")
+            if is_eval or args.verbose:
+                say(f"step {step}: loss {vals[-1][0]:.4f}, grad norm {vals[-1][1]:.3f}, {ntok / dt / 1e3:.1f}k tok/s")
             pending.clear()
             if diverged:
                 stop_reason = "diverged"
