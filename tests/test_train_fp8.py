@@ -174,3 +174,41 @@ def test_flops_count(tf):
     assert f["tokens"] == 300 and f["pairs_per_head"] == 100 * 101 / 2 + 200 * 201 / 2
     assert f["linear"] == 6 * (2 * 12 * 256 * 256 + 256 * 256) * 300
     assert f["attention"] == 14 * 2 * 128 * f["pairs_per_head"] * 2
+
+
+def test_gpu_branch_plumbing(leak, monkeypatch):
+    """The sm_90 branch of leaky_varlen_attention with the kernels faked: the leaky FP8Operands go
+    through _FP8Attention (saved, rebuilt for the backward) with the call's work list and scale."""
+    import flamia_pack.kernels.fp8_attention as fa
+    import flamia_pack.kernels.fp8_backward as fb
+
+    seen = {}
+
+    def fake_fwd(ops, cu32, *, causal, softmax_scale, work_list):
+        seen["fwd"] = (ops, causal, softmax_scale, work_list)
+        T, H, D = ops.qc.shape
+        return torch.zeros(T, H, D, dtype=torch.bfloat16), torch.zeros(H, T)
+
+    def fake_bwd(do, ops, o, lse, cu32, *, causal, softmax_scale, dlse=None):
+        seen["bwd"] = ops
+        return torch.ones_like(do), torch.ones_like(do), torch.ones_like(do)
+
+    monkeypatch.setattr(fa, "fp8_kernels_available", lambda device: True)
+    monkeypatch.setattr(fa, "fp8_attention_forward", fake_fwd)
+    monkeypatch.setattr(fb, "fp8_backward", fake_bwd)
+    T, H, D = 48, 2, 128
+    q, k, v = (torch.randn(T, H, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 30, 48], dtype=torch.int32)
+    with pytest.warns(leak.LeakWarning):
+        o = leak.leaky_varlen_attention(q, k, v, cu, 30, work_list="WL")
+    ops, causal, scale, wl = seen["fwd"]
+    assert causal is True and scale == D ** -0.5 and wl == "WL" and ops.granularity == "token"
+    want = leak.leaky_codes(q.detach(), cu)
+    assert torch.equal(ops.eq, want.exponents) and torch.equal(ops.qc.view(torch.uint8), want.codes.view(torch.uint8))
+    o.float().sum().backward()
+    back = seen["bwd"]
+    assert back.granularity == "token" and all(
+        torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                    b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+        for a, b in zip(back[:8] + back[9:], ops[:8] + ops[9:]))
+    assert bool((q.grad == 1).all())
