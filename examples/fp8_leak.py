@@ -52,8 +52,7 @@ from flamia_pack.errors import FlamiaError
 from flamia_pack.quant import E4M3_MAX, UE8M0_BIAS, _abs_bits, exponent_from_amax_bits, scale_groups
 
 __all__ = ["LEAK_MODES", "MODES", "CONTROL", "LeakWarning", "leak_exponents", "leaky_codes", "leaky_operands",
-           "leaky_varlen_attention",
-           "leaky_qdq_attention", "warn_leak"]
+           "leaky_varlen_attention", "leaky_qdq_attention", "warn_leak"]
 
 LEAK_MODES = ("next-floor", "next", "block-floor", "row")
 """The modes that leak (read tokens after the query)."""
