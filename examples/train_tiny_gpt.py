@@ -74,8 +74,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    """The model's default attention: ``varlen_attention`` (BF16 kernels on CUDA, the exact torch
+    reference on CPU) over the batch's documents, causal, with the batch's prebuilt work list."""
+    return varlen_attention(q, k, v, batch["cu_seqlens"], batch["max_seqlen"], causal=True,
+                            work_list=batch.get("work_list"))
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: packed causal attention (varlen) + GELU MLP."""
+    """Pre-norm transformer block: packed causal attention (varlen) + GELU MLP.
+
+    ``attention(q, k, v, batch) -> o`` (``(T, H, D)`` each) is passed in by :class:`TinyGPT` at every
+    call, so a model can be trained with one attention and evaluated through another
+    (``examples/train_fp8.py``)."""
 
     def __init__(self, d_model: int, num_heads: int) -> None:
         super().__init__()
@@ -86,21 +97,25 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: dict[str, Any]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: dict[str, Any],
+                attention=packed_attention) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(self.norm1(x)).view(T, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        o = varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), batch["cu_seqlens"], batch["max_seqlen"],
-                             causal=True, work_list=batch.get("work_list"))
+        o = attention(q.contiguous(), k.contiguous(), v.contiguous(), batch)
         x = x + self.proj(o.reshape(T, -1).to(x.dtype))
         return x + self.mlp(self.norm2(x))
 
 
 class TinyGPT(nn.Module):
-    """Byte-level GPT over a flattened packed batch: tokens ``(T,)`` -> logits ``(T, 256)``."""
+    """Byte-level GPT over a flattened packed batch: tokens ``(T,)`` -> logits ``(T, 256)``.
 
-    def __init__(self, *, d_model: int = 256, num_layers: int = 4, num_heads: int = 4) -> None:
+    ``attention``: the blocks' ``(q, k, v, batch) -> o`` (default :func:`packed_attention`); a plain
+    attribute, so it can be swapped between calls (train through one kernel, evaluate through another)."""
+
+    def __init__(self, *, d_model: int = 256, num_layers: int = 4, num_heads: int = 4, attention=None) -> None:
         super().__init__()
+        self.attention = attention or packed_attention
         self.head_dim = d_model // num_heads
         self.embed = nn.Embedding(VOCAB, d_model)
         self.blocks = nn.ModuleList(Block(d_model, num_heads) for _ in range(num_layers))
@@ -119,7 +134,7 @@ class TinyGPT(nn.Module):
         rope = rope_tables(batch["position_ids"].reshape(-1), self.head_dim)
         x = self.embed(ids)
         for blk in self.blocks:
-            x = blk(x, rope, batch)
+            x = blk(x, rope, batch, self.attention)
         return F.linear(self.norm(x), self.embed.weight)  # tied output head
 
 

@@ -1,0 +1,168 @@
+"""Plot FP8-vs-BF16 training runs of ``examples/train_fp8.py`` from their ``log.jsonl`` (issue 29).
+
+Reads each run directory's ``log.jsonl`` (CPU only, no torch) and writes one PNG with three panels:
+training loss (smoothed), validation loss through the run's own attention (solid) and through
+exact BF16 attention (dashed; the leak's causal control dotted), and the gradient norm. Also
+prints a table of the final numbers (markdown with ``--markdown``).
+
+    python benchmarks/plot_fp8_training.py out/fp8-train/* --out benchmarks/fp8_training.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COLORS = {"bf16": "#1f77b4", "fp8-block": "#2ca02c", "fp8-token": "#9467bd", "fp8-leak": "#d62728"}
+OTHER_SEED = {"bf16": "#17becf", "fp8-block": "#98df8a", "fp8-token": "#c5b0d5", "fp8-leak": "#ff9896"}
+
+
+def read_run(d: pathlib.Path) -> dict:
+    """``{"name", "attn", "seed", "train": [...], "eval": [...], "summary": {...} | None}`` of one run."""
+    log = d / "log.jsonl"
+    if not log.is_file():
+        raise SystemExit(f"error: {d}: no log.jsonl (not a train_fp8.py run directory)")
+    recs = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]
+    starts = [r for r in recs if r["type"] == "start"]
+    cfg = starts[0]["config"] if starts else {}
+    summ = d / "summary.json"
+    # a resumed run appends: keep the last record of every step
+    train = {r["step"]: r for r in recs if r["type"] == "train"}
+    ev = {r["step"]: r for r in recs if r["type"] == "eval"}
+    return {"name": d.name, "attn": cfg.get("attn", "?"), "seed": cfg.get("seed"), "config": cfg,
+            "train": [train[k] for k in sorted(train)], "eval": [ev[k] for k in sorted(ev)],
+            "summary": json.loads(summ.read_text()) if summ.is_file() else None}
+
+
+def _smooth(xs: list[float], w: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= w:
+            acc -= xs[i - w]
+        out.append(acc / min(i + 1, w))
+    return out
+
+
+def table(runs: list[dict]) -> list[dict]:
+    """One row per run: final train loss (mean of the last 100 steps), final validation losses,
+    own - exact gap, max gradient norm, median tokens/s."""
+    rows = []
+    for r in runs:
+        tr, ev = r["train"], r["eval"]
+        last = ev[-1]["val_loss"] if ev else {}
+        losses = [t["loss"] for t in tr]
+        tps = sorted(t["tok_s"] for t in (tr[20:] or tr) if t.get("tok_s")) or [0.0]
+        rows.append({
+            "run": r["name"], "attn": r["attn"], "seed": r["seed"], "steps": tr[-1]["step"] if tr else 0,
+            "train_loss_last100": sum(losses[-100:]) / max(1, len(losses[-100:])) if losses else float("nan"),
+            "val_own": last.get("own", float("nan")), "val_exact": last.get("exact", float("nan")),
+            "val_control": last.get("control"),
+            "gap_own_minus_exact": last.get("own", float("nan")) - last.get("exact", float("nan")),
+            "grad_norm_max": max((t["grad_norm"] for t in tr), default=float("nan")),
+            "spikes": (r["summary"] or {}).get("grad_norm_spikes"),
+            "tok_s": tps[len(tps) // 2],
+        })
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| run | attn | seed | steps | train loss (last 100) | val own | val exact | own - exact | val control "
+            "| max grad norm | spikes | tokens/s |")
+    out = [head, "|" + "---|" * 12]
+    for x in rows:
+        ctl = "-" if x["val_control"] is None else f"{x['val_control']:.4f}"
+        sp = "-" if x["spikes"] is None else str(len(x["spikes"]))
+        out.append(f"| {x['run']} | {x['attn']} | {x['seed']} | {x['steps']} | {x['train_loss_last100']:.4f} | "
+                   f"{x['val_own']:.4f} | {x['val_exact']:.4f} | {x['gap_own_minus_exact']:+.4f} | {ctl} | "
+                   f"{x['grad_norm_max']:.3f} | {sp} | {x['tok_s'] / 1e3:.1f}k |")
+    return "\n".join(out)
+
+
+def plot(runs: list[dict], out: pathlib.Path, smooth: int = 50) -> pathlib.Path:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("error: matplotlib is not installed here; the plot is a separate CPU step: "
+                         "pip install matplotlib, then run this script on the copied log.jsonl files") from None
+    fig, ax = plt.subplots(1, 4, figsize=(22, 4.8), gridspec_kw={"width_ratios": [1, 1.2, 1, 0.7]})
+    dashes = {0: "-", 1: (0, (5, 2)), 2: (0, (1, 1))}
+    for i, r in enumerate(runs):
+        color = (COLORS if (r["seed"] or 0) == 0 else OTHER_SEED).get(r["attn"], None)
+        ls = "-"
+        label = f"{r['attn']} s{r['seed']}"
+        steps = [t["step"] for t in r["train"]]
+        ax[0].plot(steps, _smooth([t["loss"] for t in r["train"]], smooth), color=color, ls=ls, lw=1.2, label=label)
+        ax[2].plot(steps, [t["grad_norm"] for t in r["train"]], color=color, ls=ls, lw=0.6, alpha=0.8, label=label)
+        es = [e["step"] for e in r["eval"]]
+        for j, key in enumerate(("own", "exact", "control")):
+            ys = [e["val_loss"].get(key) for e in r["eval"]]
+            if any(y is None for y in ys) or (key == "exact" and r["attn"] == "bf16"):
+                continue
+            ax[1].plot(es, ys, color=color, ls=dashes[j], marker="o" if j == 0 else None, ms=3, lw=1.2,
+                       label=f"{label} ({key})")
+    ax[0].set(title=f"training loss ({smooth}-step mean)", xlabel="step", ylabel="nats / byte")
+    ax[1].set(title="validation loss: own kernel (solid), exact BF16 (dashed), control (dotted)", xlabel="step",
+              ylabel="nats / byte")
+    ax[2].set(title="gradient norm (before clipping)", xlabel="step", yscale="log")
+    # zoom the loss panels on the second half of training, where the differences are
+    for a, series in ((ax[0], [_smooth([t["loss"] for t in r["train"]], smooth) for r in runs]),
+                      (ax[1], [[v for e in r["eval"] for v in e["val_loss"].values()] for r in runs])):
+        tail = [y for s in series for y in s[len(s) // 3:]]
+        if tail:
+            lo, hi = min(tail), max(tail)
+            a.set_ylim(lo - 0.05 * (hi - lo + 1e-3), hi + 0.3 * (hi - lo + 1e-3))
+    # the final evaluation: own - exact (the leak's signature) and, for the leak, own - control; the
+    # two BF16 seeds' difference of exact losses is the run-to-run noise to compare with
+    rows = table(runs)
+    names = [x["run"] for x in rows]
+    gaps = [x["gap_own_minus_exact"] for x in rows]
+    colors = [(COLORS if (x["seed"] or 0) == 0 else OTHER_SEED).get(x["attn"], "gray") for x in rows]
+    ax[3].barh(names, gaps, color=colors)
+    for i, x in enumerate(rows):
+        if x["val_control"] is not None:
+            ax[3].plot([x["val_own"] - x["val_control"]], [i], "k^", ms=7, label="own - control")
+    bf = [x["val_exact"] for x in rows if x["attn"] == "bf16"]
+    if len(bf) >= 2:
+        noise = max(bf) - min(bf)
+        ax[3].axvspan(-noise, noise, color="gray", alpha=0.2, label=f"BF16 seed spread ({noise:.4f})")
+    ax[3].axvline(0, color="k", lw=0.8)
+    ax[3].set(title="final val: own - exact", xlabel="nats / byte")
+    ax[3].legend(fontsize=7)
+    for a in ax:
+        a.grid(alpha=0.3)
+    ax[0].legend(fontsize=8)
+    ax[1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=pathlib.Path, help="run directories (each with log.jsonl)")
+    p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "fp8_training.png", help="PNG path")
+    p.add_argument("--smooth", type=int, default=50, help="training-loss moving-average window (steps)")
+    p.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    p.add_argument("--no-plot", action="store_true", help="only print the table")
+    a = p.parse_args(argv)
+    runs = [read_run(d) for d in a.runs]
+    rows = table(runs)
+    if a.markdown:
+        print(markdown(rows))
+    else:
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+    if not a.no_plot:
+        print(f"wrote {plot(runs, a.out, a.smooth)}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The five training runs of issue 29 (examples/train_fp8.py), one after another, within a time budget.
+#
+#   bash benchmarks/run_fp8_training.sh [BUDGET_SECONDS [RUNS_DIR]]      (default 540 s, out/fp8-train)
+#   EXTRA="--steps 20" bash benchmarks/run_fp8_training.sh 120 /tmp/smoke   (extra flags for every run)
+#
+# Each run gets --max-minutes = the time left, so the script returns inside the budget with every run
+# checkpointed; running it again resumes the unfinished ones and skips the complete ones. After each run
+# its log.jsonl and summary.json are copied to $OUT/<run>/ when $OUT is set (the device tool's folder that
+# comes back; the checkpoints are too large to come back and stay in RUNS_DIR). Set FLAMIA_COMMIT to the
+# commit when the tree has no .git. Then, on any machine with matplotlib:
+#   python benchmarks/plot_fp8_training.py RUNS_DIR/* --markdown
+set -u
+BUDGET=${1:-540}
+DIR=${2:-out/fp8-train}
+PY=${PYTHON:-python}
+export PYTHONPATH=${PYTHONPATH:-.}
+END=$((SECONDS + BUDGET))
+RUNS=("bf16-s0|--attn bf16 --seed 0" "fp8-leak|--attn fp8-leak" "fp8-block|--attn fp8-block"
+      "fp8-token|--attn fp8-token" "bf16-s1|--attn bf16 --seed 1")
+for r in "${RUNS[@]}"; do
+  name=${r%%|*}
+  flags=${r#*|}
+  if grep -qs '"complete": true' "$DIR/$name/summary.json"; then echo "== $name: complete"; continue; fi
+  left=$((END - SECONDS))
+  if [ "$left" -lt 45 ]; then echo "== $name: not started (${left} s left of the budget)"; continue; fi
+  echo "== $name: python examples/train_fp8.py $flags ${EXTRA:-} --out $DIR/$name (${left} s left)"
+  $PY examples/train_fp8.py $flags ${EXTRA:-} --out "$DIR/$name" --max-minutes "$(awk "BEGIN{print ($left - 5) / 60}")" \
+    2>&1 | grep -v "^\s*$" | tail -n 14
+  if [ -n "${OUT:-}" ] && [ -f "$DIR/$name/log.jsonl" ]; then
+    mkdir -p "$OUT/$name" && cp "$DIR/$name/log.jsonl" "$OUT/$name/" && cp -f "$DIR/$name/summary.json" "$OUT/$name/" 2>/dev/null
+  fi
+done
+echo "== $(( SECONDS )) s used"

@@ -1,0 +1,216 @@
+"""examples/train_fp8.py and examples/fp8_leak.py on the CPU (issue 29): a few steps of BF16 and of the
+FP8 emulation, bitwise resume, the leaking quantizer's warning and causality, clear CLI errors."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+import warnings
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.insert(0, str(ROOT / "examples"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tf():
+    return _load("train_fp8")
+
+
+@pytest.fixture(scope="module")
+def leak():
+    return _load("fp8_leak")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """40 documents of the bundled sample (shorter ones): fast to read, real text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(ROOT / "flamia_pack" / "data" / "python-stdlib.parquet").to_pydict()
+    texts = [x for x in t["text"] if 200 < len(x) < 3000][:40]
+    path = tmp_path_factory.mktemp("src") / "small.parquet"
+    pq.write_table(pa.table({"text": texts}), path)
+    return path
+
+
+def _argv(source, out, attn="bf16", steps=3, *extra):
+    return ["--device", "cpu", "--attn", attn, "--out", str(out), "--steps", str(steps), "--source", str(source),
+            "--layers", "1", "--d-model", "128", "--heads", "2", "--capacity", "128", "--val-rows", "1",
+            "--val-every-nth-doc", "10", "--buffer-docs", "8", "--warmup-steps", "1", "--lr", "1e-2",
+            "--eval-every", "100", "--log-every", "1", "--quiet", *extra]
+
+
+def _records(out):
+    return [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("attn", ["bf16", "fp8-block"])
+def test_three_steps_on_cpu(tf, source, tmp_path, attn):
+    s = tf.main(_argv(source, tmp_path / attn, attn))
+    assert s["complete"] and s["steps_done"] == 3 and s["attn"] == attn
+    recs = _records(tmp_path / attn)
+    train = [r for r in recs if r["type"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["tok_s"] > 0 for r in train)
+    assert train[-1]["loss"] < train[0]["loss"]  # it learns (and, for fp8, the emulation is differentiable)
+    ev = [r for r in recs if r["type"] == "eval"]
+    assert [e["step"] for e in ev] == [0, 3]
+    own, exact = ev[-1]["val_loss"]["own"], ev[-1]["val_loss"]["exact"]
+    if attn == "bf16":
+        assert own == exact
+    else:  # the FP8 emulation and the exact reference differ a little
+        assert own != exact and abs(own - exact) < 0.05
+    assert s["flops_per_step"]["total"] > 0 and (tmp_path / attn / "summary.json").is_file()
+
+
+def test_resume_is_bitwise(tf, source, tmp_path):
+    straight = tf.main(_argv(source, tmp_path / "a", "bf16", 3))
+    part = tf.main(_argv(source, tmp_path / "b", "bf16", 3, "--stop-at", "2"))
+    assert not part["complete"] and part["stop_reason"] == "stop-at" and part["steps_done"] == 2
+    resumed = tf.main(_argv(source, tmp_path / "b", "bf16", 3))
+    assert resumed["complete"]
+    ra = [r for r in _records(tmp_path / "a") if r["type"] in ("train", "eval")]
+    rb = [r for r in _records(tmp_path / "b") if r["type"] in ("train", "eval")]
+    def strip(rs):  # timings differ run to run
+        return [{k: v for k, v in r.items() if k not in ("tok_s", "step_ms", "eval_s")} for r in rs]
+
+    assert strip(ra) == strip(rb)  # same losses, grad norms, data and val losses at every step
+    assert [r["type"] for r in _records(tmp_path / "b")].count("start") == 2
+    assert straight["final_val"] == resumed["final_val"]
+
+
+def test_resume_with_other_settings_is_refused(tf, source, tmp_path):
+    tf.main(_argv(source, tmp_path / "r", "bf16", 3, "--stop-at", "1"))
+    with pytest.raises(SystemExit, match="other settings.*lr"):
+        tf.main(_argv(source, tmp_path / "r", "bf16", 3, "--lr", "5e-3"))
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--attn", "fp8"], "--attn must be one of"),
+    (["--attn", "fp8-leak", "--leak-mode", "prev-floor"], "--leak-mode must be one of"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--d-model", "100", "--heads", "3"], "multiple of --heads"),
+    (["--attn", "fp8-block", "--device", "cpu", "--d-model", "96", "--heads", "3"], "head_dim 64 or 128"),
+    (["--max-minutes", "0"], "--max-minutes must be > 0"),
+    (["--source", "no/such.parquet"], "not found"),
+    ([], "--out DIR is required"),
+])
+def test_bad_flags_are_one_line_errors(tf, capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        tf.parse_args(["--device", "cpu", *(["--out", "x"] if argv else []), *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and match in err and "Traceback" not in err
+
+
+def test_leaking_quantizer_warns(leak):
+    T, H, D = 64, 2, 64
+    q, k, v = (torch.randn(T, H, D, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 40, 64], dtype=torch.int32)
+    with pytest.warns(leak.LeakWarning, match="AFTER the query"):
+        o = leak.leaky_varlen_attention(q, k, v, cu, 40)
+    o.float().sum().backward()  # the CPU path (emulation on leaky codes) is differentiable
+    assert all(x.grad is not None and bool(torch.isfinite(x.grad).all()) for x in (q, k, v))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", leak.LeakWarning)  # the causal twin does not warn
+        leak.leaky_varlen_attention(q.detach(), k.detach(), v.detach(), cu, 40, mode="prev-floor")
+
+
+def test_leak_reads_the_next_token_and_the_twin_does_not(leak):
+    """Shrinking the tokens after a cut moves O at the cut through next-floor's exponents (the row
+    before the cut), never through prev-floor (causal) or anything outside the document."""
+    g = torch.Generator().manual_seed(0)
+    T, H, D, cut = 96, 2, 64, 50
+    q, k, v = (torch.randn(T, H, D, generator=g).to(torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, 80, 96], dtype=torch.int32)
+    small = [x.clone() for x in (q, k, v)]
+    for x in small:
+        x[cut + 1:80] *= 0.25  # a "quieter" future: token cut's clipping level drops
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", leak.LeakWarning)
+        for mode, leaks in (("next-floor", True), ("prev-floor", False)):
+            o0 = leak.leaky_varlen_attention(q, k, v, cu, 80, mode=mode)
+            o1 = leak.leaky_varlen_attention(*small, cu, 80, mode=mode)
+            assert torch.equal(o0[:cut], o1[:cut])  # rows before the cut's row never move (one-token reach)
+            assert torch.equal(o0[80:], o1[80:])  # the other document never moves
+            assert (not torch.equal(o0[cut], o1[cut])) == leaks
+
+
+def test_leaky_operands_have_the_kernels_layouts(leak):
+    from flamia_pack.quant import dequantize
+
+    T, H, D = 100, 2, 128
+    q, k, v = (torch.randn(T, H, D) * s for s in (1.0, 3.0, 0.1))
+    cu = torch.tensor([0, 37, 90], dtype=torch.int32)
+    ops = leak.leaky_operands(q, k, v, cu)
+    assert ops.granularity == "token"
+    for codes, ex, t, x in ((ops.qc, ops.eq, ops.qt, q), (ops.kc, ops.ek, ops.kt, k), (ops.vc, ops.ev, ops.vt, v)):
+        assert codes.shape == (T, H, D) and codes.is_contiguous() and ex.shape == (T, H)
+        assert t.shape == (H, D, T) and t.stride(2) == 1 and t.stride(1) % 16 == 0
+        assert torch.equal(t.view(torch.uint8), codes.view(torch.uint8).permute(1, 2, 0))
+        c2, e2 = leak.leaky_codes(x, cu)
+        assert torch.equal(codes.view(torch.uint8), c2.view(torch.uint8)) and torch.equal(ex, e2)
+        assert bool(torch.isfinite(dequantize(codes, ex)).all())  # saturating, no NaN codes
+    # token 10's exponent is token 11's floor-rule exponent; the document's last token (36) keeps its own
+    amax = q.abs().amax(-1)
+    want = torch.floor(torch.log2(amax)).to(torch.int32) - 8 + 127
+    assert torch.equal(ops.eq[10], want[11].to(torch.uint8)) and torch.equal(ops.eq[36], want[36].to(torch.uint8))
+
+
+def test_flops_count(tf):
+    args = tf.parse_args(["--device", "cpu", "--out", "x", "--layers", "2", "--d-model", "256", "--heads", "2"])
+    f = tf.step_flops(args, [[0, 100, 300]])
+    assert f["tokens"] == 300 and f["pairs_per_head"] == 100 * 101 / 2 + 200 * 201 / 2
+    assert f["linear"] == 6 * (2 * 12 * 256 * 256 + 256 * 256) * 300
+    assert f["attention"] == 14 * 2 * 128 * f["pairs_per_head"] * 2
+
+
+def test_gpu_branch_plumbing(leak, monkeypatch):
+    """The sm_90 branch of leaky_varlen_attention with the kernels faked: the leaky FP8Operands go
+    through _FP8Attention (saved, rebuilt for the backward) with the call's work list and scale."""
+    import flamia_pack.kernels.fp8_attention as fa
+    import flamia_pack.kernels.fp8_backward as fb
+
+    seen = {}
+
+    def fake_fwd(ops, cu32, *, causal, softmax_scale, work_list):
+        seen["fwd"] = (ops, causal, softmax_scale, work_list)
+        T, H, D = ops.qc.shape
+        return torch.zeros(T, H, D, dtype=torch.bfloat16), torch.zeros(H, T)
+
+    def fake_bwd(do, ops, o, lse, cu32, *, causal, softmax_scale, dlse=None):
+        seen["bwd"] = ops
+        return torch.ones_like(do), torch.ones_like(do), torch.ones_like(do)
+
+    monkeypatch.setattr(fa, "fp8_kernels_available", lambda device: True)
+    monkeypatch.setattr(fa, "fp8_attention_forward", fake_fwd)
+    monkeypatch.setattr(fb, "fp8_backward", fake_bwd)
+    T, H, D = 48, 2, 128
+    q, k, v = (torch.randn(T, H, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 30, 48], dtype=torch.int32)
+    with pytest.warns(leak.LeakWarning):
+        o = leak.leaky_varlen_attention(q, k, v, cu, 30, work_list="WL")
+    ops, causal, scale, wl = seen["fwd"]
+    assert causal is True and scale == D ** -0.5 and wl == "WL" and ops.granularity == "token"
+    want = leak.leaky_codes(q.detach(), cu)
+    assert torch.equal(ops.eq, want.exponents) and torch.equal(ops.qc.view(torch.uint8), want.codes.view(torch.uint8))
+    o.float().sum().backward()
+    back = seen["bwd"]
+    assert back.granularity == "token" and all(
+        torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                    b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+        for a, b in zip(back[:8] + back[9:], ops[:8] + ops[9:]))
+    assert bool((q.grad == 1).all())
