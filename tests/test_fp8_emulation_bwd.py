@@ -116,10 +116,9 @@ def literal_backward(do, q, k, v, o, lse, cu, gran, *, causal=True, block_m=64, 
 
 
 @pytest.mark.parametrize("gran,causal,block_m,H,Hkv,dlse", [
-    ("block", True, 64, 4, 2, False),
-    ("token", True, 64, 2, 1, True),
-    ("token", True, 16, 2, 2, False),
-    ("block", False, 128, 2, 1, False),
+    ("block", True, 64, 2, 1, False),
+    ("token", True, 64, 2, 2, True),
+    ("block", False, 16, 2, 1, False),
 ])
 def test_emulation_is_the_literal_contract_bitwise(gran, causal, block_m, H, Hkv, dlse):
     q, k, v, do = inputs(H, Hkv, 64, seed=block_m + causal)
