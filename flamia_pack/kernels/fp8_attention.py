@@ -33,7 +33,8 @@ class FP8Operands(NamedTuple):
 
     Fields: ``qc`` ``(T, H_q, D)``, ``kc`` ``(T, H_kv, D)`` float8_e4m3fn; ``vt`` V's codes feature-major
     ``(H_kv, D, T)`` (token stride 1, feature stride a multiple of 16); ``eq`` ``(T, H_q)``, ``ek`` /
-    ``ev`` ``(T, H_kv)`` uint8; ``ekt`` / ``evt``: ``ek`` / ``ev`` as the kernel's key-major int32 tables
+    ``ev`` ``(T, H_kv)`` uint8; ``ekt`` / ``evt``: ``ek`` / ``ev`` as the kernel's key-major float32 factor
+    tables ``(H_kv, ceil16(T) + TABLE_PAD)``, ``2^(clamp(byte, 1, 254) - 127)`` per token, 1.0 past T
     (``gluon_fp8_fwd.exponent_table``); ``granularity``: ``"block"`` or ``"token"`` (labels the exponents).
     What only the backward reads (``fp8_quantize(backward=True)``, else None): ``qt`` ``(H_q, D, T)``
     and ``kt`` ``(H_kv, D, T)`` feature-major codes (layout of ``vt``), ``vc`` ``(T, H_kv, D)`` row-major.

@@ -116,7 +116,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
     types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": v_desc, "LSE": "*fp32", "DELTA": "*fp32",
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",
              "cu_ptr": "*i32", "counter_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc,
-             "EQ": "*u8", "EK": "*i32", "EV": "*i32"}
+             "EQ": "*u8", "FK": "*fp32", "FV": "*fp32"}
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=wl_block_m, STAGES=st,
                   CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce), PERSISTENT=bool(persistent),
                   PINGPONG=bool(pingpong), ITEMS=bool(items_whole), PART_SKIP=bool(part_skip), BOOST=BOOST_LOG2)
