@@ -6,7 +6,9 @@ rounding; what cannot be bitwise is listed there). The layout is the BF16 forwar
 (``gluon_fwd.py``): one persistent program per SM takes work-list entries from a global counter, a
 producer warp loads Q once per entry and K / V^T through a ring, and two 4-warp consumer partitions
 of ``BLOCK_M / 2`` query rows each run, per walked key tile ``j`` (software-pipelined: ``S_j`` and
-``P~_{j-1} V_{j-1}`` in flight together)::
+``P~_{j-1} V_{j-1}`` in flight together; with ``PINGPONG`` the two partitions take turns issuing
+their products, FlashAttention-3's ping-pong, so one partition's softmax runs under the other's
+products)::
 
     S     = Qc Kc^T                       FP8 wgmma (QGMMA), both operands K-major in shared memory
     x_ij  = S_ij 2^e_k(j);  s_ij = x_ij (qk 2^e_q(i))      qk = softmax_scale log2 e; masked: -inf
@@ -55,6 +57,7 @@ from flamia_pack.kernels.constants import LOG2E
 from flamia_pack.kernels.gluon_common import (
     _entry_counts, _next_entry, _handoff_load, _rows_producer_loop, _rows_through_smem, _release_after_reads,
     _store_rows, _slot_barriers, check_stages, CONSUMER_WARPS, MAXNREG)
+from flamia_pack.kernels.gluon_fwd import _turn_barriers, _turn_pass, _turn_wait
 
 __all__ = ["gluon_fp8_fwd", "BOOST_LOG2"]
 
@@ -139,27 +142,24 @@ def _split_pairs(x2, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _tile_factors(FK, FV, stride_e, hk, o_lo, j, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """K's and V's exponent factors ``2^e`` (float32) of walked tile ``j``'s keys from the key-major
-    tables (:func:`exponent_table`: ``(H_kv, TPE)`` float32, padded past T): unmasked, so each thread's
-    column pairs load as 8-byte vectors from one base address (``o_lo`` is a multiple of 16). Entries
-    of other documents or padding are read but enter nothing: those pairs are masked (and every entry
-    is a finite normal float, so a masked factor times ``p = 0`` is 0)."""
-    # the tables are read as int64 pairs (one 8-byte load per column pair of the thread) and split;
+def _tile_factors(F, stride_e, hk, o_lo, j, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """The exponent factors ``2^e`` (float32) of walked tile ``j``'s keys from a key-major table ``F``
+    (:func:`exponent_table`: ``(H_kv, TPE)`` float32, padded past T), in the columns' layout of the
+    scores ``s_layout``: unmasked, so each thread's column pairs load as 8-byte vectors from one base
+    address (``o_lo`` is a multiple of 16). Entries of other documents or padding are read but enter
+    nothing: those pairs are masked (and every entry is a finite normal float, so a masked factor
+    times ``p = 0`` is 0)."""
+    # the table is read as int64 pairs (one 8-byte load per column pair of the thread) and split;
     # pair 4 i + q as element (i, q) of a 2-d tile (i in registers, q the lane in the quad), so that
     # each load's address is the thread's base plus a constant (an immediate offset)
     L2: gl.constexpr = _key_pair_tile_layout(BLOCK_N)
     ii = gl.arange(0, BLOCK_N // 8, layout=gl.SliceLayout(1, L2))
     qq = gl.arange(0, 4, layout=gl.SliceLayout(0, L2))
     base = hk * (stride_e // 2) + gl.multiple_of(o_lo, 16) // 2 + j * (BLOCK_N // 2)
-    key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    pk = FK.to(gl.pointer_type(gl.int64), bitcast=True) + base
-    pv = FV.to(gl.pointer_type(gl.int64), bitcast=True) + base
-    fk2 = gl.load((pk + qq)[None, :] + (ii * 4)[:, None]).reshape([BLOCK_N // 2])
-    fv2 = gl.load((pv + qq)[None, :] + (ii * 4)[:, None]).reshape([BLOCK_N // 2])
-    fk = _split_pairs(gl.convert_layout(fk2, _key_pair_layout(BLOCK_N)), BLOCK_N)
-    fv = _split_pairs(gl.convert_layout(fv2, _key_pair_layout(BLOCK_N)), BLOCK_N)
-    return gl.convert_layout(fk, key_layout), gl.convert_layout(fv, key_layout)
+    pf = F.to(gl.pointer_type(gl.int64), bitcast=True) + base
+    f2 = gl.load((pf + qq)[None, :] + (ii * 4)[:, None]).reshape([BLOCK_N // 2])
+    f = _split_pairs(gl.convert_layout(f2, _key_pair_layout(BLOCK_N)), BLOCK_N)
+    return gl.convert_layout(f, gl.SliceLayout(0, s_layout))
 
 
 @gluon.jit
@@ -224,23 +224,34 @@ def _rescale(acc, alpha, r_old, r_new, acc_layout: gl.constexpr):
 
 @gluon.jit
 def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c, acc,
-              p_prev, m_i, l_i, r_i, MASKED: gl.constexpr, BOOST: gl.constexpr, BLOCK_M: gl.constexpr,
+              p_prev, m_i, l_i, r_i, turn, k_turn, MASKED: gl.constexpr, BOOST: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
-              acc_layout: gl.constexpr):
+              acc_layout: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Walked tile ``j >= 1`` (``gluon_fwd._fwd_step``'s pipelining): ``S_j`` and ``P~_{j-1} V_{j-1}``
-    in flight together, tile ``j``'s softmax and fold while the second one runs."""
+    in flight together, tile ``j``'s softmax and fold while the second one runs. ``PINGPONG``: the two
+    products are issued in the partition's turn ``k_turn + j`` (``gluon_fwd._turn_wait``), taken once
+    both tiles landed, so one partition's softmax runs under the other's products."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     r = c + j
     s = r % STAGES
     sp = (r - 1) % STAGES
     mbarrier.wait(ready.index(s), (r // STAGES) & 1)
+    if PINGPONG:  # a turn is held only while issuing
+        mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
+        _turn_wait(turn, k_turn + j, WG, PINGPONG)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-    mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
+    if not PINGPONG:
+        mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
     acc = warpgroup_mma(p_prev, v_bufs.index(sp).permute((1, 0)), acc, is_async=True)
-    fk, fv = _tile_factors(FK, FV, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
+    # K's factors load under S_j, V's once it retired (their 32 registers would be live across the wait
+    # too); passing the turn after the loads keeps ptxas from hoisting the masked tiles' visibility
+    # compares into bit-packed registers (sm_90a compile, benchmarks/NOTES.md)
+    fk = _tile_factors(FK, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
+    _turn_pass(turn, WG, PINGPONG)
     st = warpgroup_mma_wait(1, deps=(st,))
     mbarrier.arrive(empty.index(s), count=1)
+    fv = _tile_factors(FV, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
     p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED, BOOST, BLOCK_N,
                                               s_layout, op_layout)
     acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -252,11 +263,14 @@ def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, 
 @gluon.jit
 def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_phase, q_empty, O, LSE, EQ, FK, FV,
                        stride_ot, stride_lh, stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale,
-                       c, T, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr):
+                       c, T, turn, k_turn, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr,
+                       PINGPONG: gl.constexpr):
     """One entry's FP8 forward from ring position ``c`` (returned advanced) by consumer partition ``WG``
     (rows ``WG * BLOCK_M / 2`` on): ``gluon_fwd._fwd_consume_entry`` with the FP8 softmax / fold, O
-    through the partition's own bf16 staging rows ``o_smem``."""
+    through the partition's own bf16 staging rows ``o_smem``. ``PINGPONG``: the entry's products are
+    issued in the partition's turns ``k_turn, ..., k_turn + n_steps`` (``S_0``, the steps, the last
+    ``P~ V``), as ``gluon_fwd``'s."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     PART_M: gl.constexpr = BLOCK_M * NW // 8
     s_layout: gl.constexpr = _qgmma_layout(NW, BLOCK_N)
@@ -275,12 +289,15 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
     l_i = gl.full([PART_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
     r_i = gl.full([PART_M], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, acc_layout)
-    fk, fv = _tile_factors(FK, FV, stride_e, hk, o_lo, 0, BLOCK_N, s_layout)
+    fk = _tile_factors(FK, stride_e, hk, o_lo, 0, BLOCK_N, s_layout)
+    fv = _tile_factors(FV, stride_e, hk, o_lo, 0, BLOCK_N, s_layout)
     mbarrier.wait(q_bar, q_phase)
     s0 = c % STAGES
     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
     zero = gl.zeros([PART_M, BLOCK_N], gl.float32, s_layout)
+    _turn_wait(turn, k_turn, WG, PINGPONG)
     st = warpgroup_mma(q_part, k_bufs.index(s0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    _turn_pass(turn, WG, PINGPONG)
     st = warpgroup_mma_wait(0, deps=(st,))
     mbarrier.arrive(empty.index(s0), count=1)
     if (u1 > 0) & (ph == 0):
@@ -294,12 +311,12 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
         _zero_cols_outside(v_bufs.index(s0), ph, BLOCK_N, NW)
     for j in range(1, u1):
         acc, p, m_i, l_i, r_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi,
-                                          lim, row_f, j, c, acc, p, m_i, l_i, r_i, False, BOOST, PART_M, BLOCK_N, NW,
-                                          s_layout, op_layout, acc_layout)
+                                          lim, row_f, j, c, acc, p, m_i, l_i, r_i, turn, k_turn, False, BOOST, PART_M,
+                                          BLOCK_N, NW, s_layout, op_layout, acc_layout, WG, PINGPONG)
     for j in range(gl.maximum(u1, 1), n_steps):
         acc, p, m_i, l_i, r_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi,
-                                          lim, row_f, j, c, acc, p, m_i, l_i, r_i, True, BOOST, PART_M, BLOCK_N, NW,
-                                          s_layout, op_layout, acc_layout)
+                                          lim, row_f, j, c, acc, p, m_i, l_i, r_i, turn, k_turn, True, BOOST, PART_M,
+                                          BLOCK_N, NW, s_layout, op_layout, acc_layout, WG, PINGPONG)
     r = c + n_steps - 1
     sl = r % STAGES
     mbarrier.wait(ready.index(STAGES + sl), (r // STAGES) & 1)
@@ -307,7 +324,9 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
     hi_last = o_hi - o_lo - (n_steps - 1) * BLOCK_N
     if (hi_last < BLOCK_N) | (lo_last > 0):  # the tile the document end cuts (and a one-tile walk's start)
         _zero_cols_outside(v_bufs.index(sl), lo_last, hi_last, NW)
+    _turn_wait(turn, k_turn + n_steps, WG, PINGPONG)
     acc = warpgroup_mma(p, v_bufs.index(sl).permute((1, 0)), acc, is_async=True)
+    _turn_pass(turn, WG, PINGPONG)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(empty.index(STAGES + sl), count=1)
     _release_after_reads(q_empty)  # every product that read this Q slot retired
@@ -324,10 +343,13 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
 
 @gluon.jit
 def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, o_smem, ready, empty, qo_ready, qo_empty, t_smem, O, LSE, EQ, FK, FV,
-                       stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries, total, T,
+                       stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries, total, T, turn,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WL_BM: gl.constexpr,
-                       CAUSAL: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr):
-    """Consumer partition ``WG`` of the persistent FP8 forward: the entries the producer hands over."""
+                       CAUSAL: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr,
+                       PINGPONG: gl.constexpr):
+    """Consumer partition ``WG`` of the persistent FP8 forward: the entries the producer hands over
+    (both partitions run every entry, so with ``PINGPONG`` their turns stay paired: entry ``n`` from
+    ring position ``c`` takes turns ``c + n, ..., c + n + n_steps``)."""
     QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
     PART_M: gl.constexpr = BLOCK_M * NW // 8
     idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [NW], [0])
@@ -341,8 +363,8 @@ def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, o_smem, ready, empty, qo_ready, q
         t, h, hk, rs, re, o_lo, o_hi, u1, n_steps, ph = _handoff_load(t_smem.index(slot), idx_layout)
         c = _fp8_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, o_part, ready, empty, qo_ready.index(slot),
                                (n // QO_STAGES) & 1, qo_empty.index(slot), O, LSE, EQ, FK, FV, stride_ot, stride_lh,
-                               stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale, c, T, CAUSAL,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, WG, NW, BOOST)
+                               stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale, c, T, turn,
+                               c + n, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, WG, NW, BOOST, PINGPONG)
         n += 1
         t = _next_entry(qo_ready, t_smem, n, idx_layout)
 
@@ -351,9 +373,11 @@ def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, o_smem, ready, empty, qo_ready, q
 def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, FK, FV, items_ptr, num_items_ptr, cu_ptr, max_entries,
                     skip_len, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, total, T, counter_ptr,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr):
+                    WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr,
+                    PINGPONG: gl.constexpr):
     # one program per SM; two Q slots; the K / V^T ring (split barriers, as the BF16 forward); two 4-warp
-    # consumer partitions and the producer warp (gluon_common._rows_producer_loop, V^T boxes on the 16-token grid)
+    # consumer partitions (PINGPONG: taking turns to issue their products) and the producer warp
+    # (gluon_common._rows_producer_loop, V^T boxes on the 16-token grid)
     PARTS: gl.constexpr = 2
     PART_M: gl.constexpr = BLOCK_M // PARTS
     q_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -364,13 +388,14 @@ def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, FK, FV, items_ptr, num_i
     q_ready, q_empty = _slot_barriers(2, True, PARTS)
     ready, empty = _slot_barriers(2 * STAGES, True, PARTS)
     t_smem = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    turn = _turn_barriers(q_ready, PINGPONG)
     gl.warp_specialize([
         (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, FK,
                               FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
-                              total, T, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 0, 4, BOOST)),
+                              total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 0, 4, BOOST, PINGPONG)),
         (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, FK,
                               FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
-                              total, T, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST)),
+                              total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST, PINGPONG)),
         (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
                                q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
                                max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
@@ -442,7 +467,7 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
                   ev: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
                   softmax_scale: float, *, causal: bool = True, block_m: int = 128, block_n: int = 128,
                   wl_block_m: int = 128, stages: int = 2, skip_len: int = 1, o: torch.Tensor | None = None,
-                  lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  lse: torch.Tensor | None = None, pingpong: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed FP8 attention forward, warp-specialized Gluon, sm_90 (module docs: the numerics).
 
     Args:
@@ -456,6 +481,10 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
         block_m, block_n, stages, o, lse: as ``gluon_fwd``.
         skip_len: items of documents of at most this many tokens are skipped (0: none; the list must
             hold no merged items either way).
+        pingpong: the two consumer partitions take turns issuing their wgmma products
+            (FlashAttention-3 §3.1, ``gluon_fwd(pingpong=True)``): one partition's softmax and fold run
+            while the other's products compute. Default on; compiled for sm_90a on the CPU, not yet
+            timed on a GPU (benchmarks/NOTES.md).
 
     Returns:
         ``(o, lse)``: ``(T, H_q, 128)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
@@ -485,5 +514,6 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
         items, num_items, cu_seqlens, max_entries, int(skip_len), o.stride(0), lse.stride(0), eq.stride(0),
         ek.stride(0), float(softmax_scale) * LOG2E, total, T, torch.zeros(1, dtype=torch.int32, device=qc.device),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
-        CAUSAL=bool(causal), BOOST=BOOST_LOG2, num_warps=CONSUMER_WARPS.value // 2, maxnreg=MAXNREG)
+        CAUSAL=bool(causal), BOOST=BOOST_LOG2, PINGPONG=bool(pingpong), num_warps=CONSUMER_WARPS.value // 2,
+        maxnreg=MAXNREG)
     return o, lse
