@@ -203,11 +203,20 @@ def test_quantize_qkv_bad_transposed(transposed):
         quantize_qkv(q, k, v, QCU, transposed=transposed)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="transposed_store applies to the Triton kernel only")
-def test_quantize_qkv_kernel_store_needs_every_input_transposed():
+@pytest.mark.parametrize("gran", ["block", "token"])
+def test_quantize_qkv_kernel_store_of_one_input(gran):
+    """The in-kernel transposed store takes the per-input flags too: V's copy only, its pitch padded
+    with zeros, the same bits as the torch copy (Triton's interpreter here; the GPU tests on sm_90)."""
     q, k, v = _qkv_small()
-    with pytest.raises(FlamiaError, match="transposed_store='kernel' writes the transposed copy of every input"):
-        quantize_qkv(q, k, v, QCU, transposed=(False, False, True), transposed_store="kernel")
+    want = quantize_qkv(q, k, v, QCU, gran, transposed=(False, False, True))
+    got = quantize_qkv(q, k, v, QCU, gran, transposed=(False, False, True), transposed_store="kernel", hw_cvt=False)
+    assert got[0].codes_t is None and got[1].codes_t is None
+    for a, b in zip(got, want):
+        assert torch.equal(_bits(a.codes), _bits(b.codes)) and torch.equal(a.exponents, b.exponents)
+    assert torch.equal(_bits(got[2].codes_t), _bits(want[2].codes_t))
+    if HAS_TRITON:
+        assert got[2].codes_t.stride() == (16 * 48, 48, 1)
+        assert bool((got[2].codes_t.as_strided((2, 16, 48), (16 * 48, 48, 1))[:, :, 40:].view(torch.uint8) == 0).all())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,6 +71,16 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
                  backward: bool = False) -> FP8Operands:
     """Quantize Q, K, V for the FP8 forward in one launch (V also feature-major).
 
+    bf16 inputs: the quantizer writes the transposed copies itself in the same pass
+    (``quantize_qkv(transposed=(backward, backward, True), transposed_store="kernel", hw_cvt=False)``:
+    the integer E4M3 encoder, the combination whose in-kernel transposed store was measured bitwise on
+    the H200 with every input transposed, as ``backward=True`` runs it; the V-only variant of the
+    forward alone is checked by ``benchmarks/probes/fp8_fwd_probe.py --parts quant`` and the GPU
+    tests). fp16 / fp32 inputs: the copies are torch copies after the kernel
+    (``transposed_store="torch"``: ptxas miscompiles the in-kernel store for float32 inputs,
+    ``kernels.quantize.quantize``). The codes are the same bits either way
+    (``quant.quantize_token_blocks``').
+
     Args:
         q: ``(T, H_q, D)``, k, v: ``(T, H_kv, D)`` bf16 / fp16 / fp32 on one device.
         cu_seqlens: ``(n_docs + 1,)`` int32 on that device (validated by the caller).
@@ -85,8 +95,10 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
     from flamia_pack.kernels.quantize import quantize_qkv
 
+    in_kernel = q.dtype == torch.bfloat16
     qq, kq, vq = quantize_qkv(q, k, v, cu_seqlens, scale_granularity, transposed=(backward, backward, True),
-                              check_finite=check_finite, validate=False)
+                              transposed_store="kernel" if in_kernel else "torch",
+                              hw_cvt=False if in_kernel else None, check_finite=check_finite, validate=False)
     return FP8Operands(qq.codes, kq.codes, vq.codes_t, qq.exponents, kq.exponents, vq.exponents,
                        exponent_table(kq.exponents), exponent_table(vq.exponents), scale_granularity,
                        qq.codes_t if backward else None, kq.codes_t if backward else None,
