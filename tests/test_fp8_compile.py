@@ -46,3 +46,13 @@ def test_shipped_fp8_forward_compiles_for_sm90(causal):
     for lp in steps:
         assert lp["gmma"] == 8 and lp["ldl"] == 0 and lp["stl"] == 0, lp  # S and P~V: 4 QGMMA each, k = 32
     assert steps[0]["instructions"] <= MAX_STEP, steps
+
+
+@pytest.mark.parametrize("kw,max_spill", [
+    ({"pingpong": False}, 8),                      # the partitions without turns
+    ({"pingpong": True, "pv_promote": True}, 128),  # issue 27 item 3: 80 B, none in the mask-free step loop
+])
+def test_fp8_forward_variants_compile_for_sm90(kw, max_spill):
+    r = _compile(causal=True, **kw)
+    assert "QGMMA" in r["sass"] and not r["serialized"], r["ptxas"]
+    assert r["spill_bytes"] <= max_spill, r["ptxas"]

@@ -223,14 +223,44 @@ def _rescale(acc, alpha, r_old, r_new, acc_layout: gl.constexpr):
 
 
 @gluon.jit
+def _pv_issue(p, v_buf, acc, PV_PROMOTE: gl.constexpr):
+    """Issue ``P~ V`` (asynchronous FP8 wgmma; ``v_buf`` the ``HEAD_DIM x BLOCK_N`` V^T tile, K-major):
+    accumulated onto the MMA accumulator ``acc``, or, ``PV_PROMOTE``, into a zero-initialized one (the
+    tile's product alone, :func:`_promote`)."""
+    if PV_PROMOTE:
+        return warpgroup_mma(p, v_buf.permute((1, 0)), gl.zeros_like(acc), use_acc=False, is_async=True)
+    else:
+        return warpgroup_mma(p, v_buf.permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def _promote(acc, pv, alpha, r, BOOST: gl.constexpr, acc_layout: gl.constexpr):
+    """``PV_PROMOTE``: the fp32 register accumulator (absolute units) after tile ``t``:
+    ``acc alpha_t + pv_t 2^(r_t - BOOST)`` (``pv_t``: the tile's ``P~ V`` in units of ``r_t / 2^BOOST``,
+    ``alpha_t`` the softmax's rescale at that tile): the emulation's per-tile fp32 promotion
+    (``fp8_emulation.pv_accumulator="fp32"`` / ``"promote14"``)."""
+    a = gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout))
+    u = gl.convert_layout(r * _exp2_const(-BOOST), gl.SliceLayout(1, acc_layout))  # exact: r >= 2^(BOOST - 126)
+    return acc * a[:, None] + pv * u[:, None]
+
+
+@gluon.jit
 def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c, acc,
-              p_prev, m_i, l_i, r_i, turn, k_turn, MASKED: gl.constexpr, BOOST: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
-              acc_layout: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+              p_prev, m_i, l_i, r_i, a_i, turn, k_turn, MASKED: gl.constexpr, BOOST: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr,
+              op_layout: gl.constexpr, acc_layout: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+              PV_PROMOTE: gl.constexpr):
     """Walked tile ``j >= 1`` (``gluon_fwd._fwd_step``'s pipelining): ``S_j`` and ``P~_{j-1} V_{j-1}``
-    in flight together, tile ``j``'s softmax and fold while the second one runs. ``PINGPONG``: the two
-    products are issued in the partition's turn ``k_turn + j`` (``gluon_fwd._turn_wait``), taken once
-    both tiles landed, so one partition's softmax runs under the other's products."""
+    in flight together, tile ``j``'s softmax and fold while the second one runs. Returns
+    ``(acc, P~_j, m, l, r, alpha)``. ``PINGPONG``: the two products are issued in the partition's turn
+    ``k_turn + j`` (``gluon_fwd._turn_wait``), taken once both tiles landed, so one partition's softmax
+    runs under the other's products. ``acc``: the MMA accumulator in units of ``r_{j-1} / 2^BOOST``
+    (rescaled here to tile ``j``'s max and reference), or, ``PV_PROMOTE``, the fp32 register
+    accumulator that ``P~_{j-1} V_{j-1}`` is promoted into with ``a_i = alpha_{j-1}`` (:func:`_promote`).
+    ``PV_PROMOTE`` issues ``P~_{j-1} V_{j-1}`` first and promotes it while ``S_j`` computes, before the
+    softmax: the product's 64 registers a thread are free again for it (issued after ``S_j`` and
+    retired after the softmax, as the accumulating variant does, the kernel spilled ~1.2 KB, 37 local
+    loads and stores per step; this order ~80 B, none in the mask-free step: sm_90a compile)."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     r = c + j
     s = r % STAGES
@@ -240,24 +270,42 @@ def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, 
         mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
         _turn_wait(turn, k_turn + j, WG, PINGPONG)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-    if not PINGPONG:
-        mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p_prev, v_bufs.index(sp).permute((1, 0)), acc, is_async=True)
-    # K's factors load under S_j, V's once it retired (their 32 registers would be live across the wait
-    # too); passing the turn after the loads keeps ptxas from hoisting the masked tiles' visibility
-    # compares into bit-packed registers (sm_90a compile, benchmarks/NOTES.md)
-    fk = _tile_factors(FK, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
-    _turn_pass(turn, WG, PINGPONG)
-    st = warpgroup_mma_wait(1, deps=(st,))
-    mbarrier.arrive(empty.index(s), count=1)
-    fv = _tile_factors(FV, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
-    p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED, BOOST, BLOCK_N,
-                                              s_layout, op_layout)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(empty.index(STAGES + sp), count=1)
-    acc = _rescale(acc, alpha, r_i, r_new, acc_layout)
-    return acc, p, m_ij, l_i, r_new
+    if PV_PROMOTE:
+        # P~_{j-1} V_{j-1} issued first and promoted while S_j computes, so that its product's
+        # registers are free again before the softmax
+        if not PINGPONG:
+            mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
+        pv = _pv_issue(p_prev, v_bufs.index(sp), acc, PV_PROMOTE)
+        st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        pv = warpgroup_mma_wait(1, deps=(pv,))
+        mbarrier.arrive(empty.index(STAGES + sp), count=1)
+        acc = _promote(acc, pv, a_i, r_i, BOOST, acc_layout)
+        fk = _tile_factors(FK, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
+        st = warpgroup_mma_wait(0, deps=(st,))
+        mbarrier.arrive(empty.index(s), count=1)
+        fv = _tile_factors(FV, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
+        p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED, BOOST,
+                                                  BLOCK_N, s_layout, op_layout)
+    else:
+        st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        if not PINGPONG:
+            mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
+        acc = _pv_issue(p_prev, v_bufs.index(sp), acc, PV_PROMOTE)
+        # K's factors load under S_j, V's once it retired (their 32 registers would be live across the
+        # wait too); passing the turn after the loads keeps ptxas from hoisting the masked tiles'
+        # visibility compares into bit-packed registers (sm_90a compile, benchmarks/NOTES.md)
+        fk = _tile_factors(FK, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
+        _turn_pass(turn, WG, PINGPONG)
+        st = warpgroup_mma_wait(1, deps=(st,))
+        mbarrier.arrive(empty.index(s), count=1)
+        fv = _tile_factors(FV, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
+        p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED, BOOST,
+                                                  BLOCK_N, s_layout, op_layout)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(STAGES + sp), count=1)
+        acc = _rescale(acc, alpha, r_i, r_new, acc_layout)
+    return acc, p, m_ij, l_i, r_new, alpha
 
 
 @gluon.jit
@@ -265,12 +313,13 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
                        stride_ot, stride_lh, stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale,
                        c, T, turn, k_turn, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr,
-                       PINGPONG: gl.constexpr):
+                       PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
     """One entry's FP8 forward from ring position ``c`` (returned advanced) by consumer partition ``WG``
     (rows ``WG * BLOCK_M / 2`` on): ``gluon_fwd._fwd_consume_entry`` with the FP8 softmax / fold, O
     through the partition's own bf16 staging rows ``o_smem``. ``PINGPONG``: the entry's products are
     issued in the partition's turns ``k_turn, ..., k_turn + n_steps`` (``S_0``, the steps, the last
-    ``P~ V``), as ``gluon_fwd``'s."""
+    ``P~ V``), as ``gluon_fwd``'s. ``PV_PROMOTE``: each tile's ``P~ V`` promoted into an fp32 register
+    accumulator (:func:`_fp8_step`)."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     PART_M: gl.constexpr = BLOCK_M * NW // 8
     s_layout: gl.constexpr = _qgmma_layout(NW, BLOCK_N)
@@ -301,22 +350,24 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
     st = warpgroup_mma_wait(0, deps=(st,))
     mbarrier.arrive(empty.index(s0), count=1)
     if (u1 > 0) & (ph == 0):
-        p, m_i, l_i, _alpha, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, fk, fv, False, BOOST, BLOCK_N,
+        p, m_i, l_i, a_i, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, fk, fv, False, BOOST, BLOCK_N,
                                                 s_layout, op_layout)
     else:
-        p, m_i, l_i, _alpha, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, fk, fv, True, BOOST, BLOCK_N,
+        p, m_i, l_i, a_i, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, fk, fv, True, BOOST, BLOCK_N,
                                                 s_layout, op_layout)
     if (ph > 0) & (n_steps > 1):  # tile 0's leading columns hold the previous document (the last tile: below)
         mbarrier.wait(ready.index(STAGES + s0), (c // STAGES) & 1)
         _zero_cols_outside(v_bufs.index(s0), ph, BLOCK_N, NW)
     for j in range(1, u1):
-        acc, p, m_i, l_i, r_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi,
-                                          lim, row_f, j, c, acc, p, m_i, l_i, r_i, turn, k_turn, False, BOOST, PART_M,
-                                          BLOCK_N, NW, s_layout, op_layout, acc_layout, WG, PINGPONG)
+        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph,
+                                               o_hi, lim, row_f, j, c, acc, p, m_i, l_i, r_i, a_i, turn, k_turn, False,
+                                               BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout, acc_layout, WG,
+                                               PINGPONG, PV_PROMOTE)
     for j in range(gl.maximum(u1, 1), n_steps):
-        acc, p, m_i, l_i, r_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi,
-                                          lim, row_f, j, c, acc, p, m_i, l_i, r_i, turn, k_turn, True, BOOST, PART_M,
-                                          BLOCK_N, NW, s_layout, op_layout, acc_layout, WG, PINGPONG)
+        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph,
+                                               o_hi, lim, row_f, j, c, acc, p, m_i, l_i, r_i, a_i, turn, k_turn, True,
+                                               BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout, acc_layout, WG,
+                                               PINGPONG, PV_PROMOTE)
     r = c + n_steps - 1
     sl = r % STAGES
     mbarrier.wait(ready.index(STAGES + sl), (r // STAGES) & 1)
@@ -325,13 +376,18 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
     if (hi_last < BLOCK_N) | (lo_last > 0):  # the tile the document end cuts (and a one-tile walk's start)
         _zero_cols_outside(v_bufs.index(sl), lo_last, hi_last, NW)
     _turn_wait(turn, k_turn + n_steps, WG, PINGPONG)
-    acc = warpgroup_mma(p, v_bufs.index(sl).permute((1, 0)), acc, is_async=True)
+    pv = _pv_issue(p, v_bufs.index(sl), acc, PV_PROMOTE)
     _turn_pass(turn, WG, PINGPONG)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
+    pv = warpgroup_mma_wait(0, deps=(pv,))
     mbarrier.arrive(empty.index(STAGES + sl), count=1)
     _release_after_reads(q_empty)  # every product that read this Q slot retired
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-    f = (r_i * _exp2_const(-BOOST)) / l_safe  # r >= 2^(BOOST - 126): a normal float, exact
+    if PV_PROMOTE:
+        acc = _promote(acc, pv, a_i, r_i, BOOST, acc_layout)
+        f = 1.0 / l_safe
+    else:
+        acc = pv
+        f = (r_i * _exp2_const(-BOOST)) / l_safe  # r >= 2^(BOOST - 126): a normal float, exact
     out = (acc * gl.convert_layout(f, gl.SliceLayout(1, acc_layout))[:, None]).to(gl.bfloat16)
     out = _rows_through_smem(o_smem, out, NW)
     gl.thread_barrier()  # every warp read its rows before the partition's next entry writes o_smem
@@ -346,7 +402,7 @@ def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, o_smem, ready, empty, qo_ready, q
                        stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries, total, T, turn,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WL_BM: gl.constexpr,
                        CAUSAL: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr,
-                       PINGPONG: gl.constexpr):
+                       PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
     """Consumer partition ``WG`` of the persistent FP8 forward: the entries the producer hands over
     (both partitions run every entry, so with ``PINGPONG`` their turns stay paired: entry ``n`` from
     ring position ``c`` takes turns ``c + n, ..., c + n + n_steps``)."""
@@ -364,7 +420,7 @@ def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, o_smem, ready, empty, qo_ready, q
         c = _fp8_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, o_part, ready, empty, qo_ready.index(slot),
                                (n // QO_STAGES) & 1, qo_empty.index(slot), O, LSE, EQ, FK, FV, stride_ot, stride_lh,
                                stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale, c, T, turn,
-                               c + n, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, WG, NW, BOOST, PINGPONG)
+                               c + n, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, WG, NW, BOOST, PINGPONG, PV_PROMOTE)
         n += 1
         t = _next_entry(qo_ready, t_smem, n, idx_layout)
 
@@ -374,7 +430,7 @@ def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, FK, FV, items_ptr, num_i
                     skip_len, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, total, T, counter_ptr,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr,
-                    PINGPONG: gl.constexpr):
+                    PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
     # one program per SM; two Q slots; the K / V^T ring (split barriers, as the BF16 forward); two 4-warp
     # consumer partitions (PINGPONG: taking turns to issue their products) and the producer warp
     # (gluon_common._rows_producer_loop, V^T boxes on the 16-token grid)
@@ -392,10 +448,12 @@ def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, FK, FV, items_ptr, num_i
     gl.warp_specialize([
         (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, FK,
                               FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
-                              total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 0, 4, BOOST, PINGPONG)),
+                              total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 0, 4, BOOST, PINGPONG,
+                              PV_PROMOTE)),
         (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, FK,
                               FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
-                              total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST, PINGPONG)),
+                              total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST, PINGPONG,
+                              PV_PROMOTE)),
         (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
                                q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
                                max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
@@ -467,7 +525,8 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
                   ev: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
                   softmax_scale: float, *, causal: bool = True, block_m: int = 128, block_n: int = 128,
                   wl_block_m: int = 128, stages: int = 2, skip_len: int = 1, o: torch.Tensor | None = None,
-                  lse: torch.Tensor | None = None, pingpong: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  lse: torch.Tensor | None = None, pingpong: bool = True,
+                  pv_promote: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed FP8 attention forward, warp-specialized Gluon, sm_90 (module docs: the numerics).
 
     Args:
@@ -485,6 +544,12 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
             (FlashAttention-3 §3.1, ``gluon_fwd(pingpong=True)``): one partition's softmax and fold run
             while the other's products compute. Default on; compiled for sm_90a on the CPU, not yet
             timed on a GPU (benchmarks/NOTES.md).
+        pv_promote: each key tile's ``P~ V`` goes into a zero-initialized MMA accumulator and is
+            promoted into a separate fp32 register accumulator (``acc alpha + pv 2^(r - BOOST)``, the
+            emulation's ``pv_accumulator="fp32"`` up to the MMA's own accumulation inside the tile)
+            instead of accumulating across tiles in the MMA: the variant that measures the FP8 MMA's
+            reduced-precision accumulation (issue 27 item 3). Off by default: 64 more registers a
+            thread (it spills, ``gluon_compile.compile_sm90(kind="fp8_fwd", pv_promote=True)``).
 
     Returns:
         ``(o, lse)``: ``(T, H_q, 128)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
@@ -514,6 +579,6 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
         items, num_items, cu_seqlens, max_entries, int(skip_len), o.stride(0), lse.stride(0), eq.stride(0),
         ek.stride(0), float(softmax_scale) * LOG2E, total, T, torch.zeros(1, dtype=torch.int32, device=qc.device),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
-        CAUSAL=bool(causal), BOOST=BOOST_LOG2, PINGPONG=bool(pingpong), num_warps=CONSUMER_WARPS.value // 2,
-        maxnreg=MAXNREG)
+        CAUSAL=bool(causal), BOOST=BOOST_LOG2, PINGPONG=bool(pingpong), PV_PROMOTE=bool(pv_promote),
+        num_warps=CONSUMER_WARPS.value // 2, maxnreg=MAXNREG)
     return o, lse
