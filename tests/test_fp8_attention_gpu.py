@@ -106,6 +106,22 @@ def test_kernel_variants(name, causal):
 
 
 @needs_hopper
+@pytest.mark.parametrize("kw", [
+    pytest.param({}, marks=pytest.mark.xfail(strict=False, reason=(
+        "accumulating P~V in the MMA across tiles rescales it by 2^(r_old - r_new); a zero-V tile drops the "
+        "reference ~110 binades and the rescale overflows (the emulation's mma14 model does: benchmarks/NOTES.md)"))),
+    {"pv_promote": True},
+])
+def test_a_zero_v_tile_stays_finite(kw):
+    q, k, v, cu = _row([512], 1, 1, seed=11)
+    v[128:256] = 0  # one whole 128-key tile of zero V inside the document
+    o, _ = _poisoned_kernel(fp8_quantize(q, k, v, cu, "block"), cu, True, **kw)
+    assert bool(torch.isfinite(o).all())
+    ref = packed_attention_reference(q.float(), k.float(), v.float(), cu)
+    assert _cos(o, ref) > 0.998
+
+
+@needs_hopper
 def test_public_call_and_graph_capture():
     q, k, v, cu = _row([700, 300, 24], 4, 2, pad=8)
     o = varlen_attention(q, k, v, cu, 700, precision="fp8")
