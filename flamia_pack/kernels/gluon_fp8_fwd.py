@@ -30,12 +30,14 @@ Range budget (seed 001 §5), next to the fold in :func:`_fp8_softmax`: ``m`` inc
 exponents of keys row ``i`` sees (a per-tile max would read future keys on a diagonal tile and leak
 through E4M3's subnormal boundary, seed 001 §4); masked scores are ``-inf`` before the max.
 
-Why the accumulator stays in the MMA across key tiles (``acc`` rescaled by a power of two when
-``r`` changes): it costs one multiply per output row per tile, like the BF16 forward's ``alpha``,
-where promoting each tile's product into a separate fp32 accumulator costs 64 more registers a
-thread and a multiply-add per output element; the emulation's model of the FP8 MMA's 14-bit
-accumulator (``fp8_emulation.pv_accumulator="mma14"``) moved O by at most one bf16 ulp
-(docs/fp8.md); the hardware comparison is benchmarks/NOTES.md's open item.
+Why the accumulator stays in the MMA across key tiles by default (``acc`` rescaled by a power of
+two when ``r`` changes): it costs one multiply per output element per tile, like the BF16 forward's
+``alpha``, where promoting each tile's product into a separate fp32 accumulator (``PV_PROMOTE``,
+``acc_i = acc_i alpha_i + (P~ Vc)_i 2^(r_i - BOOST)``) costs 64 more registers a thread and a
+multiply-add per output element; the emulation's model of the FP8 MMA's 14-bit accumulator
+(``fp8_emulation.pv_accumulator="mma14"``) moved O by at most one bf16 ulp (docs/fp8.md), but
+overflows where a whole key tile of V is zero (the reference drops ~110 binades: docs/fp8.md). The
+hardware comparison is what ``PV_PROMOTE`` exists for (benchmarks/NOTES.md).
 
 Merged items are not supported: ``fp8_attention.py`` builds lists without them (``merge_short``
 off), so every item holds one document, 1-token documents included. Inputs: codes and exponents from ``kernels.quantize.quantize_qkv`` (V with
