@@ -203,11 +203,20 @@ def test_quantize_qkv_bad_transposed(transposed):
         quantize_qkv(q, k, v, QCU, transposed=transposed)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="transposed_store applies to the Triton kernel only")
-def test_quantize_qkv_kernel_store_needs_every_input_transposed():
+@pytest.mark.parametrize("gran", ["block", "token"])
+def test_quantize_qkv_kernel_store_of_one_input(gran):
+    """The in-kernel transposed store takes the per-input flags too: V's copy only, its pitch padded
+    with zeros, the same bits as the torch copy (Triton's interpreter here; the GPU tests on sm_90)."""
     q, k, v = _qkv_small()
-    with pytest.raises(FlamiaError, match="transposed_store='kernel' writes the transposed copy of every input"):
-        quantize_qkv(q, k, v, QCU, transposed=(False, False, True), transposed_store="kernel")
+    want = quantize_qkv(q, k, v, QCU, gran, transposed=(False, False, True))
+    got = quantize_qkv(q, k, v, QCU, gran, transposed=(False, False, True), transposed_store="kernel", hw_cvt=False)
+    assert got[0].codes_t is None and got[1].codes_t is None
+    for a, b in zip(got, want):
+        assert torch.equal(_bits(a.codes), _bits(b.codes)) and torch.equal(a.exponents, b.exponents)
+    assert torch.equal(_bits(got[2].codes_t), _bits(want[2].codes_t))
+    if HAS_TRITON:
+        assert got[2].codes_t.stride() == (16 * 48, 48, 1)
+        assert bool((got[2].codes_t.as_strided((2, 16, 48), (16 * 48, 48, 1))[:, :, 40:].view(torch.uint8) == 0).all())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,3 +332,99 @@ def test_nan_on_the_cpu_path_names_the_call():
     cu = torch.tensor([0, 100, 256], dtype=torch.int32)
     with pytest.raises(FlamiaError, match=r"precision='fp8'\) on the CPU runs the FP8 emulation, which needs finite"):
         varlen_attention(q, q, q, cu, 156, precision="fp8", check_finite=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# the Gluon kernel's factor tables, and its fold in float powers of two (gluon_fp8_fwd._fp8_softmax,
+# transcribed in torch fp32) against the emulation's integer-exponent fold
+# ---------------------------------------------------------------------------------------------
+
+
+def _gluon_fp8():
+    return pytest.importorskip("flamia_pack.kernels.gluon_fp8_fwd", reason="the Gluon FP8 kernel needs triton")
+
+
+def test_exponent_table_is_float_powers_of_two():
+    g = _gluon_fp8()
+    e = torch.tensor([[0, 1, 127], [128, 254, 255], [7, 100, 200]], dtype=torch.uint8)  # (T=3, H=3)
+    tab = g.exponent_table(e)
+    assert tab.dtype == torch.float32 and tab.shape == (3, 16 + g.TABLE_PAD) and tab.is_contiguous()
+    want = torch.ldexp(torch.ones(3, 3), e.t().to(torch.int32).clamp(1, 254) - 127)
+    assert torch.equal(tab[:, :3], want)
+    assert bool((tab[:, 3:] == 1.0).all())
+    assert bool(torch.isfinite(tab).all()) and float(tab.min()) == 2.0 ** -126 and float(tab.max()) == 2.0 ** 127
+
+
+def _kernel_fold(p, b, vis, boost, masked):
+    """``_fp8_softmax``'s fold on UE8M0 bytes ``b`` ``(H, n)``: ``(P~ bytes, r)``, r_i starting at 1.0."""
+    from flamia_pack.kernels.fp8_emulation import pow2
+
+    f = pow2(b.to(torch.int32).clamp(1, 254) - 127)  # exponent_table's entries
+    rmin = 2.0 ** (boost - 126)
+
+    def boost_over(r):  # _boost_over: the reciprocal from the exponent field, times 2^boost
+        return ((254 << 23) - r.contiguous().view(torch.int32)).view(torch.float32) * 2.0 ** boost
+
+    if masked:
+        r_max = torch.where(vis, f[:, None, :], 0.0).amax(-1)
+        r = torch.where(r_max > 0, torch.clamp(r_max, min=rmin), torch.ones(()))
+        pt = (p * f[:, None, :]) * boost_over(r)[..., None]
+    else:
+        r = torch.clamp(f.amax(-1), min=rmin)
+        pt = p * (f * boost_over(r)[:, None])[:, None, :]
+    return pt.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("boost", [8, 3, 0])
+def test_float_fold_is_the_integer_fold(masked, boost):
+    """The kernel's fold ``P~ = (p f_v) 2^BOOST / r`` (masked tiles) / ``p (f_v 2^BOOST / r)`` (mask-free)
+    gives the emulation's ``E4M3(p 2^(e_v - r + boost))`` bits on every visible pair whose V byte is
+    not 0 (all-zero groups: their codes are 0) and whose row's reference is not clamped to
+    ``2^(boost - 126)`` (nor, masked, below ``2^-108``: the documented edges), never more than
+    ``2^boost``, and exactly 0 on masked pairs (NaN bytes 255 included)."""
+    from flamia_pack.kernels.fp8_emulation import _fold_p, reference_exponent
+
+    _gluon_fp8()
+    g = torch.Generator().manual_seed(boost + 10 * masked)
+    H, m, n = 3, 64, 128
+    b = torch.randint(90, 160, (H, n), generator=g)  # real activations' exponents (e in [-37, 32])
+    b[0, :40] = torch.randint(1, 40, (40,), generator=g)  # tiny groups: r near the clamp
+    b[1, ::9] = 0  # all-zero groups
+    vis = torch.rand(m, n, generator=g) < 0.5 if masked else torch.ones(m, n, dtype=torch.bool)
+    if masked:
+        vis[:5] = False  # rows that see no key of the tile
+        vis[:, :3] = False
+        b[2, :3] = 255  # non-finite groups on keys nobody sees
+    p = torch.exp2(-torch.rand(H, m, n, generator=g) * 40)
+    p[:, :, ::7] = 1.0
+    p[:, :, 1::11] = 2.0 ** -125
+    p = torch.where(vis, p, 0.0)  # the softmax's masked p are exactly 0
+    got = _kernel_fold(p, b, vis, boost, masked)
+    e = b.to(torch.int32) - 127
+    r_emu, has = reference_exponent(e, vis)
+    want = _fold_p(p, e, r_emu, vis, boost).view(torch.uint8)
+    vals = got.view(torch.float8_e4m3fn).float()
+    assert bool(torch.isfinite(vals).all()) and float(vals.max()) <= 2.0 ** boost  # the range budget
+    assert bool((got[:, ~vis] == 0).all())
+    lo = 19 if masked else boost + 1
+    cmp = vis & (b[:, None, :] > 0) & (has & (r_emu + 127 >= lo))[..., None]
+    assert int(cmp.sum()) > H * m * n // 8
+    assert torch.equal(got[cmp], want[cmp])
+
+
+def test_float_rescale_is_the_integer_rescale():
+    """``_rescale``'s ``alpha * clamp(r_old * 2^(127 - R_new), 2^-126, 2^127)`` is the integer version's
+    ``alpha * 2^clamp(R_old - R_new, -126, 127)``, and the final ``r 2^-BOOST`` its ``2^(max(R - BOOST, 1) - 127)``
+    (references ``r = 2^(R - 127)`` with ``R >= BOOST + 1``; 2^127, the NaN byte's clamp, has no normal
+    reciprocal)."""
+    from flamia_pack.kernels.fp8_emulation import pow2
+
+    R = torch.arange(9, 254)
+    ro, rn = torch.meshgrid(R, R, indexing="ij")
+    alpha = torch.rand(ro.shape, generator=torch.Generator().manual_seed(3))
+    f_old, f_new = pow2(ro - 127), pow2(rn - 127)
+    inv = ((254 << 23) - f_new.contiguous().view(torch.int32)).view(torch.float32)
+    got = alpha * torch.clamp(f_old * inv, 2.0 ** -126, 2.0 ** 127)
+    assert torch.equal(got, alpha * pow2(torch.clamp(ro - rn, -126, 127)))
+    assert torch.equal(pow2(R - 127) * 2.0 ** -8, pow2(torch.clamp(R - 8, min=1) - 127))

@@ -185,6 +185,40 @@ def test_gpu_qkv_tiles_metadata_and_encoder(block_rows, num_warps):
             assert_same(out, x, cu, "block", True)
 
 
+@pytest.mark.parametrize("granularity", ["block", "token"])
+def test_interpreter_qkv_kernel_store_of_v_only(granularity):
+    """``transposed=(False, False, True), transposed_store="kernel"`` (what ``fp8_quantize`` runs for
+    bf16): only V gets its copy, written by its own programs; the codes are the reference's."""
+    gen = torch.Generator().manual_seed(31)
+    q, cu = packed(gen, [1, 17, 30, 11], 5, 2, 16, torch.bfloat16)
+    k, _ = packed(gen, [1, 17, 30, 11], 5, 1, 16, torch.bfloat16)
+    v, _ = packed(gen, [1, 17, 30, 11], 5, 1, 16, torch.bfloat16)
+    outs = quantize_qkv(q, k, v, cu, granularity, transposed=(False, False, True), transposed_store="kernel",
+                        hw_cvt=False, block_rows=16)
+    for out, x, t in zip(outs, (q, k, v), (False, False, True)):
+        assert_same(out, x, cu, granularity, t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity", ["block", "token"])
+def test_gpu_qkv_kernel_store_of_v_only(granularity):
+    """V's transposed copy written in the kernel with the integer encoder, Q and K without one
+    (``fp8_quantize``'s bf16 call; the hardware cvt variant is timed and checked by
+    ``benchmarks/probes/fp8_fwd_probe.py --parts quant``)."""
+    hw_cvt = False
+    gen = torch.Generator().manual_seed(7)
+    lens = torch.randint(1, 2000, (13,), generator=gen).tolist() + [1, 2, 31, 33]
+    q, cu = packed(gen, lens, 9, 8, 128, torch.bfloat16, spread=20)
+    k, _ = packed(gen, lens, 9, 2, 128, torch.bfloat16, spread=20)
+    v, _ = packed(gen, lens, 9, 2, 128, torch.bfloat16, spread=20)
+    _poison_allocator(16 * q.numel())
+    outs = quantize_qkv(q.cuda(), k.cuda(), v.cuda(), cu.cuda(), granularity, transposed=(False, False, True),
+                        transposed_store="kernel", hw_cvt=hw_cvt)
+    torch.cuda.synchronize()
+    for out, x, t in zip(outs, (q, k, v), (False, False, True)):
+        assert_same(out, x, cu, granularity, t)
+
+
 @pytest.mark.gpu
 def test_gpu_extremes_and_many_tiny_documents():
     gen = torch.Generator().manual_seed(5)

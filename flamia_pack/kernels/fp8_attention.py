@@ -33,7 +33,8 @@ class FP8Operands(NamedTuple):
 
     Fields: ``qc`` ``(T, H_q, D)``, ``kc`` ``(T, H_kv, D)`` float8_e4m3fn; ``vt`` V's codes feature-major
     ``(H_kv, D, T)`` (token stride 1, feature stride a multiple of 16); ``eq`` ``(T, H_q)``, ``ek`` /
-    ``ev`` ``(T, H_kv)`` uint8; ``ekt`` / ``evt``: ``ek`` / ``ev`` as the kernel's key-major int32 tables
+    ``ev`` ``(T, H_kv)`` uint8; ``ekt`` / ``evt``: ``ek`` / ``ev`` as the kernel's key-major float32 factor
+    tables ``(H_kv, ceil16(T) + TABLE_PAD)``, ``2^(clamp(byte, 1, 254) - 127)`` per token, 1.0 past T
     (``gluon_fp8_fwd.exponent_table``); ``granularity``: ``"block"`` or ``"token"`` (labels the exponents).
     What only the backward reads (``fp8_quantize(backward=True)``, else None): ``qt`` ``(H_q, D, T)``
     and ``kt`` ``(H_kv, D, T)`` feature-major codes (layout of ``vt``), ``vc`` ``(T, H_kv, D)`` row-major.
@@ -70,6 +71,16 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
                  backward: bool = False) -> FP8Operands:
     """Quantize Q, K, V for the FP8 forward in one launch (V also feature-major).
 
+    bf16 inputs: the quantizer writes the transposed copies itself in the same pass
+    (``quantize_qkv(transposed=(backward, backward, True), transposed_store="kernel", hw_cvt=False)``:
+    the integer E4M3 encoder, the combination whose in-kernel transposed store was measured bitwise on
+    the H200 with every input transposed, as ``backward=True`` runs it; the V-only variant of the
+    forward alone is checked by ``benchmarks/probes/fp8_fwd_probe.py --parts quant`` and the GPU
+    tests). fp16 / fp32 inputs: the copies are torch copies after the kernel
+    (``transposed_store="torch"``: ptxas miscompiles the in-kernel store for float32 inputs,
+    ``kernels.quantize.quantize``). The codes are the same bits either way
+    (``quant.quantize_token_blocks``').
+
     Args:
         q: ``(T, H_q, D)``, k, v: ``(T, H_kv, D)`` bf16 / fp16 / fp32 on one device.
         cu_seqlens: ``(n_docs + 1,)`` int32 on that device (validated by the caller).
@@ -84,8 +95,10 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
     from flamia_pack.kernels.quantize import quantize_qkv
 
+    in_kernel = q.dtype == torch.bfloat16
     qq, kq, vq = quantize_qkv(q, k, v, cu_seqlens, scale_granularity, transposed=(backward, backward, True),
-                              check_finite=check_finite, validate=False)
+                              transposed_store="kernel" if in_kernel else "torch",
+                              hw_cvt=False if in_kernel else None, check_finite=check_finite, validate=False)
     return FP8Operands(qq.codes, kq.codes, vq.codes_t, qq.exponents, kq.exponents, vq.exponents,
                        exponent_table(kq.exponents), exponent_table(vq.exponents), scale_granularity,
                        qq.codes_t if backward else None, kq.codes_t if backward else None,

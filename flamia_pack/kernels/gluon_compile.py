@@ -10,25 +10,68 @@ import torch
 
 from flamia_pack.kernels.gluon_common import CONSUMER_WARPS, MAXNREG, descriptor
 
-__all__ = ["compile_sm90"]
+__all__ = ["compile_sm90", "sass_loops", "mma_step_loops"]
+
+
+def sass_loops(sass: str) -> list[dict]:
+    """Every backward branch of a SASS listing (``cuobjdump -sass`` text) as a loop: ``start`` / ``end``
+    (addresses of the branch target and of the branch), ``instructions`` (static count, both ends
+    included), ``gmma`` (HGMMA / QGMMA instructions), ``ldl`` / ``stl`` (local-memory loads / stores), in
+    address order of the branch. Branches after the last ``EXIT`` are left out: they end the out-of-line
+    blocks (an mbarrier wait's retry) that ptxas places after the function body, not loops."""
+    import re
+
+    ins = []
+    for line in sass.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    body_end = max((a for a, t in ins if t.split()[-1] == "EXIT"), default=ins[-1][0] if ins else 0)
+    loops = []
+    for i, (a, text) in enumerate(ins):
+        if a > body_end:
+            break
+        b = re.search(r"BRA\s+(?:.*?)(0x[0-9a-f]+)", text)
+        if b and int(b.group(1), 16) <= a and int(b.group(1), 16) in at:
+            body = [t for _, t in ins[at[int(b.group(1), 16)]:i + 1]]
+            loops.append({"start": int(b.group(1), 16), "end": a, "instructions": len(body),
+                          "gmma": sum(bool(re.match(r"\S*[HQ]GMMA", t)) for t in body),
+                          "ldl": sum("LDL" in t for t in body), "stl": sum("STL" in t for t in body)})
+    return loops
+
+
+def mma_step_loops(sass: str) -> list[dict]:
+    """The innermost loops that issue wgmma products (:func:`sass_loops` entries with ``gmma > 0`` that
+    hold no other such loop): the kernels' key-tile step loops, in address order. The forward kernels
+    have two per consumer partition (the mask-free steps first, then the masked ones), the consumer
+    partitions one after the other."""
+    loops = [lp for lp in sass_loops(sass) if lp["gmma"]]
+    inner = [lp for lp in loops if not any(o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"]
+                                           for o in loops)]
+    return sorted(inner, key=lambda lp: lp["start"])
 
 
 def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None = None, block_n: int | None = None,
                  stages: int | None = None, group: int = 1, causal: bool = True, dq_reduce: bool = False,
                  persistent: bool = False, pingpong: bool = False, items_whole: bool = False,
-                 wl_block_m: int = 128, part_skip: bool = False) -> dict:
+                 wl_block_m: int = 128, part_skip: bool = False, pv_promote: bool = False) -> dict:
     """Compile one Gluon attention kernel for sm_90a and report (no GPU needed).
 
     Pointer and stride arguments are marked divisible by 16 as the launcher's specialization does at
     run time.
 
     Args:
-        kind: ``"dkdv"``, ``"dq"`` or ``"fwd"``; the other arguments default to the tiles of
-            ``gluon_dkdv`` / ``gluon_dq`` / ``gluon_fwd``.
+        kind: ``"dkdv"``, ``"dq"``, ``"fwd"`` or ``"fp8_fwd"``; the other arguments default to the tiles
+            of ``gluon_dkdv`` / ``gluon_dq`` / ``gluon_fwd`` / ``gluon_fp8_fwd`` (``"fp8_fwd"``: E4M3 TMA
+            descriptors for Q / K and the feature-major V^T, the exponent tables of
+            ``gluon_fp8_fwd.exponent_table``, head_dim 128).
         group: the GQA group (``H_q // H_kv``), a compile-time constant of every kernel.
         dq_reduce, persistent: the dK/dV kernel's dQ reduce and the backward kernels' persistent mode.
         pingpong, items_whole, wl_block_m, part_skip: the forward's ``gluon_fwd(pingpong=,
-            items_whole=, wl_block_m=, part_skip=)`` (the forward is always persistent).
+            items_whole=, wl_block_m=, part_skip=)`` (the forward is always persistent); ``pingpong``
+            also ``gluon_fp8_fwd(pingpong=)`` (its launcher's default is on, this function's off).
+        pv_promote: ``gluon_fp8_fwd(pv_promote=)``.
 
     Returns:
         dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
@@ -49,35 +92,44 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    if kind not in ("dkdv", "dq", "fwd"):
-        raise ValueError(f"compile_sm90: kind must be 'dkdv', 'dq' or 'fwd', got {kind!r}")
+    if kind not in ("dkdv", "dq", "fwd", "fp8_fwd"):
+        raise ValueError(f"compile_sm90: kind must be 'dkdv', 'dq', 'fwd' or 'fp8_fwd', got {kind!r}")
     from flamia_pack.kernels.gluon_dkdv import _dkdv_kernel
     from flamia_pack.kernels.gluon_dq import _dq_kernel
+    from flamia_pack.kernels.gluon_fp8_fwd import BOOST_LOG2, _fp8_fwd_kernel, fp8_descriptor, fp8_descriptor_t
     from flamia_pack.kernels.gluon_fwd import _fwd_kernel
 
     bm = block_m or (64 if kind == "dkdv" else 128)
-    bn = block_n or {"dkdv": 128, "dq": 64, "fwd": 128}[kind]
-    st = stages or {"dkdv": 2, "dq": 4, "fwd": 2}[kind]
+    bn = block_n or {"dkdv": 128, "dq": 64, "fwd": 128, "fp8_fwd": 128}[kind]
+    st = stages or {"dkdv": 2, "dq": 4, "fwd": 2, "fp8_fwd": 2}[kind]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         raise FileNotFoundError(f"compile_sm90: no ptxas at {ptxas}")
     x = torch.zeros(256, 16, head_dim, dtype=torch.bfloat16)
     rows, walked = mangle_type(descriptor(x, bm)), mangle_type(descriptor(x, bn))
     acc = mangle_type(descriptor(x.float(), bm)) if dq_reduce else rows
-    fn = {"dkdv": _dkdv_kernel, "dq": _dq_kernel, "fwd": _fwd_kernel}[kind]
-    types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": walked, "LSE": "*fp32", "DELTA": "*fp32",
+    fn = {"dkdv": _dkdv_kernel, "dq": _dq_kernel, "fwd": _fwd_kernel, "fp8_fwd": _fp8_fwd_kernel}[kind]
+    if kind == "fp8_fwd":  # E4M3 codes: Q / K token-major, V feature-major (H_kv, D, T)
+        x8 = torch.zeros(256, 16, head_dim, dtype=torch.float8_e4m3fn)
+        rows, walked = mangle_type(fp8_descriptor(x8, bm)), mangle_type(fp8_descriptor(x8, bn))
+        v_desc = mangle_type(fp8_descriptor_t(torch.zeros(16, head_dim, 256, dtype=torch.float8_e4m3fn), bn))
+    else:
+        v_desc = walked
+    types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": v_desc, "LSE": "*fp32", "DELTA": "*fp32",
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",
-             "cu_ptr": "*i32", "counter_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc}
+             "cu_ptr": "*i32", "counter_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc,
+             "EQ": "*u8", "FK": "*fp32", "FV": "*fp32"}
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=wl_block_m, STAGES=st,
                   CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce), PERSISTENT=bool(persistent),
-                  PINGPONG=bool(pingpong), ITEMS=bool(items_whole), PART_SKIP=bool(part_skip))
+                  PINGPONG=bool(pingpong), ITEMS=bool(items_whole), PART_SKIP=bool(part_skip), BOOST=BOOST_LOG2,
+                  PV_PROMOTE=bool(pv_promote))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or n.startswith("stride")}
     compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": CONSUMER_WARPS.value // (2 if kind == "fwd" else 1),
+                              options={"num_warps": CONSUMER_WARPS.value // (2 if kind in ("fwd", "fp8_fwd") else 1),
                                        "maxnreg": MAXNREG})
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")

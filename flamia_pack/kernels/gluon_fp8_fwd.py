@@ -6,7 +6,9 @@ rounding; what cannot be bitwise is listed there). The layout is the BF16 forwar
 (``gluon_fwd.py``): one persistent program per SM takes work-list entries from a global counter, a
 producer warp loads Q once per entry and K / V^T through a ring, and two 4-warp consumer partitions
 of ``BLOCK_M / 2`` query rows each run, per walked key tile ``j`` (software-pipelined: ``S_j`` and
-``P~_{j-1} V_{j-1}`` in flight together)::
+``P~_{j-1} V_{j-1}`` in flight together; with ``PINGPONG`` the two partitions take turns issuing
+their products, FlashAttention-3's ping-pong, so one partition's softmax runs under the other's
+products)::
 
     S     = Qc Kc^T                       FP8 wgmma (QGMMA), both operands K-major in shared memory
     x_ij  = S_ij 2^e_k(j);  s_ij = x_ij (qk 2^e_q(i))      qk = softmax_scale log2 e; masked: -inf
@@ -17,18 +19,25 @@ of ``BLOCK_M / 2`` query rows each run, per walked key tile ``j`` (software-pipe
                                                            V^T's tile the K-major B operand
     O_i   = bf16( acc_i 2^(r_i - BOOST) / l_i ),  LSE_i = (m_i + log2 l_i) ln 2
 
+The exponents enter as float32 factors: K's and V's from the key-major tables ``2^e``
+(:func:`exponent_table`), ``r_i`` carried as ``2^r_i``, so the fold and the rescale are multiplications
+by powers of two (exact, range argument in :func:`_fp8_softmax`) and ``r_i`` is at least
+``2^(BOOST - 126)`` (it binds only on tiles where a row sees nothing but V groups of ``e_v <= -119``).
+
 Range budget (seed 001 §5), next to the fold in :func:`_fp8_softmax`: ``m`` includes the tile, so
 ``p <= 1``; ``e_v(j) <= r_i`` for every visible ``j``; so ``P~ <= 2^BOOST <= 448`` for ``BOOST <= 8``
 (nothing saturates; the E4M3 conversion is ``satfinite`` anyway). Causality: ``r_i`` reads only the
 exponents of keys row ``i`` sees (a per-tile max would read future keys on a diagonal tile and leak
 through E4M3's subnormal boundary, seed 001 §4); masked scores are ``-inf`` before the max.
 
-Why the accumulator stays in the MMA across key tiles (``acc`` rescaled by a power of two when
-``r`` changes): it costs one multiply per output row per tile, like the BF16 forward's ``alpha``,
-where promoting each tile's product into a separate fp32 accumulator costs 64 more registers a
-thread and a multiply-add per output element; the emulation's model of the FP8 MMA's 14-bit
-accumulator (``fp8_emulation.pv_accumulator="mma14"``) moved O by at most one bf16 ulp
-(docs/fp8.md); the hardware comparison is benchmarks/NOTES.md's open item.
+Why the accumulator stays in the MMA across key tiles by default (``acc`` rescaled by a power of
+two when ``r`` changes): it costs one multiply per output element per tile, like the BF16 forward's
+``alpha``, where promoting each tile's product into a separate fp32 accumulator (``PV_PROMOTE``,
+``acc_i = acc_i alpha_i + (P~ Vc)_i 2^(r_i - BOOST)``) costs 64 more registers a thread and a
+multiply-add per output element; the emulation's model of the FP8 MMA's 14-bit accumulator
+(``fp8_emulation.pv_accumulator="mma14"``) moved O by at most one bf16 ulp (docs/fp8.md), but
+overflows where a whole key tile of V is zero (the reference drops ~110 binades: docs/fp8.md). The
+hardware comparison is what ``PV_PROMOTE`` exists for (benchmarks/NOTES.md).
 
 Merged items are not supported: ``fp8_attention.py`` builds lists without them (``merge_short``
 off), so every item holds one document, 1-token documents included. Inputs: codes and exponents from ``kernels.quantize.quantize_qkv`` (V with
@@ -50,6 +59,7 @@ from flamia_pack.kernels.constants import LOG2E
 from flamia_pack.kernels.gluon_common import (
     _entry_counts, _next_entry, _handoff_load, _rows_producer_loop, _rows_through_smem, _release_after_reads,
     _store_rows, _slot_barriers, check_stages, CONSUMER_WARPS, MAXNREG)
+from flamia_pack.kernels.gluon_fwd import _turn_barriers, _turn_pass, _turn_wait
 
 __all__ = ["gluon_fp8_fwd", "BOOST_LOG2"]
 
@@ -73,11 +83,34 @@ def _key_pair_layout(n):
                                       block_bases=[], shape=[n // 2])
 
 
+@constexpr_function
+def _key_pair_tile_layout(n):
+    """:func:`_key_pair_layout` as a ``(n // 8, 4)`` tile: pair ``4 i + q`` at ``(i, q)``, ``i`` in
+    registers, ``q`` the lane in the quad."""
+    regs = [[1 << i, 0] for i in range((n // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 1], [0, 2], [0, 0], [0, 0], [0, 0]],
+                                      warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[n // 8, 4])
+
+
+@constexpr_function
+def _exp2_const(e):
+    """``2.0 ** e`` for an int ``e`` in fp32's normal range (a compile-time float)."""
+    return 2.0 ** e
+
+
 @gluon.jit
 def _pow2(ebyte):
     """``2^(ebyte - 127)`` as float32 for UE8M0 bytes (int32) in ``[1, 254]``; byte 0 (``2^-127``, the
     exponent of a group whose largest magnitude is an fp32 subnormal) gives 0."""
     return (ebyte << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _boost_over(r, BOOST: gl.constexpr):
+    """``2^BOOST / r`` for powers of two ``r = 2^(R - 127)`` in ``[2^(BOOST - 126), 2^126]``, exact and a
+    normal float (``2^(BOOST + 127 - R)``): the reciprocal from the exponent field, ``(254 - R) << 23``,
+    times ``2^BOOST``. ``r = 2^127`` (only a non-finite group's clamped byte) gives 0."""
+    return ((254 << 23) - r.to(gl.int32, bitcast=True)).to(gl.float32, bitcast=True) * _exp2_const(BOOST)
 
 
 @gluon.jit
@@ -102,32 +135,46 @@ def _zero_cols_outside(buf, lo, hi, NW: gl.constexpr):
 
 
 @gluon.jit
-def _tile_exponents(EK, EV, stride_e, hk, o_lo, j, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """UE8M0 bytes (int32) of walked tile ``j``'s keys for K and V from the key-major tables
-    (:func:`exponent_table`: ``(H_kv, TPE)`` int32, padded past T): unmasked, so each thread's column
-    pairs load as 8-byte vectors from one base address (``o_lo`` is a multiple of 16). Entries of
-    other documents or padding are read but enter nothing: those pairs are masked."""
-    # the tables are read as int64 pairs (one 8-byte load per column pair of the thread) and split
-    pj = gl.multiple_of(o_lo, 16) // 2 + j * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=_key_pair_layout(BLOCK_N))
-    off = hk * (stride_e // 2) + pj
-    key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    ek2 = gl.load(EK.to(gl.pointer_type(gl.int64), bitcast=True) + off)
-    ev2 = gl.load(EV.to(gl.pointer_type(gl.int64), bitcast=True) + off)
-    ek = gl.join((ek2 & 0xFFFFFFFF).to(gl.int32), (ek2 >> 32).to(gl.int32)).reshape([BLOCK_N])
-    ev = gl.join((ev2 & 0xFFFFFFFF).to(gl.int32), (ev2 >> 32).to(gl.int32)).reshape([BLOCK_N])
-    return gl.convert_layout(ek, key_layout), gl.convert_layout(ev, key_layout)
+def _split_pairs(x2, BLOCK_N: gl.constexpr):
+    """int64 column pairs (:func:`_key_pair_layout`) as the ``BLOCK_N`` float32 values they hold (low
+    word first): register moves only."""
+    lo = (x2 & 0xFFFFFFFF).to(gl.int32).to(gl.float32, bitcast=True)
+    hi = (x2 >> 32).to(gl.int32).to(gl.float32, bitcast=True)
+    return gl.join(lo, hi).reshape([BLOCK_N])
 
 
 @gluon.jit
-def _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, ek, ev, MASKED: gl.constexpr, BOOST: gl.constexpr,
+def _tile_factors(F, stride_e, hk, o_lo, j, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """The exponent factors ``2^e`` (float32) of walked tile ``j``'s keys from a key-major table ``F``
+    (:func:`exponent_table`: ``(H_kv, TPE)`` float32, padded past T), in the columns' layout of the
+    scores ``s_layout``: unmasked, so each thread's column pairs load as 8-byte vectors from one base
+    address (``o_lo`` is a multiple of 16). Entries of other documents or padding are read but enter
+    nothing: those pairs are masked (and every entry is a finite normal float, so a masked factor
+    times ``p = 0`` is 0)."""
+    # the table is read as int64 pairs (one 8-byte load per column pair of the thread) and split;
+    # pair 4 i + q as element (i, q) of a 2-d tile (i in registers, q the lane in the quad), so that
+    # each load's address is the thread's base plus a constant (an immediate offset)
+    L2: gl.constexpr = _key_pair_tile_layout(BLOCK_N)
+    ii = gl.arange(0, BLOCK_N // 8, layout=gl.SliceLayout(1, L2))
+    qq = gl.arange(0, 4, layout=gl.SliceLayout(0, L2))
+    base = hk * (stride_e // 2) + gl.multiple_of(o_lo, 16) // 2 + j * (BLOCK_N // 2)
+    pf = F.to(gl.pointer_type(gl.int64), bitcast=True) + base
+    f2 = gl.load((pf + qq)[None, :] + (ii * 4)[:, None]).reshape([BLOCK_N // 2])
+    f = _split_pairs(gl.convert_layout(f2, _key_pair_layout(BLOCK_N)), BLOCK_N)
+    return gl.convert_layout(f, gl.SliceLayout(0, s_layout))
+
+
+@gluon.jit
+def _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED: gl.constexpr, BOOST: gl.constexpr,
                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
     """Walked tile ``j``: scores from the raw FP8 product ``st``, the base-2 online softmax and the
-    P~ fold. Returns ``(P~ as the E4M3 A operand, m, l, alpha, r)``; ``r`` (int32 UE8M0 byte per row)
-    is the fold's reference. ``lim``: the row's last visible key relative to the walk's first key
-    (as ``gluon_fwd._fwd_softmax``); ``ph``: the document's first key relative to it (tile 0 of a
+    P~ fold. Returns ``(P~ as the E4M3 A operand, m, l, alpha, r)``; ``r`` (float32 ``2^r_i`` per row,
+    at least ``2^(BOOST - 126)``) is the fold's reference. ``fk`` / ``fv``: the tile's K / V factors
+    ``2^e`` (:func:`_tile_factors`). ``lim``: the row's last visible key relative to the walk's first
+    key (as ``gluon_fwd._fwd_softmax``); ``ph``: the document's first key relative to it (tile 0 of a
     document that starts off the 16-token grid holds ``ph`` keys of the previous one);
     ``row_f = qk 2^e_q(i)``."""
-    x = st * _pow2(gl.maximum(ek, 1))[None, :]
+    x = st * fk[None, :]
     if MASKED:
         k_rel = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         vis = (k_rel[None, :] <= (lim - j * BLOCK_N)[:, None]) & (k_rel >= ph - j * BLOCK_N)[None, :]
@@ -136,71 +183,145 @@ def _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, ek, ev, MASKED: gl.conste
     p = gl.exp2(x * row_f[:, None] - m_ij[:, None])
     alpha = gl.exp2(m_i - m_ij)
     l_i = l_i * alpha + gl.sum(p, 1)
-    # Range budget: p <= 1 (m_ij includes this tile) and e_v(j) - r <= 0 on visible pairs, so
-    # P~ <= 2^BOOST <= 448. d is clamped at -126 (2^-126, a normal float): anything that small
-    # rounds to E4M3 0 either way (its smallest subnormal is 2^-9).
+    # The fold P~ = E4M3(p 2^(e_v(j) - r_i + BOOST)) in float powers of two: f_v = 2^e_v(j) from the
+    # table, r = 2^r_i their max over the row's visible keys (powers of two order as their exponents),
+    # c = 2^BOOST / r (exact, _boost_over). Range budget: p <= 1 (m_ij includes this tile) and
+    # f_v <= r on visible pairs, so P~ <= 2^BOOST <= 448 (BOOST <= 8: nothing saturates). Every table
+    # entry is a normal float in [2^-126, 2^127] (exponent_table) and r >= RMIN = 2^(BOOST - 126), so
+    # c is a normal float <= 2^126. Exactness: a product of powers of two (and of p by one) is exact
+    # unless it falls below 2^-126; a true P~ < 2^-10 rounds to E4M3 0 (smallest subnormal 2^-9)
+    # however its last product underflowed, so the E4M3 bits are those of p 2^(e_v - r_i + BOOST)
+    # (the integer-exponent fold's) wherever RMIN does not bind, with one edge in the masked form
+    # below. RMIN binds only where every V group the row sees in the tile has e_v <= -119 (all-zero
+    # groups, e = -127, whose codes are 0 so their P~ enters nothing): the reference is then 2^-118,
+    # which keeps P~ <= 2^BOOST and the final 2^(r - BOOST) a normal float.
+    RMIN: gl.constexpr = _exp2_const(BOOST - 126)
     if MASKED:
-        # r_i over the keys row i sees (never the tile's future keys); a row that sees none keeps
-        # its reference, so the tile is an exact no-op for it (p = 0, alpha = 1, factor 1)
-        r_new = gl.max(gl.where(vis, ev[None, :], -1), 1)
-        r_new = gl.where(r_new >= 0, r_new, r_i)
-        # (clamped above too: a masked key's exponent may exceed r, even be the NaN byte 255, and
-        # its factor must stay finite so that p = 0 gives P~ = 0)
-        d = gl.minimum(gl.maximum(ev[None, :] - r_new[:, None] + BOOST, -126), BOOST)
-        pt = p * ((d + 127) << 23).to(gl.float32, bitcast=True)  # masked pairs: p == 0 exactly
-    else:  # every key of the tile is visible to every row: one reference for the tile
-        r_t = gl.max(ev, 0)
-        d = gl.maximum(ev - r_t + BOOST, -126)
-        pt = p * ((d + 127) << 23).to(gl.float32, bitcast=True)[None, :]
+        # r over the keys row i sees (never the tile's future keys); a row that sees none keeps its
+        # reference, so the tile is an exact no-op for it (p = 0, alpha = 1). P~ = (p f_v) c: masked
+        # pairs have p = 0 and finite f_v, c, so exactly 0 (f_v c alone could overflow there: a masked
+        # key's f_v may exceed r). Edge: p f_v < 2^-126 on a visible pair loses bits that matter only
+        # if c > 2^116, i.e. r < 2^-108 (V groups of |v| < 1e-30).
+        r_max = gl.max(gl.where(vis, fv[None, :], 0.0), 1)
+        r_new = gl.where(r_max > 0.0, gl.maximum(r_max, RMIN), r_i)
+        pt = (p * fv[None, :]) * _boost_over(r_new, BOOST)[:, None]
+    else:  # every key of the tile is visible to every row: one reference for the tile, f_v c <= 2^BOOST
+        r_t = gl.maximum(gl.max(fv, 0), RMIN)
+        pt = p * (fv * _boost_over(r_t, BOOST))[None, :]
         r_new = gl.zeros_like(r_i) + r_t
     return gl.convert_layout(pt.to(gl.float8e4nv), op_layout), m_ij, l_i, alpha, r_new
 
 
 @gluon.jit
 def _rescale(acc, alpha, r_old, r_new, acc_layout: gl.constexpr):
-    """``acc * alpha * 2^(r_old - r_new)``: the running accumulator (in units of ``2^(r - BOOST)``)
-    moved to the new tile's softmax max and fold reference (the power of two clamped to fp32's normal
-    range: real activations' V exponents differ by far less within a document)."""
-    dr = gl.minimum(gl.maximum(r_old - r_new, -126), 127)
-    f = alpha * ((dr + 127) << 23).to(gl.float32, bitcast=True)
+    """``acc * alpha * (r_old / r_new)``: the running accumulator (in units of ``r / 2^BOOST``) moved to
+    the new tile's softmax max and fold reference. ``r_old / r_new`` is a power of two, formed exactly
+    as ``r_old * 2^(127 - R_new)`` (``r_new = 2^(R_new - 127)``) and clamped to fp32's normal range
+    ``[2^-126, 2^127]`` (an overflow to inf clamps to 2^127: real activations' V exponents differ by
+    far less within a document)."""
+    q = r_old * ((254 << 23) - r_new.to(gl.int32, bitcast=True)).to(gl.float32, bitcast=True)
+    f = alpha * gl.minimum(gl.maximum(q, _exp2_const(-126)), _exp2_const(127))
     return acc * gl.convert_layout(f, gl.SliceLayout(1, acc_layout))[:, None]
 
 
 @gluon.jit
-def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, EK, EV, stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c, acc,
-              p_prev, m_i, l_i, r_i, MASKED: gl.constexpr, BOOST: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
-              acc_layout: gl.constexpr):
+def _pv_issue(p, v_buf, acc, PV_PROMOTE: gl.constexpr):
+    """Issue ``P~ V`` (asynchronous FP8 wgmma; ``v_buf`` the ``HEAD_DIM x BLOCK_N`` V^T tile, K-major):
+    accumulated onto the MMA accumulator ``acc``, or, ``PV_PROMOTE``, into a zero-initialized one (the
+    tile's product alone, :func:`_promote`)."""
+    if PV_PROMOTE:
+        return warpgroup_mma(p, v_buf.permute((1, 0)), gl.zeros_like(acc), use_acc=False, is_async=True)
+    else:
+        return warpgroup_mma(p, v_buf.permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def _promote(acc, pv, alpha, r, BOOST: gl.constexpr, acc_layout: gl.constexpr):
+    """``PV_PROMOTE``: the fp32 register accumulator (absolute units) after tile ``t``:
+    ``acc alpha_t + pv_t 2^(r_t - BOOST)`` (``pv_t``: the tile's ``P~ V`` in units of ``r_t / 2^BOOST``,
+    ``alpha_t`` the softmax's rescale at that tile): the emulation's per-tile fp32 promotion
+    (``fp8_emulation.pv_accumulator="fp32"`` / ``"promote14"``)."""
+    a = gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout))
+    u = gl.convert_layout(r * _exp2_const(-BOOST), gl.SliceLayout(1, acc_layout))  # exact: r >= 2^(BOOST - 126)
+    return acc * a[:, None] + pv * u[:, None]
+
+
+@gluon.jit
+def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c, acc,
+              p_prev, m_i, l_i, r_i, a_i, turn, k_turn, MASKED: gl.constexpr, BOOST: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr,
+              op_layout: gl.constexpr, acc_layout: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+              PV_PROMOTE: gl.constexpr):
     """Walked tile ``j >= 1`` (``gluon_fwd._fwd_step``'s pipelining): ``S_j`` and ``P~_{j-1} V_{j-1}``
-    in flight together, tile ``j``'s softmax and fold while the second one runs."""
+    in flight together, tile ``j``'s softmax and fold while the second one runs. Returns
+    ``(acc, P~_j, m, l, r, alpha)``. ``PINGPONG``: the two products are issued in the partition's turn
+    ``k_turn + j`` (``gluon_fwd._turn_wait``), taken once both tiles landed, so one partition's softmax
+    runs under the other's products. ``acc``: the MMA accumulator in units of ``r_{j-1} / 2^BOOST``
+    (rescaled here to tile ``j``'s max and reference), or, ``PV_PROMOTE``, the fp32 register
+    accumulator that ``P~_{j-1} V_{j-1}`` is promoted into with ``a_i = alpha_{j-1}`` (:func:`_promote`).
+    ``PV_PROMOTE`` issues ``P~_{j-1} V_{j-1}`` first and promotes it while ``S_j`` computes, before the
+    softmax: the product's 64 registers a thread are free again for it (issued after ``S_j`` and
+    retired after the softmax, as the accumulating variant does, the kernel spilled ~1.2 KB, 37 local
+    loads and stores per step; this order ~80 B, none in the mask-free step: sm_90a compile)."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     r = c + j
     s = r % STAGES
     sp = (r - 1) % STAGES
     mbarrier.wait(ready.index(s), (r // STAGES) & 1)
+    if PINGPONG:  # a turn is held only while issuing
+        mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
+        _turn_wait(turn, k_turn + j, WG, PINGPONG)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-    mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p_prev, v_bufs.index(sp).permute((1, 0)), acc, is_async=True)
-    ek, ev = _tile_exponents(EK, EV, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
-    st = warpgroup_mma_wait(1, deps=(st,))
-    mbarrier.arrive(empty.index(s), count=1)
-    p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, ek, ev, MASKED, BOOST, BLOCK_N,
-                                              s_layout, op_layout)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(empty.index(STAGES + sp), count=1)
-    acc = _rescale(acc, alpha, r_i, r_new, acc_layout)
-    return acc, p, m_ij, l_i, r_new
+    if PV_PROMOTE:
+        # P~_{j-1} V_{j-1} issued first and promoted while S_j computes, so that its product's
+        # registers are free again before the softmax
+        if not PINGPONG:
+            mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
+        pv = _pv_issue(p_prev, v_bufs.index(sp), acc, PV_PROMOTE)
+        st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        pv = warpgroup_mma_wait(1, deps=(pv,))
+        mbarrier.arrive(empty.index(STAGES + sp), count=1)
+        acc = _promote(acc, pv, a_i, r_i, BOOST, acc_layout)
+        fk = _tile_factors(FK, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
+        st = warpgroup_mma_wait(0, deps=(st,))
+        mbarrier.arrive(empty.index(s), count=1)
+        fv = _tile_factors(FV, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
+        p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED, BOOST,
+                                                  BLOCK_N, s_layout, op_layout)
+    else:
+        st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        if not PINGPONG:
+            mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
+        acc = _pv_issue(p_prev, v_bufs.index(sp), acc, PV_PROMOTE)
+        # K's factors load under S_j, V's once it retired (their 32 registers would be live across the
+        # wait too); passing the turn after the loads keeps ptxas from hoisting the masked tiles'
+        # visibility compares into bit-packed registers (sm_90a compile, benchmarks/NOTES.md)
+        fk = _tile_factors(FK, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
+        _turn_pass(turn, WG, PINGPONG)
+        st = warpgroup_mma_wait(1, deps=(st,))
+        mbarrier.arrive(empty.index(s), count=1)
+        fv = _tile_factors(FV, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
+        p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED, BOOST,
+                                                  BLOCK_N, s_layout, op_layout)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(STAGES + sp), count=1)
+        acc = _rescale(acc, alpha, r_i, r_new, acc_layout)
+    return acc, p, m_ij, l_i, r_new, alpha
 
 
 @gluon.jit
-def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_phase, q_empty, O, LSE, EQ, EK, EV,
+def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_phase, q_empty, O, LSE, EQ, FK, FV,
                        stride_ot, stride_lh, stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale,
-                       c, T, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr):
+                       c, T, turn, k_turn, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr,
+                       PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
     """One entry's FP8 forward from ring position ``c`` (returned advanced) by consumer partition ``WG``
     (rows ``WG * BLOCK_M / 2`` on): ``gluon_fwd._fwd_consume_entry`` with the FP8 softmax / fold, O
-    through the partition's own bf16 staging rows ``o_smem``."""
+    through the partition's own bf16 staging rows ``o_smem``. ``PINGPONG``: the entry's products are
+    issued in the partition's turns ``k_turn, ..., k_turn + n_steps`` (``S_0``, the steps, the last
+    ``P~ V``), as ``gluon_fwd``'s. ``PV_PROMOTE``: each tile's ``P~ V`` promoted into an fp32 register
+    accumulator (:func:`_fp8_step`)."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     PART_M: gl.constexpr = BLOCK_M * NW // 8
     s_layout: gl.constexpr = _qgmma_layout(NW, BLOCK_N)
@@ -217,33 +338,38 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
     row_f = _pow2(gl.maximum(eq, 1)) * qk_scale  # byte 0 (2^-127, a subnormal amax) read as 2^-126: never 0
     m_i = gl.full([PART_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.full([PART_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
-    r_i = gl.full([PART_M], 127, gl.int32, gl.SliceLayout(1, s_layout))
+    r_i = gl.full([PART_M], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, acc_layout)
-    ek, ev = _tile_exponents(EK, EV, stride_e, hk, o_lo, 0, BLOCK_N, s_layout)
+    fk = _tile_factors(FK, stride_e, hk, o_lo, 0, BLOCK_N, s_layout)
+    fv = _tile_factors(FV, stride_e, hk, o_lo, 0, BLOCK_N, s_layout)
     mbarrier.wait(q_bar, q_phase)
     s0 = c % STAGES
     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
     zero = gl.zeros([PART_M, BLOCK_N], gl.float32, s_layout)
+    _turn_wait(turn, k_turn, WG, PINGPONG)
     st = warpgroup_mma(q_part, k_bufs.index(s0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    _turn_pass(turn, WG, PINGPONG)
     st = warpgroup_mma_wait(0, deps=(st,))
     mbarrier.arrive(empty.index(s0), count=1)
     if (u1 > 0) & (ph == 0):
-        p, m_i, l_i, _alpha, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, ek, ev, False, BOOST, BLOCK_N,
+        p, m_i, l_i, a_i, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, fk, fv, False, BOOST, BLOCK_N,
                                                 s_layout, op_layout)
     else:
-        p, m_i, l_i, _alpha, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, ek, ev, True, BOOST, BLOCK_N,
+        p, m_i, l_i, a_i, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, fk, fv, True, BOOST, BLOCK_N,
                                                 s_layout, op_layout)
     if (ph > 0) & (n_steps > 1):  # tile 0's leading columns hold the previous document (the last tile: below)
         mbarrier.wait(ready.index(STAGES + s0), (c // STAGES) & 1)
         _zero_cols_outside(v_bufs.index(s0), ph, BLOCK_N, NW)
     for j in range(1, u1):
-        acc, p, m_i, l_i, r_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, EK, EV, stride_e, hk, o_lo, ph, o_hi,
-                                          lim, row_f, j, c, acc, p, m_i, l_i, r_i, False, BOOST, PART_M, BLOCK_N, NW,
-                                          s_layout, op_layout, acc_layout)
+        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph,
+                                               o_hi, lim, row_f, j, c, acc, p, m_i, l_i, r_i, a_i, turn, k_turn, False,
+                                               BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout, acc_layout, WG,
+                                               PINGPONG, PV_PROMOTE)
     for j in range(gl.maximum(u1, 1), n_steps):
-        acc, p, m_i, l_i, r_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, EK, EV, stride_e, hk, o_lo, ph, o_hi,
-                                          lim, row_f, j, c, acc, p, m_i, l_i, r_i, True, BOOST, PART_M, BLOCK_N, NW,
-                                          s_layout, op_layout, acc_layout)
+        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph,
+                                               o_hi, lim, row_f, j, c, acc, p, m_i, l_i, r_i, a_i, turn, k_turn, True,
+                                               BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout, acc_layout, WG,
+                                               PINGPONG, PV_PROMOTE)
     r = c + n_steps - 1
     sl = r % STAGES
     mbarrier.wait(ready.index(STAGES + sl), (r // STAGES) & 1)
@@ -251,12 +377,19 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
     hi_last = o_hi - o_lo - (n_steps - 1) * BLOCK_N
     if (hi_last < BLOCK_N) | (lo_last > 0):  # the tile the document end cuts (and a one-tile walk's start)
         _zero_cols_outside(v_bufs.index(sl), lo_last, hi_last, NW)
-    acc = warpgroup_mma(p, v_bufs.index(sl).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
+    _turn_wait(turn, k_turn + n_steps, WG, PINGPONG)
+    pv = _pv_issue(p, v_bufs.index(sl), acc, PV_PROMOTE)
+    _turn_pass(turn, WG, PINGPONG)
+    pv = warpgroup_mma_wait(0, deps=(pv,))
     mbarrier.arrive(empty.index(STAGES + sl), count=1)
     _release_after_reads(q_empty)  # every product that read this Q slot retired
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-    f = _pow2(gl.maximum(r_i - BOOST, 1)) / l_safe
+    if PV_PROMOTE:
+        acc = _promote(acc, pv, a_i, r_i, BOOST, acc_layout)
+        f = 1.0 / l_safe
+    else:
+        acc = pv
+        f = (r_i * _exp2_const(-BOOST)) / l_safe  # r >= 2^(BOOST - 126): a normal float, exact
     out = (acc * gl.convert_layout(f, gl.SliceLayout(1, acc_layout))[:, None]).to(gl.bfloat16)
     out = _rows_through_smem(o_smem, out, NW)
     gl.thread_barrier()  # every warp read its rows before the partition's next entry writes o_smem
@@ -267,11 +400,14 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
 
 
 @gluon.jit
-def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, o_smem, ready, empty, qo_ready, qo_empty, t_smem, O, LSE, EQ, EK, EV,
-                       stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries, total, T,
+def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, o_smem, ready, empty, qo_ready, qo_empty, t_smem, O, LSE, EQ, FK, FV,
+                       stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries, total, T, turn,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WL_BM: gl.constexpr,
-                       CAUSAL: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr):
-    """Consumer partition ``WG`` of the persistent FP8 forward: the entries the producer hands over."""
+                       CAUSAL: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr,
+                       PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
+    """Consumer partition ``WG`` of the persistent FP8 forward: the entries the producer hands over
+    (both partitions run every entry, so with ``PINGPONG`` their turns stay paired: entry ``n`` from
+    ring position ``c`` takes turns ``c + n, ..., c + n + n_steps``)."""
     QO_STAGES: gl.constexpr = q_bufs.type.shape[0]
     PART_M: gl.constexpr = BLOCK_M * NW // 8
     idx_layout: gl.constexpr = gl.BlockedLayout([16], [32], [NW], [0])
@@ -284,20 +420,22 @@ def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, o_smem, ready, empty, qo_ready, q
         slot = n % QO_STAGES
         t, h, hk, rs, re, o_lo, o_hi, u1, n_steps, ph = _handoff_load(t_smem.index(slot), idx_layout)
         c = _fp8_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, o_part, ready, empty, qo_ready.index(slot),
-                               (n // QO_STAGES) & 1, qo_empty.index(slot), O, LSE, EQ, EK, EV, stride_ot, stride_lh,
-                               stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale, c, T, CAUSAL,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, WG, NW, BOOST)
+                               (n // QO_STAGES) & 1, qo_empty.index(slot), O, LSE, EQ, FK, FV, stride_ot, stride_lh,
+                               stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale, c, T, turn,
+                               c + n, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, WG, NW, BOOST, PINGPONG, PV_PROMOTE)
         n += 1
         t = _next_entry(qo_ready, t_smem, n, idx_layout)
 
 
 @gluon.jit
-def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, EK, EV, items_ptr, num_items_ptr, cu_ptr, max_entries,
+def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, FK, FV, items_ptr, num_items_ptr, cu_ptr, max_entries,
                     skip_len, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, total, T, counter_ptr,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr):
+                    WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr,
+                    PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
     # one program per SM; two Q slots; the K / V^T ring (split barriers, as the BF16 forward); two 4-warp
-    # consumer partitions and the producer warp (gluon_common._rows_producer_loop, V^T boxes on the 16-token grid)
+    # consumer partitions (PINGPONG: taking turns to issue their products) and the producer warp
+    # (gluon_common._rows_producer_loop, V^T boxes on the 16-token grid)
     PARTS: gl.constexpr = 2
     PART_M: gl.constexpr = BLOCK_M // PARTS
     q_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -308,13 +446,16 @@ def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, EK, EV, items_ptr, num_i
     q_ready, q_empty = _slot_barriers(2, True, PARTS)
     ready, empty = _slot_barriers(2 * STAGES, True, PARTS)
     t_smem = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    turn = _turn_barriers(q_ready, PINGPONG)
     gl.warp_specialize([
-        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, EK,
-                              EV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
-                              total, T, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 0, 4, BOOST)),
-        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, EK,
-                              EV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
-                              total, T, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST)),
+        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, FK,
+                              FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
+                              total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 0, 4, BOOST, PINGPONG,
+                              PV_PROMOTE)),
+        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, FK,
+                              FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
+                              total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST, PINGPONG,
+                              PV_PROMOTE)),
         (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
                                q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
                                max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
@@ -347,11 +488,14 @@ TABLE_PAD = 256
 
 
 def exponent_table(e: torch.Tensor) -> torch.Tensor:
-    """The kernel's key-major exponent table of ``e`` (``(T, H)`` uint8 UE8M0, dense per token):
-    ``(H, ceil16(T) + TABLE_PAD)`` int32, ``table[h, t] = e[t, h]``, byte 127 (``e = 0``) past T."""
+    """The kernel's key-major factor table of ``e`` (``(T, H)`` uint8 UE8M0 bytes ``b``, dense per token):
+    ``(H, ceil16(T) + TABLE_PAD)`` float32, ``table[h, t] = 2^(clamp(b, 1, 254) - 127)`` for ``b = e[t, h]``,
+    1.0 past T. Every entry is a normal float in ``[2^-126, 2^127]``: byte 0 (an all-zero group, or
+    one whose largest magnitude is an fp32 subnormal) reads as ``2^-126``, and the non-finite group's
+    byte 255 as ``2^127``, so a masked key's factor is finite and ``p = 0`` times it is 0."""
     T, H = e.shape
-    out = torch.full((H, -(-T // 16) * 16 + TABLE_PAD), 127, dtype=torch.int32, device=e.device)
-    out[:, :T] = e.t()
+    out = torch.ones((H, -(-T // 16) * 16 + TABLE_PAD), dtype=torch.float32, device=e.device)
+    out[:, :T] = (e.t().to(torch.int32).clamp(1, 254) << 23).view(torch.float32)
     return out
 
 
@@ -374,29 +518,40 @@ def _check_fp8_inputs(qc, kc, vt, eq, ek, ev) -> None:
         raise ValueError(f"gluon_fp8_fwd: q exponents must be contiguous uint8 (T, {H}), got {eq.dtype} {tuple(eq.shape)}")
     width = -(-T // 16) * 16 + TABLE_PAD
     for name, e in (("k", ek), ("v", ev)):
-        if e.dtype != torch.int32 or e.shape != (Hkv, width) or not e.is_contiguous():
-            raise ValueError(f"gluon_fp8_fwd: {name} exponents must be the int32 table (H_kv, ceil16(T) + {TABLE_PAD}) = "
-                             f"({Hkv}, {width}) of exponent_table, got {e.dtype} {tuple(e.shape)}")
+        if e.dtype != torch.float32 or e.shape != (Hkv, width) or not e.is_contiguous():
+            raise ValueError(f"gluon_fp8_fwd: {name} exponents must be the float32 table (H_kv, ceil16(T) + {TABLE_PAD}) "
+                             f"= ({Hkv}, {width}) of exponent_table, got {e.dtype} {tuple(e.shape)}")
 
 
 def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torch.Tensor, ek: torch.Tensor,
                   ev: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
                   softmax_scale: float, *, causal: bool = True, block_m: int = 128, block_n: int = 128,
                   wl_block_m: int = 128, stages: int = 2, skip_len: int = 1, o: torch.Tensor | None = None,
-                  lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  lse: torch.Tensor | None = None, pingpong: bool = True,
+                  pv_promote: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed FP8 attention forward, warp-specialized Gluon, sm_90 (module docs: the numerics).
 
     Args:
         qc: ``(T, H_q, 128)`` float8_e4m3fn codes; kc: ``(T, H_kv, 128)``; vt: V's feature-major codes
             ``(H_kv, 128, T)`` (token stride 1, feature stride a multiple of 16).
         eq: Q's UE8M0 exponent bytes ``(T, H_q)`` uint8, dense per token; ek, ev: K's and V's as
-            :func:`exponent_table` tables ``(H_kv, ceil16(T) + TABLE_PAD)`` int32.
+            :func:`exponent_table` factor tables ``(H_kv, ceil16(T) + TABLE_PAD)`` float32 (``2^e``).
         cu_seqlens, items, num_items: as ``gluon_fwd`` (list built with ``block_m=wl_block_m``; merged
             items are skipped: build the list without them).
         softmax_scale: scale of ``q . k``; causal: causal mask inside each document.
         block_m, block_n, stages, o, lse: as ``gluon_fwd``.
         skip_len: items of documents of at most this many tokens are skipped (0: none; the list must
             hold no merged items either way).
+        pingpong: the two consumer partitions take turns issuing their wgmma products
+            (FlashAttention-3 §3.1, ``gluon_fwd(pingpong=True)``): one partition's softmax and fold run
+            while the other's products compute. Default on; compiled for sm_90a on the CPU, not yet
+            timed on a GPU (benchmarks/NOTES.md).
+        pv_promote: each key tile's ``P~ V`` goes into a zero-initialized MMA accumulator and is
+            promoted into a separate fp32 register accumulator (``acc alpha + pv 2^(r - BOOST)``, the
+            emulation's ``pv_accumulator="fp32"`` up to the MMA's own accumulation inside the tile)
+            instead of accumulating across tiles in the MMA: the variant that measures the FP8 MMA's
+            reduced-precision accumulation (issue 27 item 3). Off by default: 64 more registers a
+            thread (it spills, ``gluon_compile.compile_sm90(kind="fp8_fwd", pv_promote=True)``).
 
     Returns:
         ``(o, lse)``: ``(T, H_q, 128)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
@@ -426,5 +581,6 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
         items, num_items, cu_seqlens, max_entries, int(skip_len), o.stride(0), lse.stride(0), eq.stride(0),
         ek.stride(0), float(softmax_scale) * LOG2E, total, T, torch.zeros(1, dtype=torch.int32, device=qc.device),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
-        CAUSAL=bool(causal), BOOST=BOOST_LOG2, num_warps=CONSUMER_WARPS.value // 2, maxnreg=MAXNREG)
+        CAUSAL=bool(causal), BOOST=BOOST_LOG2, PINGPONG=bool(pingpong), PV_PROMOTE=bool(pv_promote),
+        num_warps=CONSUMER_WARPS.value // 2, maxnreg=MAXNREG)
     return o, lse

@@ -153,7 +153,7 @@ if HAS_TRITON:
         x0, x1, x2,  # inputs (same dtype), last dim contiguous
         c0, c1, c2,  # codes, uint8 views of (T, H, D) contiguous
         e0, e1, e2,  # exponents, uint8 (T, H) contiguous
-        t0, t1, t2,  # transposed codes, uint8 (H, D, T) contiguous (unused unless TRANSPOSED)
+        t0, t1, t2,  # transposed codes, uint8 (H, D, TP) contiguous (written where TRANSPOSED has the bit)
         cu_ptr, gs_ptr,
         T, n_docs, TP,
         H0, H1, H2,
@@ -163,7 +163,7 @@ if HAS_TRITON:
         GROUP: tl.constexpr,
         BLOCK_R: tl.constexpr,
         HAS_GS: tl.constexpr,
-        TRANSPOSED: tl.constexpr,
+        TRANSPOSED: tl.constexpr,  # bit i: input i gets its transposed copy (7: all three)
         HW_CVT: tl.constexpr,
         N_ITER: tl.constexpr,
         X_BF16: tl.constexpr,
@@ -180,6 +180,7 @@ if HAS_TRITON:
             h = hh
             H = H0
             sxt = sx0
+            t_want = hh * 0 + (TRANSPOSED & 1)
         elif hh < H0 + H1:
             x_ptr = x1
             c_ptr = c1
@@ -188,6 +189,7 @@ if HAS_TRITON:
             h = hh - H0
             H = H1
             sxt = sx1
+            t_want = hh * 0 + (TRANSPOSED & 2)
         else:
             x_ptr = x2
             c_ptr = c2
@@ -196,6 +198,7 @@ if HAS_TRITON:
             h = hh - H0 - H1
             H = H2
             sxt = sx2
+            t_want = hh * 0 + (TRANSPOSED & 4)
 
         start = tile * BLOCK_R
         rows = start + tl.arange(0, BLOCK_R)
@@ -290,14 +293,18 @@ if HAS_TRITON:
 
         tl.store(c_ptr + rows64[:, None] * (H * D) + h * D + offs_d[None, :], code, mask=mask)
         tl.store(e_ptr + rows64 * H + h, ebyte.to(tl.uint8), mask=in_t)
-        if TRANSPOSED:
-            # in-kernel transposed copy (transposed_store="kernel"), row pitch TP bytes. Known
-            # miscompile: with the hardware e4m3 cvt plus two stores of the codes, ptxas 12.9
-            # (bundled with triton <= 3.8 for Hopper) corrupts the transposed output for some
-            # tile layouts (triton-lang/triton#11111; reproduced here on the H200, see
-            # benchmarks/NOTES.md). Hence the host default transposed_store="torch".
+        # in-kernel transposed copy (transposed_store="kernel"), row pitch TP bytes. Known
+        # miscompile: with the hardware e4m3 cvt plus two stores of the codes, ptxas 12.9
+        # (bundled with triton <= 3.8 for Hopper) corrupts the transposed output for some
+        # tile layouts (triton-lang/triton#11111; reproduced here on the H200, see
+        # benchmarks/NOTES.md). Hence the host default transposed_store="torch".
+        if TRANSPOSED == 7:  # every input: no per-program test
             col = (h * D + offs_d).to(tl.int64) * TP
             tl.store(t_ptr + col[None, :] + rows64[:, None], code, mask=mask)
+        elif TRANSPOSED != 0:  # only the inputs whose bit is set (the FP8 forward: V)
+            if t_want != 0:
+                col = (h * D + offs_d).to(tl.int64) * TP
+                tl.store(t_ptr + col[None, :] + rows64[:, None], code, mask=mask)
 
     _interp_kernel = None
 
@@ -413,13 +420,14 @@ def _quantize_many(
     codes = [torch.empty(x.shape, dtype=torch.uint8, device=dev) for x in xs]
     exps = [torch.empty(x.shape[:2], dtype=torch.uint8, device=dev) for x in xs]
     tp = -(-T // 16) * 16  # codes_t row pitch: 16-byte aligned (TMA needs 16-byte strides)
-    # a tensor without a transposed copy gets a 16-byte dummy (never written: its heads' programs see
-    # TRANSPOSED only when every tensor has one, see below)
+    # a tensor without a transposed copy gets a 16-byte dummy (never written: the kernel writes the
+    # copy of the inputs whose bit is set in TRANSPOSED)
     codes_t = ([torch.empty((x.shape[1], D, tp) if w else (16,), dtype=torch.uint8, device=dev)
                 for x, w in zip(xs, want_t)] if transposed else codes)
-    if in_kernel_t and not all(want_t):
-        raise FlamiaError("transposed_store='kernel' writes the transposed copy of every input: pass transposed=True")
     pad = 3 - len(xs)
+    # the padding inputs (no programs: 0 heads) count as transposed when every real one is, so that
+    # all-transposed calls compile the kernel without a per-program test
+    t_bits = 7 if all(want_t) else sum(1 << i for i, w in enumerate(want_t) if w)
     xa = xs + [xs[0]] * pad
     ca = codes + [codes[0]] * pad
     ea = exps + [exps[0]] * pad
@@ -435,7 +443,7 @@ def _quantize_many(
             T, n_docs, tp,
             *hs, *strides,
             D=D, BLOCK_D=triton.next_power_of_2(D), GROUP=group, BLOCK_R=block_r,
-            HAS_GS=group_start is not None, TRANSPOSED=in_kernel_t, HW_CVT=bool(hw_cvt),
+            HAS_GS=group_start is not None, TRANSPOSED=t_bits if in_kernel_t else 0, HW_CVT=bool(hw_cvt),
             N_ITER=_search_steps(n_docs),
             X_BF16=x0.dtype == torch.bfloat16,
             num_warps=warps,
@@ -446,8 +454,9 @@ def _quantize_many(
                 ct[:, :, :T].copy_(c.permute(1, 2, 0))
                 ct[:, :, T:].zero_()
     elif in_kernel_t:
-        for ct in codes_t:
-            ct[:, :, T:].zero_()
+        for ct, w in zip(codes_t, want_t):
+            if w:
+                ct[:, :, T:].zero_()
     outs = []
     for i in range(len(xs)):
         ct = codes_t[i][:, :, :T].view(torch.float8_e4m3fn) if want_t[i] else None
@@ -496,9 +505,12 @@ def quantize(
             write). ``"kernel"``: written by the quantizer in the same pass (DESIGN.md §4), but
             ptxas 12.9 (bundled with triton <= 3.8) miscompiles that kernel on sm_90 for float32
             inputs and "token" tiles (corrupted codes_t, triton-lang/triton#11111; measured on the
-            H200, benchmarks/NOTES.md). With ``hw_cvt=False`` (the integer encoder) it is bitwise on
-            the H200 for bf16 inputs, "block" and "token" (benchmarks/RESULTS.md). Check bitwise on
-            your toolchain before other combinations (the GPU tests do).
+            H200, benchmarks/NOTES.md). With ``hw_cvt=False`` (the integer encoder) and every input
+            transposed it is bitwise on the H200 for bf16 inputs, "block" and "token"
+            (benchmarks/RESULTS.md). ``quantize_qkv``'s per-input flags compile another variant
+            (only the flagged inputs' programs store the copy; the all-transposed variant's SASS is
+            unchanged by that): not yet checked on a GPU. Check bitwise on your toolchain before
+            other combinations (the GPU tests and ``benchmarks/probes/fp8_fwd_probe.py`` do).
 
     Returns:
         :class:`QuantizedOperand`; bitwise equal to ``quant.quantize_token_blocks``.
@@ -534,7 +546,8 @@ def quantize_qkv(
     ``q`` is ``(T, H_q, D)``, ``k`` and ``v`` are ``(T, H_kv, D)`` (any head counts, GQA included);
     all three share T, D, dtype and device. ``transposed`` writes the ``(H, D, T)`` copy for all
     three (the FP8 backward needs Q^T and K^T, the forward V^T), or, given as three bools, for the
-    inputs that ask for it (the forward: ``(False, False, True)``).
+    inputs that ask for it (the forward: ``(False, False, True)``), with either ``transposed_store``
+    (``"kernel"``: only the flagged inputs' programs write their copy).
 
     Returns:
         ``(q_quant, k_quant, v_quant)`` :class:`QuantizedOperand` each.

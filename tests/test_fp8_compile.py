@@ -1,0 +1,58 @@
+"""The Gluon FP8 forward (``gluon_fp8_fwd.py``) compiles for sm_90a on the CPU (triton's bundled ptxas,
+``gluon_compile.compile_sm90(kind="fp8_fwd")``): FP8 wgmma (QGMMA) in the SASS, asynchronous products,
+spills and the size of the key-tile step loops within what benchmarks/NOTES.md records. No GPU needed;
+skips without triton 3.6 (the kernels are written against its Gluon API) or its ptxas."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+triton = pytest.importorskip("triton")
+gluon_fp8_fwd = pytest.importorskip("flamia_pack.kernels.gluon_fp8_fwd")
+
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) != (3, 6):
+    pytest.skip("the kernels are written against triton 3.6's Gluon API", allow_module_level=True)
+
+#: the launcher's defaults: the configuration ``varlen_attention(precision="fp8")`` ships
+DEFAULTS = {k: p.default for k, p in inspect.signature(gluon_fp8_fwd.gluon_fp8_fwd).parameters.items()
+            if k in ("pingpong", "pv_promote")}
+
+#: static instructions of the mask-free step loop (one consumer partition) at or below which the
+#: shipped kernel stays (benchmarks/NOTES.md "FP8 forward": 910 on triton 3.6.0's ptxas)
+MAX_STEP = 960
+
+
+def _compile(**kw):
+    from flamia_pack.kernels.gluon_compile import compile_sm90
+
+    try:
+        return compile_sm90("fp8_fwd", **kw)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_shipped_fp8_forward_compiles_for_sm90(causal):
+    from flamia_pack.kernels.gluon_compile import mma_step_loops
+
+    r = _compile(causal=causal, **DEFAULTS)
+    assert r["shared"] <= 228 * 1024
+    assert "QGMMA" in r["sass"] and "HGMMA" not in r["sass"] and "UTMALDG" in r["sass"]
+    assert not r["serialized"], r["ptxas"]
+    assert r["spill_bytes"] <= 8, r["ptxas"]
+    steps = mma_step_loops(r["sass"])
+    assert len(steps) == 4, steps  # per consumer partition: the mask-free and the masked step loop
+    for lp in steps:
+        assert lp["gmma"] == 8 and lp["ldl"] == 0 and lp["stl"] == 0, lp  # S and P~V: 4 QGMMA each, k = 32
+    assert steps[0]["instructions"] <= MAX_STEP, steps
+
+
+@pytest.mark.parametrize("kw,max_spill", [
+    ({"pingpong": False}, 8),                      # the partitions without turns
+    ({"pingpong": True, "pv_promote": True}, 128),  # issue 27 item 3: 80 B, none in the mask-free step loop
+])
+def test_fp8_forward_variants_compile_for_sm90(kw, max_spill):
+    r = _compile(causal=True, **kw)
+    assert "QGMMA" in r["sass"] and not r["serialized"], r["ptxas"]
+    assert r["spill_bytes"] <= max_spill, r["ptxas"]
