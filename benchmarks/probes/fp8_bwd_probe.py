@@ -127,7 +127,8 @@ def _kernel_only(q, k, v, do, cu):
     """The FP8 backward kernel alone on prepared operands (a closure to time)."""
     from flamia_pack.kernels.fp8_attention import fp8_attention_forward, fp8_quantize
     from flamia_pack.kernels.fp8_bwd_prep import fp8_bwd_delta
-    from flamia_pack.kernels.gluon_fp8_bwd import factor_table, fp8_bwd_entries, gluon_fp8_bwd
+    from flamia_pack.kernels.gluon_fp8_bwd import fp8_bwd_entries, gluon_fp8_bwd
+    from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
     from flamia_pack.kernels.quantize import quantize
 
     ops = fp8_quantize(q, k, v, cu, "block", backward=True)
@@ -135,7 +136,7 @@ def _kernel_only(q, k, v, do, cu):
     d8 = quantize(do, cu, "block", transposed=True, transposed_store="kernel", hw_cvt=False, check_finite=False,
                   validate=False)
     delta = fp8_bwd_delta(d8.codes, d8.exponents, o)
-    tabs = [factor_table(e) for e in (ops.eq, ops.ek, ops.ev, d8.exponents)]
+    tabs = [exponent_table(ops.eq), ops.ekt, ops.evt, exponent_table(d8.exponents)]
     ent = fp8_bwd_entries(cu, q.shape[0])
     return lambda: gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, None, d8.codes, d8.codes_t, *tabs, lse,
                                  delta, cu, 128 ** -0.5, entries=ent)

@@ -33,7 +33,8 @@ def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32
         FlamiaError: operands saved without the backward's layouts.
     """
     from flamia_pack.kernels.fp8_bwd_prep import fp8_bwd_delta
-    from flamia_pack.kernels.gluon_fp8_bwd import factor_table, gluon_fp8_bwd
+    from flamia_pack.kernels.gluon_fp8_bwd import gluon_fp8_bwd
+    from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
     from flamia_pack.kernels.quantize import quantize
 
     if ops.qt is None or ops.kt is None or ops.vc is None:
@@ -43,5 +44,5 @@ def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32
                    transposed_store="kernel", hw_cvt=False, check_finite=False, validate=False)
     delta = fp8_bwd_delta(dq8.codes, dq8.exponents, o, dlse)
     return gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, None, dq8.codes, dq8.codes_t,
-                         factor_table(ops.eq), factor_table(ops.ek), factor_table(ops.ev), factor_table(dq8.exponents),
+                         exponent_table(ops.eq), ops.ekt, ops.evt, exponent_table(dq8.exponents),
                          lse, delta, cu32, softmax_scale, causal=causal, entries=entries)

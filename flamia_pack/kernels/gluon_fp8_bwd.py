@@ -48,16 +48,14 @@ from flamia_pack.kernels.constants import LOG2E
 from flamia_pack.kernels.gluon_common import (
     _tma_reduce_add, _slot_barriers, check_stages, descriptor, CONSUMER_WARPS, MAXNREG)
 from flamia_pack.kernels.gluon_fp8_fwd import (
-    BOOST_LOG2, _qgmma_layout, _zero_cols_outside, fp8_descriptor, fp8_descriptor_t)
+    BOOST_LOG2, TABLE_PAD, _qgmma_layout, _zero_cols_outside, fp8_descriptor, fp8_descriptor_t)
 
-__all__ = ["gluon_fp8_bwd", "fp8_bwd_entries", "factor_table", "BWD_BLOCK_M", "BWD_BLOCK_N"]
+__all__ = ["gluon_fp8_bwd", "fp8_bwd_entries", "BWD_BLOCK_M", "BWD_BLOCK_N"]
 
 BWD_BLOCK_M = 64
 """Query rows per step of the FP8 dK/dV programs (the grid ``floor16(doc start) + 64 m``)."""
 BWD_BLOCK_N = 128
 """Keys per FP8 dK/dV program (the forward's key tile)."""
-#: Columns of a factor table past ceil16(T): a step reads up to 63 rows past a document's last one.
-FACTOR_PAD = 256
 
 
 @constexpr_function
@@ -317,17 +315,6 @@ def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc,
     ], [1], [24])
 
 
-def factor_table(e: torch.Tensor) -> torch.Tensor:
-    """Float32 powers of two of UE8M0 bytes ``e`` (``(T, H)`` uint8, dense per token), key-major:
-    ``(H, ceil16(T) + FACTOR_PAD)``, ``table[h, t] = 2^(clamp(e[t, h], 1, 254) - 127)`` (always a normal
-    float: byte 0, a group of zeros, reads 2^-126; 255, a non-finite group, 2^127), 1.0 past T."""
-    T, H = e.shape
-    out = torch.ones((H, -(-T // 16) * 16 + FACTOR_PAD), dtype=torch.float32, device=e.device)
-    b = e.t().to(torch.int32).clamp(1, 254)
-    out[:, :T] = (b << 23).view(torch.float32)
-    return out
-
-
 def fp8_bwd_entries(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: bool = True,
                     block_m: int = BWD_BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The FP8 dK/dV programs' work list, built on the device (no host sync): one entry per
@@ -372,8 +359,8 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, vt_unused, dc, dct, fq, fk, fv, fdo, lse, 
         qc, dc: ``(T, H_q, 128)`` float8_e4m3fn codes of Q and dO; kc, vc: ``(T, H_kv, 128)``;
             qt, dct: ``(H_q, 128, TP)`` and kt: ``(H_kv, 128, TP)`` feature-major codes (token stride 1,
             ``TP`` a multiple of 16); vt_unused: accepted for symmetry, not read.
-        fq, fdo: ``(H_q, ceil16(T) + FACTOR_PAD)`` and fk, fv: ``(H_kv, ...)`` float32 factor tables
-            (:func:`factor_table` of the exponent bytes).
+        fq, fdo: ``(H_q, ceil16(T) + TABLE_PAD)`` and fk, fv: ``(H_kv, ...)`` float32 factor tables
+            (``gluon_fp8_fwd.exponent_table`` of the exponent bytes).
         lse: ``(H_q, T)`` float32 natural-log LSE of the FP8 forward; delta: ``(H_q, T)`` float32
             ``rowsum(dO^ O) - dLSE``.
         cu_seqlens: ``(n_docs + 1,)`` int32, validated; softmax_scale: the forward's.
@@ -402,11 +389,11 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, vt_unused, dc, dct, fq, fk, fv, fdo, lse, 
                              f"{x.stride()}")
     if D != 128 or H % Hkv or dc.shape[1] != H or vc.shape[1] != Hkv:
         raise ValueError(f"gluon_fp8_bwd: need head_dim 128 and H_q % H_kv == 0, got D={D}, H_q={H}, H_kv={Hkv}")
-    width = -(-T // 16) * 16 + FACTOR_PAD
+    width = -(-T // 16) * 16 + TABLE_PAD  # (a step reads up to 63 rows past a document's end)
     for name, x, hh in (("q", fq, H), ("k", fk, Hkv), ("v", fv, Hkv), ("do", fdo, H)):
         if x.dtype != torch.float32 or x.shape != (hh, width) or not x.is_contiguous():
             raise ValueError(f"gluon_fp8_bwd: the {name} factor table must be float32 ({hh}, {width}) "
-                             f"(factor_table), got {x.dtype} {tuple(x.shape)}")
+                             f"(gluon_fp8_fwd.exponent_table), got {x.dtype} {tuple(x.shape)}")
     for name, x in (("lse", lse), ("delta", delta)):
         if x.dtype != torch.float32 or x.shape != (H, T) or x.stride(1) != 1:
             raise ValueError(f"gluon_fp8_bwd: {name} must be float32 ({H}, {T}), got {x.dtype} {tuple(x.shape)}")
