@@ -19,8 +19,8 @@ DEFAULTS = {k: p.default for k, p in inspect.signature(gluon_fp8_fwd.gluon_fp8_f
             if k in ("pingpong", "pv_promote")}
 
 #: static instructions of the mask-free step loop (one consumer partition) at or below which the
-#: shipped kernel stays (benchmarks/NOTES.md "FP8 forward": 910 on triton 3.6.0's ptxas)
-MAX_STEP = 960
+#: shipped kernel stays (benchmarks/NOTES.md "FP8 forward": 988 with pv_promote on triton 3.6.0's ptxas)
+MAX_STEP = 1040
 
 
 def _compile(**kw):
@@ -40,17 +40,18 @@ def test_shipped_fp8_forward_compiles_for_sm90(causal):
     assert r["shared"] <= 228 * 1024
     assert "QGMMA" in r["sass"] and "HGMMA" not in r["sass"] and "UTMALDG" in r["sass"]
     assert not r["serialized"], r["ptxas"]
-    assert r["spill_bytes"] <= 8, r["ptxas"]
+    assert r["spill_bytes"] <= 128, r["ptxas"]  # 48-80 B, outside the mask-free step loop
     steps = mma_step_loops(r["sass"])
     assert len(steps) == 4, steps  # per consumer partition: the mask-free and the masked step loop
     for lp in steps:
-        assert lp["gmma"] == 8 and lp["ldl"] == 0 and lp["stl"] == 0, lp  # S and P~V: 4 QGMMA each, k = 32
-    assert steps[0]["instructions"] <= MAX_STEP, steps
+        assert lp["gmma"] == 8, lp  # S and P~V: 4 QGMMA each, k = 32
+    free = min(steps, key=lambda lp: lp["instructions"])
+    assert free["ldl"] == 0 and free["stl"] == 0 and free["instructions"] <= MAX_STEP, steps
 
 
 @pytest.mark.parametrize("kw,max_spill", [
     ({"pingpong": False}, 8),                      # the partitions without turns
-    ({"pingpong": True, "pv_promote": True}, 128),  # issue 27 item 3: 80 B, none in the mask-free step loop
+    ({"pingpong": True, "pv_promote": False}, 8),   # accumulating in the MMA (issue 27 item 3's alternative)
 ])
 def test_fp8_forward_variants_compile_for_sm90(kw, max_spill):
     r = _compile(causal=True, **kw)

@@ -28,7 +28,8 @@ from flamia_pack.kernels.gluon_fp8_fwd import gluon_fp8_fwd
 from flamia_pack.kernels.reference import packed_attention_reference
 
 #: gluon_fp8_fwd keyword arguments of each variant, and the emulation's model of its P~V accumulation
-VARIANTS = {"pp1": dict(pingpong=True), "pp0": dict(pingpong=False), "promote": dict(pingpong=True, pv_promote=True)}
+VARIANTS = {"pp1": dict(pingpong=True, pv_promote=False), "pp0": dict(pingpong=False, pv_promote=False),
+            "promote": dict(pingpong=True, pv_promote=True)}
 MODEL = {"pp1": "mma14", "pp0": "mma14", "promote": "promote14"}
 
 

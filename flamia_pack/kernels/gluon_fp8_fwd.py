@@ -30,14 +30,14 @@ Range budget (seed 001 §5), next to the fold in :func:`_fp8_softmax`: ``m`` inc
 exponents of keys row ``i`` sees (a per-tile max would read future keys on a diagonal tile and leak
 through E4M3's subnormal boundary, seed 001 §4); masked scores are ``-inf`` before the max.
 
-Why the accumulator stays in the MMA across key tiles by default (``acc`` rescaled by a power of
-two when ``r`` changes): it costs one multiply per output element per tile, like the BF16 forward's
-``alpha``, where promoting each tile's product into a separate fp32 accumulator (``PV_PROMOTE``,
-``acc_i = acc_i alpha_i + (P~ Vc)_i 2^(r_i - BOOST)``) costs 64 more registers a thread and a
-multiply-add per output element; the emulation's model of the FP8 MMA's 14-bit accumulator
-(``fp8_emulation.pv_accumulator="mma14"``) moved O by at most one bf16 ulp (docs/fp8.md), but
-overflows where a whole key tile of V is zero (the reference drops ~110 binades: docs/fp8.md). The
-hardware comparison is what ``PV_PROMOTE`` exists for (benchmarks/NOTES.md).
+Why each tile's ``P~ V`` is promoted into an fp32 register accumulator by default (``PV_PROMOTE``,
+``acc_i = acc_i alpha_i + (P~ Vc)_i 2^(r_i - BOOST)``, the emulation's ``pv_accumulator="fp32"``
+up to the MMA's accumulation inside one tile): accumulating across tiles in the MMA accumulator,
+rescaled by ``2^(r_old - r_new)`` (``pv_promote=False``), is 5-11% faster on the H200 (W1, W4,
+W7) and as accurate (cosine to fp32 equal to 5 digits, benchmarks/RESULTS.md 2026-12-02), but its
+accumulator lives in units of ``2^(r - BOOST)``: a key tile whose V is all zero drops ``r`` ~110
+binades and the rescale overflows (measured: 284 of 512 rows non-finite), so it is kept only as
+the measured alternative (issue 27 item 3).
 
 Merged items are not supported: ``fp8_attention.py`` builds lists without them (``merge_short``
 off), so every item holds one document, 1-token documents included. Inputs: codes and exponents from ``kernels.quantize.quantize_qkv`` (V with
@@ -528,7 +528,7 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
                   softmax_scale: float, *, causal: bool = True, block_m: int = 128, block_n: int = 128,
                   wl_block_m: int = 128, stages: int = 2, skip_len: int = 1, o: torch.Tensor | None = None,
                   lse: torch.Tensor | None = None, pingpong: bool = True,
-                  pv_promote: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  pv_promote: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed FP8 attention forward, warp-specialized Gluon, sm_90 (module docs: the numerics).
 
     Args:
@@ -544,14 +544,11 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
             hold no merged items either way).
         pingpong: the two consumer partitions take turns issuing their wgmma products
             (FlashAttention-3 §3.1, ``gluon_fwd(pingpong=True)``): one partition's softmax and fold run
-            while the other's products compute. Default on; compiled for sm_90a on the CPU, not yet
-            timed on a GPU (benchmarks/NOTES.md).
+            while the other's products compute. Default on (H200, accumulating kernel: 1.02-1.04x on
+            W1 / W4, 0.97x on W7; bitwise the same results as off).
         pv_promote: each key tile's ``P~ V`` goes into a zero-initialized MMA accumulator and is
-            promoted into a separate fp32 register accumulator (``acc alpha + pv 2^(r - BOOST)``, the
-            emulation's ``pv_accumulator="fp32"`` up to the MMA's own accumulation inside the tile)
-            instead of accumulating across tiles in the MMA: the variant that measures the FP8 MMA's
-            reduced-precision accumulation (issue 27 item 3). Off by default: 64 more registers a
-            thread (it spills, ``gluon_compile.compile_sm90(kind="fp8_fwd", pv_promote=True)``).
+            promoted into a separate fp32 register accumulator (default; module docs: why). False:
+            accumulate across tiles in the MMA accumulator (faster, overflows on an all-zero V tile).
 
     Returns:
         ``(o, lse)``: ``(T, H_q, 128)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
