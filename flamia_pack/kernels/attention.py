@@ -592,10 +592,11 @@ def varlen_attention(
             ``D ** -0.5``.
         precision: ``"bf16"`` or ``"fp8"``: Q, K, V quantized inside the call to E4M3 with
             document-local token-block exponents (DESIGN.md §4; ``kernels/fp8_attention.py``), the
-            Gluon FP8 forward on CUDA sm_90 (head_dim 128, bf16 inputs; no GPU backward yet: a
-            backward through it raises NotImplementedError), the differentiable CPU emulation of the
-            same numerics elsewhere (``kernels/fp8_emulation.py``). ``config`` and ``deterministic``
-            do not apply to it.
+            Gluon FP8 forward and backward on CUDA sm_90 (head_dim 128, bf16 inputs; the forward saves
+            the codes for the backward, ``kernels/fp8_backward.py``), the differentiable CPU emulation
+            of the same numerics elsewhere (``kernels/fp8_emulation.py``). ``config`` and
+            ``deterministic`` do not apply to it (its dQ is reduced by fp32 atomic adds: not bitwise
+            reproducible run to run).
         work_list: a prebuilt ``WorkList`` (:func:`build_attention_work_list`). Given one, the call
             trusts ``cu_seqlens`` (validated when the list was built) and does no host sync: use it
             for CUDA graphs and in training loops. A list built for a row of another T is rejected;
@@ -634,14 +635,14 @@ def varlen_attention(
             the default) or ``"token"`` (one per token: strict causal mode, O_i reads nothing from
             tokens after i, bitwise).
         causal_dq_scale: FP8 only: the backward's dQ uses no data-dependent scale that reads later
-            keys (paper §3.4). Accepted for API parity with the FP8 backward (issue 28); the forward
-            does not read it.
+            keys (paper §3.4). Always satisfied: the dQ payload's scale of query i reads only the keys
+            i sees and dQ accumulates in fp32 without a data-dependent scale
+            (``kernels/fp8_emulation_bwd.py``), so the flag changes nothing.
 
     Returns:
         ``o`` ``(T, H_q, D)`` in q's dtype (``precision="fp8"``: bf16), or ``(o, lse)`` if ``return_lse``.
 
     Raises:
-        NotImplementedError: a backward through the GPU FP8 forward (issue 28).
         FlamiaError / MetadataError: invalid inputs (message says what was expected), a
             ``work_list`` built for another T or ``causal``.
     """
