@@ -9,6 +9,9 @@ and the errors of bad inputs.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +26,9 @@ from flamia_pack.kernels import varlen_attention  # noqa: E402
 from flamia_pack.kernels.fp8_attention import fp8_attention_forward, fp8_kernels_available, fp8_quantize  # noqa: E402
 from flamia_pack.kernels.fp8_backward import fp8_backward  # noqa: E402
 from flamia_pack.kernels.reference import packed_attention_reference, packed_attention_reference_bwd  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes"))
+from fp8_bwd_probe import _cos, _inputs  # noqa: E402  (the probe's inputs and cosine)
 
 _HOPPER = fp8_kernels_available("cuda")
 needs_hopper = pytest.mark.skipif(not _HOPPER, reason="the FP8 kernels need sm_90 and triton's Gluon")
@@ -41,25 +47,12 @@ ROWS = {
 }
 
 
-def _inputs(lens, H, Hkv, pad=0, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    T = int(sum(lens)) + pad
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
-    q, k, v = (torch.randn((T, h, 128), device="cuda", generator=g).bfloat16() for h in (H, Hkv, Hkv))
-    do = torch.randn((T, H, 128), device="cuda", generator=g).bfloat16()
-    return q, k, v, do, cu
-
-
 def _grads(q, k, v, do, cu, causal=True, gran="block"):
     x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     o = varlen_attention(*x, cu, int((cu[1:] - cu[:-1]).max()), causal=causal, precision="fp8",
                          scale_granularity=gran)
     o.backward(do)
     return [t.grad for t in x]
-
-
-def _cos(a, b):
-    return float(torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
 
 
 @needs_hopper
