@@ -400,8 +400,9 @@ def plan_cmd(
         table = load_calibration(calibration)
         config = None  # the calibration entry's geometry = the work lists the kernel really builds
         if precision == "fp8" and (block_m, block_n, merge_short) != (None, None, None):
-            fail("--block-m / --block-n / --merge-short do not apply to --precision fp8: the FP8 kernel runs "
-                 "128 x 128 tiles on work lists without merged items (leave them out)")
+            fail("--block-m / --block-n / --merge-short do not apply to --precision fp8: each FP8 calibration "
+                 "counts its kernel's own work (forward: 128 x 128 tiles; backward and training call: 128-key "
+                 "tiles walking 64-row query steps, counted as 128 x 64), without merged items (leave them out)")
         if (block_m, block_n, merge_short) != (None, None, None):
             from flamia_pack.scheduler import kernel_path
 
@@ -503,8 +504,7 @@ def plan_cmd(
                         f"{' (largest row)' if len(preds) > 1 else ''}")
     t.add_row("calibration", f"{s['kernel_path']} a={s['a_us_per_tile']:.3g} us/tile, b={s['b_us_per_item']:.3g} "
                              f"us/item, {s['calibration_version']}"
-                             f"{'' if s['calibration_measured'] else ' (estimate, not measured on this kernel)'}"
-                             f"{' (no GPU FP8 backward exists yet: issue 28)' if s['kernel_path'] in ('fp8_bwd', 'fp8_fwd_bwd') else ''}")
+                             f"{'' if s['calibration_measured'] else ' (estimate, not measured on this kernel)'}")
     _stdout().print(t)
 
 

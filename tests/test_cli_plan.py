@@ -232,3 +232,27 @@ def test_plan_fp8_rejects_geometry_overrides(tmp_path):
     for flag in (["--merge-short"], ["--block-n", "64"], ["--block-m", "64"]):
         r = _run(f, "--precision", "fp8", "--pass", "fwd", *flag)
         assert r.exit_code == 2 and "do not apply to --precision fp8" in r.output, (flag, r.output)
+
+
+@pytest.mark.parametrize("pass_, path, measured_ms, rel", [("bwd", "fp8_bwd", 8.961, 0.079),
+                                                          ("fwd_bwd", "fp8_fwd_bwd", 13.117, 0.068)])
+def test_plan_fp8_backward_and_training_call_from_the_measured_entry(tmp_path, pass_, path, measured_ms, rel):
+    """`plan --precision fp8` predicts the FP8 backward / training call from the entries fitted to run 3 of
+    RESULTS.md's 2026-12-02 session (issue 28), on their geometry; it said "no GPU FP8 backward exists yet"."""
+    from flamia_pack.scheduler import load_calibration, workload_lengths
+
+    f = tmp_path / "w1.txt"
+    f.write_text("\n".join(map(str, workload_lengths("W1"))) + "\n")
+    d = _json(f, "--precision", "fp8", "--pass", pass_)
+    cal = load_calibration().lookup(path, 128, "H200")
+    s = d["settings"]
+    assert s["kernel_path"] == path and s["calibration_measured"] is True
+    assert (s["a_us_per_tile"], s["b_us_per_item"], s["block_m"], s["block_n"], s["merge_short"]) == \
+        (cal.a_us_per_tile, cal.b_us_per_item, 128, 64, False)
+    p = predict(workload_lengths("W1"), precision="fp8", pass_=pass_)
+    assert d["predicted_ms"] == pytest.approx(p.predicted_ms) and d["policy"] == "dynamic"
+    assert d["predicted_ms"] == pytest.approx(measured_ms, rel=rel)  # W1 as measured, within the fit's error
+    r = _run(f, "--precision", "fp8", "--pass", pass_)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.replace("│", " ").split())
+    assert path in text and "estimate" not in text and "no GPU FP8 backward" not in text

@@ -318,3 +318,86 @@ def test_predict_error_messages_name_the_real_problem():
         predict([5, 3], capacity=0)
     with pytest.raises(FlamiaError, match=r"capacity 2147483648 does not fit int32 offsets \(at most 2\*\*31 - 1\)"):
         predict([5, 3], capacity=2**31)
+
+
+# RESULTS.md "Session of 2026-12-02: the FP8 backward (issue 28)", run 3 (commit 1d9e568), table "FP8 training
+# call": the FP8 backward a call pays (dO quantization + Delta + kernel) and the training call, ms, W1-W9.
+FP8_RUN3_BWD_MS = dict(W1=8.961, W2=4.526, W3=4.455, W4=114.415, W5=31.390, W6=6.220, W7=3.717, W8=58.196, W9=34.270)
+FP8_RUN3_TRAIN_MS = dict(W1=13.117, W2=7.171, W3=6.964, W4=152.250, W5=42.603, W6=10.747, W7=5.369, W8=77.662,
+                         W9=46.230)
+
+
+def _fp8_run3_errors(cal, measured):
+    """Per-row relative error (%) of the shipped prediction (default policy: dynamic) against ``measured``."""
+    from flamia_pack.scheduler import WORKLOADS
+
+    pass_ = cal.kernel_path.split("_", 1)[1]
+    out = {}
+    for w, ms in measured.items():
+        p = predict(workload_lengths(w), num_heads=WORKLOADS[w]["num_heads"], num_kv_heads=WORKLOADS[w]["num_kv_heads"],
+                    precision="fp8", pass_=pass_)
+        assert p.policy == "dynamic" and p.calibration_measured and p.kernel_path == cal.kernel_path
+        out[w] = 100 * (p.predicted_ms - ms) / ms
+    return out
+
+
+@pytest.mark.parametrize("path, measured", [("fp8_bwd", FP8_RUN3_BWD_MS), ("fp8_fwd_bwd", FP8_RUN3_TRAIN_MS)])
+def test_fp8_backward_calibration_is_the_fit_of_the_measured_run(path, measured):
+    """The FP8 backward / training-call entries are fit_calibration of run 3 (issue 28) on the entry's own
+    geometry, and their source names the run and quotes the errors the shipped prediction really has."""
+    from flamia_pack.scheduler import WORKLOADS
+
+    cal = load_calibration().lookup(path, 128, "H200")
+    assert cal.measured and (cal.block_m, cal.block_n, cal.merge_short) == (128, 64, False)
+    cfg = TileConfig(block_m=cal.block_m, block_n=cal.block_n, merge_short=cal.merge_short)
+    a, b = fit_calibration([(workload_lengths(w), WORKLOADS[w]["num_heads"], ms * 1e3) for w, ms in measured.items()],
+                           config=cfg)
+    assert (round(a, 4), round(b, 4)) == (cal.a_us_per_tile, cal.b_us_per_item)
+    for needle in ("1d9e568", "2026-12-02", "PYTHONPATH=. python3 benchmarks/probes/fp8_bwd_probe.py --parts speed",
+                   "floor16(doc start) + 128 n", "Approximated" if path == "fp8_bwd" else "pv_promote=False"):
+        assert needle in cal.source, needle
+    errors = _fp8_run3_errors(cal, measured)
+    assert f"In-sample error (dynamic schedule): {', '.join(f'{w} {e:+.1f}%' for w, e in errors.items())}." in cal.source
+    # rows beyond issue 28's 10% are named in the source (the model's limits), not hidden
+    for w, e in errors.items():
+        assert abs(e) < 12.0
+        if abs(e) > 10.0:
+            assert f"Beyond 10%: {w}" in cal.source
+
+
+def test_fp8_backward_prediction_reproduces_measured_w1():
+    """W1 (16 x 4,096, 16 heads, D 128, causal): the shipped prediction is within the fit's W1 error of the
+    measured FP8 backward (8.961 ms, +7.8%) and training call (13.117 ms, +6.7%)."""
+    bwd = predict(workload_lengths("W1"), num_heads=16, precision="fp8", pass_="bwd")
+    assert bwd.kernel_path == "fp8_bwd" and bwd.calibration_measured
+    assert bwd.predicted_ms == pytest.approx(FP8_RUN3_BWD_MS["W1"], rel=0.079)
+    train = predict(workload_lengths("W1"), num_heads=16, precision="fp8")
+    assert train.kernel_path == "fp8_fwd_bwd" and train.calibration_measured
+    assert train.predicted_ms == pytest.approx(FP8_RUN3_TRAIN_MS["W1"], rel=0.068)
+    assert bwd.predicted_ms < train.predicted_ms
+
+
+def test_fp8_backward_units_mirror_the_kernel_programs():
+    """The fp8_bwd entry's units (128-row items walking 64-key tiles) are the FP8 backward kernel's programs
+    (128-key tiles on floor16(doc start) + 128 n walking 64-row query steps) mirrored: the same count and
+    multiset of steps per document on rows whose documents span an even number of 64-row steps (W1-W5,
+    W7-W9), a little more on unaligned ones (W6: +2.0%)."""
+    pytest.importorskip("triton")
+    import torch
+
+    from flamia_pack.kernels.gluon_fp8_bwd import BWD_BLOCK_M, fp8_bwd_entries
+    from flamia_pack.scheduler.worklist import build_work_list_numba, walked_tiles
+
+    cal = load_calibration().lookup("fp8_bwd", 128, "H200")
+    cfg = TileConfig(block_m=cal.block_m, block_n=cal.block_n, merge_short=cal.merge_short)
+    for w in ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9"):
+        lens = workload_lengths(w)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        ent, n, _ = fp8_bwd_entries(torch.from_numpy(cu.astype(np.int32)), int(cu[-1]))
+        a, f, _, end = ent[: int(n)].to(torch.int64).numpy().T
+        steps = np.sort((end - f + BWD_BLOCK_M - 1) // BWD_BLOCK_M - (a - f) // BWD_BLOCK_M)
+        model = np.sort(walked_tiles(build_work_list_numba(cu, cfg), cu, cfg))
+        if w == "W6":
+            assert (model.size, int(model.sum())) == (542, 8795) and (steps.size, int(steps.sum())) == (544, 8618)
+        else:
+            assert np.array_equal(model, steps), w

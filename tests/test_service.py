@@ -156,11 +156,31 @@ def test_predict_w1_matches_scheduler_and_packer(client):
 
 @pytest.mark.parametrize("precision, head_dim", [("bf16", 128), ("bf16", 64), ("fp8", 128)])
 def test_predict_says_whether_the_calibration_was_measured(client, precision, head_dim):
-    # the API must flag estimates (fp8 has no kernels yet) like `flamia plan --json` does
+    # the API must flag estimates (head_dim 64) like `flamia plan --json` does; fp8 at 128 is measured (issue 28)
     r = client.post("/v1/cost:predict", json={"lengths": [1000, 3000], "precision": precision, "head_dim": head_dim})
     assert r.status_code == 200, r.text
     ref = predict(np.array([1000, 3000]), num_heads=16, head_dim=head_dim, precision=precision, pass_="fwd_bwd")
     assert r.json()["calibration_measured"] is ref.calibration_measured
+    assert ref.calibration_measured is (head_dim == 128)
+
+
+def test_predict_fp8_training_call_from_the_measured_entry(client):
+    """The FP8 training call (quantize + forward + the FP8 backward) is predicted from the fp8_fwd_bwd entry
+    fitted to RESULTS.md 2026-12-02 run 3 (issue 28): W1 within the fit's error (+6.7%) of the measured
+    13.117 ms, and the same numbers as `flamia plan --precision fp8`."""
+    w1 = workload_lengths("W1")
+    b = client_predict(client, {"lengths": w1.tolist(), "precision": "fp8", "head_dim": 128})
+    cal = load_calibration().lookup("fp8_fwd_bwd", 128, "H200")
+    assert cal.measured and "1d9e568" in cal.source
+    assert b["calibration_measured"] is True and b["calibration_version"] == load_calibration().version
+    ref = predict(w1, num_heads=16, head_dim=128, precision="fp8", pass_="fwd_bwd")
+    assert ref.kernel_path == "fp8_fwd_bwd" and (ref.a_us_per_tile, ref.b_us_per_item) == (cal.a_us_per_tile,
+                                                                                          cal.b_us_per_item)
+    assert (b["work_items"], b["tiles"]) == (ref.items, ref.tiles)
+    assert b["predicted_ms"]["chosen"] == pytest.approx(ref.predicted_ms, rel=1e-12)
+    assert b["predicted_ms"]["chosen"] == pytest.approx(13.117, rel=0.068)
+    bf16 = client_predict(client, {"lengths": w1.tolist(), "precision": "bf16", "head_dim": 128})
+    assert b["predicted_ms"]["chosen"] > bf16["predicted_ms"]["chosen"]  # FP8 training call 0.67x BF16 on W1
 
 
 def test_predict_multi_row_uses_packed_segments(client):

@@ -148,7 +148,8 @@ class PredictResponse(BaseModel):
     calibration_version: str
     calibration_measured: bool = Field(
         description="True if (a, b) of this (precision, head_dim, gpu) were fitted to measured runs of our "
-        "kernels; False = an estimate (e.g. fp8, whose kernels are not built yet): treat predicted_ms as rough. "
+        "kernels (fp8 at head_dim 128: the FP8 training call of 2026-12-02); False = an estimate (e.g. head_dim 64, "
+        "not yet fitted to our kernels; the FP8 kernels run head_dim 128 only): treat predicted_ms as rough. "
         "Same flag as `flamia plan --json` settings.calibration_measured."
     )
 

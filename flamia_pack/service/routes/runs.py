@@ -82,7 +82,7 @@ async def create_run(
         raise HTTPException(status_code=503, detail=f"no GPU to run on: {exc}") from None
     except (HTTPException, FlamiaError):
         raise
-    except NotImplementedError as exc:  # e.g. a kernel path (fp8) not built yet
+    except NotImplementedError as exc:  # e.g. a kernel path or shape this build has no GPU kernel for
         raise HTTPException(status_code=501, detail=f"not available on this build: {exc}") from None
     except Exception as exc:  # a device failure is the server's problem, reported as such
         raise HTTPException(
