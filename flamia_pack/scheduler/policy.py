@@ -111,7 +111,7 @@ def slower_choice_note(rule: str, chosen_ms: float, static_ms: float, dynamic_ms
         other_suffix: appended to the faster schedule's name (e.g. ``" on every row"``).
     """
     other, best = ("static", static_ms) if static_ms < dynamic_ms else ("dynamic", dynamic_ms)
-    if not best < chosen_ms:
+    if not best < chosen_ms * (1 - 1e-9):  # equal up to float rounding: no disagreement to show
         return None
     pct = 100.0 * (chosen_ms - best) / chosen_ms
     return f"{rule}; the simulator predicts {other}{other_suffix} {pct:.1f}% faster" if pct >= 0.1 else \
