@@ -57,3 +57,21 @@ def test_fp8_forward_variants_compile_for_sm90(kw, max_spill):
     r = _compile(causal=True, **kw)
     assert "QGMMA" in r["sass"] and not r["serialized"], r["ptxas"]
     assert r["spill_bytes"] <= max_spill, r["ptxas"]
+
+
+@pytest.mark.parametrize("causal,group", [(True, 1), (False, 4)])
+def test_fp8_backward_compiles_for_sm90(causal, group):
+    """The FP8 backward (``gluon_fp8_bwd.py``): QGMMA for all five products (4 k = 32 instructions
+    each of S^T and dP^T per warpgroup, the register-A dV / dK products and the dQ partial), no HGMMA,
+    asynchronous, TMA, and the spills RESULTS 2026-12-02 records (168-304 B, none serializing)."""
+    try:
+        from flamia_pack.kernels.gluon_compile import compile_sm90
+
+        r = compile_sm90("fp8_bwd", causal=causal, group=group)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    assert r["shared"] <= 228 * 1024
+    assert r["sass"].count("QGMMA") >= 40 and "HGMMA" not in r["sass"] and "UTMALDG" in r["sass"]
+    assert "UTMAREDG" in r["sass"] or "UBLKRED" in r["sass"] or "REDG" in r["sass"]  # the dQ reduce-add
+    assert not r["serialized"], r["ptxas"]
+    assert r["spill_bytes"] <= 320, r["ptxas"]

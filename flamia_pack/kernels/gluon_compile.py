@@ -62,10 +62,10 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
     run time.
 
     Args:
-        kind: ``"dkdv"``, ``"dq"``, ``"fwd"`` or ``"fp8_fwd"``; the other arguments default to the tiles
-            of ``gluon_dkdv`` / ``gluon_dq`` / ``gluon_fwd`` / ``gluon_fp8_fwd`` (``"fp8_fwd"``: E4M3 TMA
-            descriptors for Q / K and the feature-major V^T, the exponent tables of
-            ``gluon_fp8_fwd.exponent_table``, head_dim 128).
+        kind: ``"dkdv"``, ``"dq"``, ``"fwd"``, ``"fp8_fwd"`` or ``"fp8_bwd"``; the other arguments
+            default to the tiles of ``gluon_dkdv`` / ``gluon_dq`` / ``gluon_fwd`` / ``gluon_fp8_fwd`` /
+            ``gluon_fp8_bwd`` (the FP8 kinds: E4M3 TMA descriptors, row-major and feature-major as each
+            kernel reads them, float32 factor tables of ``gluon_fp8_fwd.exponent_table``, head_dim 128).
         group: the GQA group (``H_q // H_kv``), a compile-time constant of every kernel.
         dq_reduce, persistent: the dK/dV kernel's dQ reduce and the backward kernels' persistent mode.
         pingpong, items_whole, wl_block_m, part_skip: the forward's ``gluon_fwd(pingpong=,
@@ -92,33 +92,47 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    if kind not in ("dkdv", "dq", "fwd", "fp8_fwd"):
-        raise ValueError(f"compile_sm90: kind must be 'dkdv', 'dq', 'fwd' or 'fp8_fwd', got {kind!r}")
+    if kind not in ("dkdv", "dq", "fwd", "fp8_fwd", "fp8_bwd"):
+        raise ValueError(f"compile_sm90: kind must be 'dkdv', 'dq', 'fwd', 'fp8_fwd' or 'fp8_bwd', got {kind!r}")
     from flamia_pack.kernels.gluon_dkdv import _dkdv_kernel
     from flamia_pack.kernels.gluon_dq import _dq_kernel
     from flamia_pack.kernels.gluon_fp8_fwd import BOOST_LOG2, _fp8_fwd_kernel, fp8_descriptor, fp8_descriptor_t
+    from flamia_pack.kernels.gluon_fp8_bwd import BWD_BLOCK_M, BWD_BLOCK_N, _fp8_bwd_kernel
     from flamia_pack.kernels.gluon_fwd import _fwd_kernel
 
     bm = block_m or (64 if kind == "dkdv" else 128)
-    bn = block_n or {"dkdv": 128, "dq": 64, "fwd": 128, "fp8_fwd": 128}[kind]
-    st = stages or {"dkdv": 2, "dq": 4, "fwd": 2, "fp8_fwd": 2}[kind]
+    if kind == "fp8_bwd":
+        bm = BWD_BLOCK_M
+    bn = block_n or {"dkdv": 128, "dq": 64, "fwd": 128, "fp8_fwd": 128, "fp8_bwd": BWD_BLOCK_N}[kind]
+    st = stages or {"dkdv": 2, "dq": 4, "fwd": 2, "fp8_fwd": 2, "fp8_bwd": 2}[kind]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         raise FileNotFoundError(f"compile_sm90: no ptxas at {ptxas}")
     x = torch.zeros(256, 16, head_dim, dtype=torch.bfloat16)
     rows, walked = mangle_type(descriptor(x, bm)), mangle_type(descriptor(x, bn))
     acc = mangle_type(descriptor(x.float(), bm)) if dq_reduce else rows
-    fn = {"dkdv": _dkdv_kernel, "dq": _dq_kernel, "fwd": _fwd_kernel, "fp8_fwd": _fp8_fwd_kernel}[kind]
+    fn = {"dkdv": _dkdv_kernel, "dq": _dq_kernel, "fwd": _fwd_kernel, "fp8_fwd": _fp8_fwd_kernel,
+          "fp8_bwd": _fp8_bwd_kernel}[kind]
     if kind == "fp8_fwd":  # E4M3 codes: Q / K token-major, V feature-major (H_kv, D, T)
         x8 = torch.zeros(256, 16, head_dim, dtype=torch.float8_e4m3fn)
         rows, walked = mangle_type(fp8_descriptor(x8, bm)), mangle_type(fp8_descriptor(x8, bn))
         v_desc = mangle_type(fp8_descriptor_t(torch.zeros(16, head_dim, 256, dtype=torch.float8_e4m3fn), bn))
     else:
         v_desc = walked
+    extra = {}
+    if kind == "fp8_bwd":  # row-major Q / dO / K / V codes, feature-major Q^T / dO^T / K^T, fp32 dQ accumulator
+        x8 = torch.zeros(256, 16, head_dim, dtype=torch.float8_e4m3fn)
+        xt8 = torch.zeros(16, head_dim, 256, dtype=torch.float8_e4m3fn)
+        rows, walked = mangle_type(fp8_descriptor(x8, bm)), mangle_type(fp8_descriptor(x8, bn))
+        v_desc = walked
+        acc = mangle_type(descriptor(x.float(), bm))
+        extra = {"qt_desc": mangle_type(fp8_descriptor_t(xt8, bm)), "dot_desc": mangle_type(fp8_descriptor_t(xt8, bm)),
+                 "kt_desc": mangle_type(fp8_descriptor_t(xt8, bn)), "FQ": "*fp32", "FDO": "*fp32", "ENTRIES": "*i32",
+                 "n_entries_ptr": "*i32"}
     types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": v_desc, "LSE": "*fp32", "DELTA": "*fp32",
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",
              "cu_ptr": "*i32", "counter_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc,
-             "EQ": "*u8", "FK": "*fp32", "FV": "*fp32"}
+             "EQ": "*u8", "FK": "*fp32", "FV": "*fp32", **extra}
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=wl_block_m, STAGES=st,
                   CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce), PERSISTENT=bool(persistent),
                   PINGPONG=bool(pingpong), ITEMS=bool(items_whole), PART_SKIP=bool(part_skip), BOOST=BOOST_LOG2,
