@@ -72,6 +72,6 @@ def test_fp8_backward_compiles_for_sm90(causal, group):
         pytest.skip(str(e))
     assert r["shared"] <= 228 * 1024
     assert r["sass"].count("QGMMA") >= 40 and "HGMMA" not in r["sass"] and "UTMALDG" in r["sass"]
-    assert "UTMAREDG" in r["sass"] or "UBLKRED" in r["sass"] or "REDG" in r["sass"]  # the dQ reduce-add
+    assert "UTMAREDG" in r["sass"]  # the dQ partial's TMA reduce-add
     assert not r["serialized"], r["ptxas"]
     assert r["spill_bytes"] <= 320, r["ptxas"]
