@@ -1,0 +1,87 @@
+"""Numerics of the FP8 backward on the issue's three inputs, through its CPU emulation (CPU only).
+
+The Gluon FP8 backward follows :mod:`flamia_pack.kernels.fp8_emulation_bwd` (its contract, bitwise up
+to the fp32 order of the dQ reduce; the GPU gradients' cosines to fp32 equal the emulation's on N(0, 1),
+benchmarks/RESULTS.md 2026-12-02), so the emulation's error against exact attention is the kernel's.
+Per input: cosine of dQ / dK / dV against the fp64 exact gradients on the same bf16 inputs, the
+gradient norm ratios, the dS zero fraction of each payload, the signed row-sum residual of the decoded
+dQ payload, and the positive control (S recomputed from the unquantized q, k: P no longer matches the
+saved LSE) that must show the residual / norm blow-up.
+
+Inputs: N(0, 1); N(0, 1) with K channels 5, 17, 40, 99 x 20; the q, k, v entering a layer of the
+tiny GPT of ``examples/train_tiny_gpt.py`` trained on the CPU (``fp8_numerics.gpt_capture``, head_dim
+64). Rows are shorter than the GPU probe's 4 x 4096 for CPU time (``--tokens``).
+
+    PYTHONPATH=. python3 benchmarks/probes/fp8_bwd_numerics.py --tokens 1024 --heads 2 --gpt-steps 200
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from flamia_pack.kernels.fp8_emulation import fp8_attention_forward  # noqa: E402
+from flamia_pack.kernels.fp8_emulation_bwd import fp8_attention_backward  # noqa: E402
+from flamia_pack.kernels.reference import packed_attention_reference, packed_attention_reference_bwd  # noqa: E402
+
+
+def _cos(a, b):
+    return float(torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+
+
+def row(name, q, k, v, cu, gran, seed=0):
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    o_ref, lse_ref = packed_attention_reference(qd, kd, vd, cu, return_lse=True, compute_dtype=torch.float64)
+    ref = packed_attention_reference_bwd(do.double(), qd, kd, vd, o_ref, lse_ref, cu, compute_dtype=torch.float64)
+    o, lse = fp8_attention_forward(q, k, v, cu, scale_granularity=gran)
+    out = []
+    for mismatch in (None, "bf16_scores"):
+        st = {}
+        g = fp8_attention_backward(do, q, k, v, o, lse, cu, scale_granularity=gran, stats=st, mismatch=mismatch)
+        cos = [_cos(a, r) for a, r in zip(g, ref)]
+        nr = [float(a.double().norm() / r.norm()) for a, r in zip(g, ref)]
+        out.append((mismatch, cos, nr, st))
+    (_, c, n, st), (_, cc, nc, sc) = out
+    print(f"| {name} | {gran} | {c[0]:.5f} | {c[1]:.5f} | {c[2]:.5f} | {n[0]:.4f} / {n[1]:.4f} / {n[2]:.4f} | "
+          f"{st['ds_zero_fraction']:.2e} / {st['ds_zero_fraction_dk']:.2e} | {st['ds_row_residual']:+.2e} "
+          f"(rms {st['ds_row_residual_rms']:.2e}) | control: dQ cos {cc[0]:.4f}, norm {nc[0]:.3f}, residual rms "
+          f"{sc['ds_row_residual_rms']:.2e} |", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per document (4 documents)")
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--gpt-steps", type=int, default=200, help="0: no trained-model row")
+    ap.add_argument("--gpt-layer", type=int, default=1)
+    a = ap.parse_args(argv)
+    L, H = a.tokens, a.heads
+    cu = torch.tensor([0, L, 2 * L, 3 * L, 4 * L])
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn((4 * L, H, 128), generator=g).bfloat16() for _ in range(3))
+    k_out = k.clone()
+    k_out[:, :, [5, 17, 40, 99]] *= 20
+    print("| input | mode | cos dQ | cos dK | cos dV | norm ratio dQ / dK / dV | dS zero fraction dQ / dK payload |"
+          " row residual | positive control (bf16 scores) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for gran in ("block", "token"):
+        row("N(0,1)", q, k, v, cu, gran)
+    row("K ch x20", q, k_out, v, cu, "block")
+    if a.gpt_steps:
+        from fp8_numerics import gpt_capture
+
+        layers, gcu = gpt_capture(a.gpt_steps)
+        gq, gk, gv = layers[a.gpt_layer]
+        n = min(int(gcu[-1]), 4 * L)
+        keep = gcu[gcu <= n]
+        gcu = torch.cat([keep, torch.tensor([n])]) if int(keep[-1]) < n else keep
+        row(f"GPT L{a.gpt_layer}", gq[:n], gk[:n], gv[:n], gcu, "block")
+
+
+if __name__ == "__main__":
+    main()
