@@ -167,7 +167,11 @@ class Rows:
             return next(self.it)
         except StopIteration:  # the dataset moved itself to the next epoch (new shuffle)
             self.it = iter(self.ds)
-            return next(self.it)
+            try:
+                return next(self.it)
+            except StopIteration:
+                raise SystemExit("error: the training split holds no documents (the source is too small, or "
+                                 "--val-every-nth-doc sends all of it to validation)") from None
 
     def state_dict(self) -> dict:
         return self.ds.state_dict()
@@ -277,6 +281,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--source {args.source}: not found")
     if args.out is None and not args.estimate:
         p.error("--out DIR is required (the run directory)")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out} is a file; it must be a run directory (new or one to resume)")
+    if args.out is not None and any(x.exists() and not x.is_dir() for x in args.out.parents):
+        p.error(f"--out {args.out}: a parent of it is a file")
     return args
 
 
@@ -353,8 +361,12 @@ class Log:
         if keep_until is None:
             path.write_text("")
         elif path.exists():
-            kept = [ln for ln in path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= keep_until]
+            try:
+                kept = [ln for ln in path.read_text().splitlines()
+                        if ln.strip() and json.loads(ln).get("step", 0) <= keep_until]
+            except (json.JSONDecodeError, AttributeError) as exc:
+                raise SystemExit(f"error: {path} is not a train_fp8 log ({exc}); move it away to resume "
+                                 "(the checkpoint is intact)") from None
             path.write_text("".join(ln + "\n" for ln in kept))
         self.fh = path.open("a")
 
@@ -480,7 +492,14 @@ def train(args: argparse.Namespace) -> dict:
         fp8_leak.warn_leak(args.leak_mode)
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt_path = args.out / CKPT
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.exists() else None
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.exists() else None
+        if ckpt is not None and not (isinstance(ckpt, dict) and "config" in ckpt):
+            raise ValueError("not a train_fp8 checkpoint")
+    except Exception as exc:  # a damaged or foreign file: say so, lose nothing
+        raise SystemExit(f"error: {ckpt_path} cannot be read as a checkpoint ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); move it away to start over, "
+                         "or use another --out") from None
     if ckpt is not None and ckpt["config"] != _config(args):
         diff = {k: (ckpt["config"].get(k), v) for k, v in _config(args).items() if ckpt["config"].get(k) != v}
         raise SystemExit(f"error: --out {args.out} holds a run with other settings (checkpoint vs now: {diff}); "
@@ -535,6 +554,19 @@ def train(args: argparse.Namespace) -> dict:
     cus: list[list[int]] = []
     stop_reason = "done" if step >= args.steps else None
     diverged = False
+
+    def write_pending():
+        """The pending steps' records (one sync); returns ``(their values, tokens, seconds, diverged)``."""
+        vals = torch.stack([torch.stack([p[1].float(), p[2].float()]) for p in pending]).cpu().tolist()
+        dt = time.perf_counter() - t_win
+        ntok = sum(p[4] for p in pending)
+        bad = False
+        for (s, _, _, lr_s, tok, ndocs), (lv, gv) in zip(pending, vals):
+            log.write({"type": "train", "step": s, "loss": lv, "grad_norm": gv, "lr": lr_s, "tokens": tok,
+                       "docs": ndocs, "tok_s": ntok / dt, "step_ms": 1e3 * dt / len(pending)})
+            bad = bad or not (math.isfinite(lv) and math.isfinite(gv))
+        return vals, ntok, dt, bad
+
     while step < args.steps:
         if args.stop_at is not None and step >= args.stop_at:
             stop_reason = "stop-at"
@@ -564,14 +596,8 @@ def train(args: argparse.Namespace) -> dict:
         pending.append((step, loss.detach(), gn.detach(), lr, int(cpu_batch["num_real_tokens"]), len(cu) - 1))
         is_eval = step % args.eval_every == 0 or step == args.steps
         if len(pending) >= args.log_every or is_eval or step % args.ckpt_every == 0 or step == args.steps:
-            vals = torch.stack([torch.stack([p[1].float(), p[2].float()]) for p in pending]).cpu().tolist()
-            now = time.perf_counter()
-            dt = now - t_win
-            ntok = sum(p[4] for p in pending)
-            for (s, _, _, lr_s, tok, ndocs), (lv, gv) in zip(pending, vals):
-                log.write({"type": "train", "step": s, "loss": lv, "grad_norm": gv, "lr": lr_s, "tokens": tok,
-                           "docs": ndocs, "tok_s": ntok / dt, "step_ms": 1e3 * dt / len(pending)})
-                diverged = diverged or not (math.isfinite(lv) and math.isfinite(gv))
+            vals, ntok, dt, bad = write_pending()
+            diverged = diverged or bad
             step_s = dt / len(pending) if step_s is None else 0.7 * step_s + 0.3 * dt / len(pending)
             if flops is None and len(cus) >= min(16, args.steps):
                 flops = step_flops(args, cus)
@@ -588,6 +614,9 @@ def train(args: argparse.Namespace) -> dict:
             t_win = time.perf_counter()
     if stop_reason is None:
         stop_reason = "done"
+    if pending:  # stopped inside a log window (--stop-at, --max-minutes): its steps' records first
+        write_pending()
+        pending.clear()
     if flops is None and cus:
         flops = step_flops(args, cus)
     ckpt_s = checkpoint()

@@ -428,3 +428,20 @@ def test_float_rescale_is_the_integer_rescale():
     got = alpha * torch.clamp(f_old * inv, 2.0 ** -126, 2.0 ** 127)
     assert torch.equal(got, alpha * pow2(torch.clamp(ro - rn, -126, 127)))
     assert torch.equal(pow2(R - 127) * 2.0 ** -8, pow2(torch.clamp(R - 8, min=1) - 127))
+
+
+def test_fp8_refuses_what_it_cannot_do_honestly():
+    """Double backward (the FP8 backward is not differentiable) raises instead of returning a wrong
+    second-order gradient; ``deterministic=True`` is refused; a NaN reaching the backward is named."""
+    from flamia_pack.kernels import varlen_attention
+
+    cu = torch.tensor([0, 100, 200], dtype=torch.int32)
+    q, k, v = (torch.randn(200, 2, 64, requires_grad=True) for _ in range(3))
+    o = varlen_attention(q, k, v, cu, 100, precision="fp8")
+    (g,) = torch.autograd.grad(o.sum(), q, create_graph=True)
+    assert g.grad_fn is None  # once differentiable: no graph to differentiate again
+    with pytest.raises(FlamiaError, match="deterministic"):
+        varlen_attention(q, k, v, cu, 100, precision="fp8", deterministic=True)
+    o = varlen_attention(q, k, v, cu, 100, precision="fp8")
+    with pytest.raises(FlamiaError, match="NaN / Inf"):
+        o.backward(torch.full_like(o, float("nan")))

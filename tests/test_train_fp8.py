@@ -214,3 +214,28 @@ def test_gpu_branch_plumbing(leak, monkeypatch):
                     b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
         for a, b in zip(back[:8] + back[9:], ops[:8] + ops[9:]))
     assert bool((q.grad == 1).all())
+
+
+def test_resume_inside_a_log_window_keeps_every_record(tf, source, tmp_path):
+    straight = tf.main(_argv(source, tmp_path / "a", "bf16", 3))
+    tf.main(_argv(source, tmp_path / "b", "bf16", 3, "--stop-at", "1"))
+    resumed = tf.main(_argv(source, tmp_path / "b", "bf16", 3))
+    steps = [r["step"] for r in _records(tmp_path / "b") if r["type"] == "train"]
+    assert steps == [1, 2, 3]
+    for key in ("final_train_loss_mean100", "grad_norm_p99", "final_train_loss"):
+        assert straight[key] == resumed[key], key
+
+
+def test_unusable_run_directories_are_one_line_errors(tf, source, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out in (afile, afile / "sub"):
+        with pytest.raises(SystemExit):
+            tf.main(_argv(source, out, "bf16", 3))
+        assert "--out" in capsys.readouterr().err
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ckpt.pt").write_text("garbage")
+    with pytest.raises(SystemExit, match="cannot be read as a checkpoint"):
+        tf.main(_argv(source, run, "bf16", 3))
+    assert (run / "ckpt.pt").read_text() == "garbage"  # nothing lost

@@ -595,8 +595,8 @@ def varlen_attention(
             Gluon FP8 forward and backward on CUDA sm_90 (head_dim 128, bf16 inputs; the forward saves
             the codes for the backward, ``kernels/fp8_backward.py``), the differentiable CPU emulation
             of the same numerics elsewhere (``kernels/fp8_emulation.py``). ``config`` and
-            ``deterministic`` do not apply to it (its dQ is reduced by fp32 atomic adds: not bitwise
-            reproducible run to run).
+            ``deterministic=True`` are refused with it (its dQ is reduced by fp32 atomic adds: not
+            bitwise reproducible run to run).
         work_list: a prebuilt ``WorkList`` (:func:`build_attention_work_list`). Given one, the call
             trusts ``cu_seqlens`` (validated when the list was built) and does no host sync: use it
             for CUDA graphs and in training loops. A list built for a row of another T is rejected;
@@ -702,6 +702,10 @@ def varlen_attention(
 
         if config is not None:
             raise FlamiaError("config= picks the BF16 kernels' tiles; precision='fp8' runs its own (leave config=None)")
+        if deterministic:
+            raise FlamiaError("deterministic=True is not available with precision='fp8': its GPU backward reduces dQ "
+                              "with fp32 atomic adds (not bitwise reproducible); use precision='bf16' for "
+                              "reproducible gradients")
         o, lse = fp8_varlen_attention(q, k, v, cu32, max_seqlen, causal=causal, softmax_scale=float(softmax_scale),
                                       scale_granularity=scale_granularity,
                                       use_kernels=use_kernels and fp8_kernels_available(q.device), work_list=work_list)

@@ -194,6 +194,7 @@ class _FP8Attention(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlse):
         from flamia_pack.kernels.fp8_backward import fp8_backward
 

@@ -531,6 +531,7 @@ class _FP8Emulated(torch.autograd.Function):
         return o.to(dev)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         from flamia_pack.kernels.fp8_emulation_bwd import BWD_BLOCK_M, _backward_impl
 
@@ -538,6 +539,10 @@ class _FP8Emulated(torch.autograd.Function):
         T, H, Hkv, D = ctx.shape
         opts = ctx.opts
         ops = (OperandCodes(qc, qe), OperandCodes(kc, ke), OperandCodes(vc, ve))
+        if not bool(torch.isfinite(do).all()):
+            raise FlamiaError("the gradient reaching varlen_attention(precision='fp8') holds NaN / Inf: the FP8 "
+                              "backward quantizes dO to E4M3 and needs it finite (check the loss and the layers "
+                              "after attention)")
         dq, dk, dv = _backward_impl(do.detach().cpu(), ops, o, lse, ctx.cu, T, H, Hkv, D,
                                     causal=opts["causal"], softmax_scale=opts["softmax_scale"],
                                     scale_granularity=opts["scale_granularity"], block_m=BWD_BLOCK_M,
