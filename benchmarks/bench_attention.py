@@ -202,6 +202,32 @@ def ours(inp, config=None, causal: bool = True):
     return _fwd_bwd_fns(ours_call(inp, config, causal), inp)
 
 
+def ours_fp8(inp):
+    """Our FP8 op (``precision="fp8"``: quantization inside the call) with its work list built once."""
+    from flamia_pack.kernels import varlen_attention
+    from flamia_pack.kernels.fp8_attention import build_fp8_work_list
+
+    wl = build_fp8_work_list(inp["cu"], inp["T"], causal=True, validate=False)
+
+    def call(q, k, v):
+        return varlen_attention(q, k, v, inp["cu"], inp["max_seqlen"], precision="fp8", work_list=wl)
+
+    return _fwd_bwd_fns(call, inp)
+
+
+def ours_fp8_kernel(inp):
+    """The FP8 forward kernel alone on pre-quantized operands (``fp8_attention_forward``): forward only."""
+    from flamia_pack.kernels.fp8_attention import build_fp8_work_list, fp8_attention_forward, fp8_quantize
+
+    wl = build_fp8_work_list(inp["cu"], inp["T"], causal=True, validate=False)
+    ops = fp8_quantize(inp["q"], inp["k"], inp["v"], inp["cu"])
+
+    def fwd():
+        return fp8_attention_forward(ops, inp["cu"], work_list=wl)
+
+    return fwd, None, None
+
+
 def flex(inp):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -426,6 +452,27 @@ def markdown(rows) -> str:
             b, br = cell(m.get("varlen", {}))
             out.append(f"| {r['name']} | {own / 1e9:.2f} | {a} | {ar} | {f4} | {f4r} | {b} | {br} | "
                        f"{r['pad_factor']:.1f}x |")
+    f8 = [r for r in rows if "ours_fp8" in r["impl"]]
+    if f8:
+        out.append("\n### FP8 (precision=\"fp8\"): ms; ratio = fastest BF16 time of the row (ours, FA4-sm90, "
+                   "FlexAttention, varlen_attn, padded SDPA) / FP8 time (> 1: FP8 is faster)\n")
+        out.append("| wl | fwd incl. quantization | kernel alone | ratio incl. quant | ratio kernel | fastest BF16 fwd |"
+                   " training call | ratio | fastest BF16 training call | vs our BF16 training call |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        for r in f8:
+            bf16 = [r["impl"][n] for n in ("ours", "fa4", "flex", "varlen", "sdpa") if n in r["impl"]]
+            bf = min((x["fwd_ms"] for x in bf16 if "fwd_ms" in x), default=None)
+            bt = min((x["train_ms"] for x in bf16 if "train_ms" in x), default=None)
+            a, kk = r["impl"]["ours_fp8"], r["impl"].get("ours_fp8_kernel", {})
+
+            def rat(base, x):
+                return f"{base / x:.2f}x" if (base and x) else "-"
+
+            ours_t = r["impl"].get("ours", {}).get("train_ms")
+            out.append(f"| {r['name']} | {_fmt_ms(a, 'fwd_ms')} | {_fmt_ms(kk, 'fwd_ms')} | "
+                       f"{rat(bf, a.get('fwd_ms'))} | {rat(bf, kk.get('fwd_ms'))} | {bf or '-'} | "
+                       f"{_fmt_ms(a, 'train_ms')} | {rat(bt, a.get('train_ms'))} | {bt or '-'} | "
+                       f"{rat(ours_t, a.get('train_ms'))} |")
     wlb = [r for r in rows if "worklist_ms" in r]
     if wlb:
         out.append("\nwork-list build (GPU, validate=False, per row): " +
@@ -433,7 +480,7 @@ def markdown(rows) -> str:
     return "\n".join(out)
 
 
-def run(workloads, peers, rep, out_dir, memory_for=("S2",), config=None):
+def run(workloads, peers, rep, out_dir, memory_for=("S2",), config=None, fp8=False):
     rows = []
     for name in workloads:
         spec = WORKLOADS[name]
@@ -456,6 +503,9 @@ def run(workloads, peers, rep, out_dir, memory_for=("S2",), config=None):
             row["worklist_error"] = _short_error(e)
         for p in peers:
             row["impl"][p] = measure(p, PEERS[p], inp, rep=rep)
+        if fp8:  # in the same process as the BF16 peers (issue 27 / 28)
+            row["impl"]["ours_fp8"] = measure("ours_fp8", ours_fp8, inp, rep=rep)
+            row["impl"]["ours_fp8_kernel"] = measure("ours_fp8_kernel", ours_fp8_kernel, inp, train=False, rep=rep)
         if name in memory_for:
             row["memory"] = {"ours": peak_memory(mk, inp)}
             for p in ("fa4", "varlen"):
@@ -537,6 +587,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=None, help="a kernels.config NAMED_CONFIGS name for our kernels on every row "
                     "(default: the band table's choice per row)")
     ap.add_argument("--fit", default=None, help="fit calibration from a saved bench_attention.json (no GPU)")
+    ap.add_argument("--fp8", action="store_true", help="also time precision='fp8' (with quantization, the forward "
+                    "kernel alone, the training call) against the fastest BF16 implementation of each row")
     args = ap.parse_args(argv)
     if args.fit:
         with open(args.fit) as f:
@@ -555,7 +607,7 @@ def main(argv=None) -> int:
 
         config = candidate_config(args.config, HEAD_DIM, True)
         header += f", config {args.config}"
-    rows = run(wls, peers, args.rep, args.out, config=config)
+    rows = run(wls, peers, args.rep, args.out, config=config, fp8=args.fp8)
     table = markdown(rows)
     print(table)
     with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
