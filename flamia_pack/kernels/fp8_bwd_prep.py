@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from flamia_pack.errors import FlamiaError
+from flamia_pack.kernels.interpret import kernel_for
 
 try:  # triton ships with CUDA builds of torch; the CPU build gets it from the dev extra
     import triton
@@ -102,18 +103,6 @@ if HAS_TRITON:
             acc = acc - tl.load(dlse_ptr + h * sl_h + rows64 * sl_t, mask=in_t, other=0.0)
         tl.store(out_ptr + h * T + rows64, acc, mask=in_t)
 
-    _interp_kernel = None
-
-    def _kernel_for(device: torch.device):
-        """The compiled kernel for CUDA; Triton's interpreter for CPU tensors."""
-        global _interp_kernel
-        if device.type == "cuda":
-            return _delta_kernel
-        if _interp_kernel is None:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _interp_kernel = InterpretedFunction(_delta_kernel.fn)
-        return _interp_kernel
 
 
 def _check(do_codes, do_exponents, o, dlse) -> tuple[int, int, int]:
@@ -197,7 +186,7 @@ def fp8_bwd_delta(do_codes: torch.Tensor, do_exponents: torch.Tensor, o: torch.T
     dl = dlse if dlse is not None else out
     block_d = triton.next_power_of_2(D)
     int_decode = dev.type != "cuda" if int_decode is None else bool(int_decode)
-    _kernel_for(dev)[(triton.cdiv(T, BLOCK_T), H)](
+    kernel_for(_delta_kernel, dev)[(triton.cdiv(T, BLOCK_T), H)](
         c, do_exponents, o, dl, out, T,
         c.stride(0), c.stride(1), do_exponents.stride(0), do_exponents.stride(1), o.stride(0), o.stride(1),
         dl.stride(0), dl.stride(1),

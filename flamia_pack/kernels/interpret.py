@@ -17,6 +17,20 @@ from __future__ import annotations
 import os
 
 _PATCHED = False
+_INTERPRETED: dict = {}
+
+
+def kernel_for(kernel, device):
+    """``kernel`` (a ``@triton.jit`` function) for tensors on ``device``: itself on CUDA, else its
+    in-process interpreted twin (built once per kernel), so CPU tensors run in Triton's interpreter
+    without ``TRITON_INTERPRET`` (the quantizer's and the FP8 backward's CPU path)."""
+    if device.type == "cuda":
+        return kernel
+    if kernel not in _INTERPRETED:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        _INTERPRETED[kernel] = InterpretedFunction(kernel.fn)
+    return _INTERPRETED[kernel]
 
 
 def patch_triton_interpreter() -> bool:

@@ -48,6 +48,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from flamia_pack.errors import FlamiaError, MetadataError
+from flamia_pack.kernels.interpret import kernel_for
 from flamia_pack.quant import (
     GROUP_SIZE,
     _as_device_cu,
@@ -306,18 +307,6 @@ if HAS_TRITON:
                 col = (h * D + offs_d).to(tl.int64) * TP
                 tl.store(t_ptr + col[None, :] + rows64[:, None], code, mask=mask)
 
-    _interp_kernel = None
-
-    def _kernel_for(device: torch.device):
-        """The compiled kernel for CUDA; Triton's interpreter for CPU tensors."""
-        global _interp_kernel
-        if device.type == "cuda":
-            return _quantize_kernel
-        if _interp_kernel is None:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _interp_kernel = InterpretedFunction(_quantize_kernel.fn)
-        return _interp_kernel
 
 
 def _search_steps(n_docs: int) -> int:
@@ -437,7 +426,7 @@ def _quantize_many(
     n_tiles = triton.cdiv(T, block_r) if T else 0
     grid = (n_tiles * sum(hs),)
     if grid[0] > 0:
-        _kernel_for(dev)[grid](
+        kernel_for(_quantize_kernel, dev)[grid](
             *xa, *ca, *ea, *ta,
             cu, group_start if group_start is not None else cu,
             T, n_docs, tp,
