@@ -4,47 +4,20 @@ and whether ptxas keeps the wgmma products asynchronous.
     PYTHONPATH=. python benchmarks/probes/gluon_compile_report.py '[{"KIND": "dkdv", "BM": 64, "STAGES": 2},
         {"KIND": "dq", "BM": 128, "BN": 64, "STAGES": 3, "GROUP": 4}]'
 
-Keys: KIND (dkdv | dq | fwd | fp8_fwd), D, BM, BN, STAGES, GROUP (GQA),
+Keys: KIND (dkdv | dq | fwd | fp8_fwd | fp8_bwd), D, BM, BN, STAGES, GROUP (GQA),
 DQ_REDUCE (dkdv: dQ partials by TMA bulk reduce, GluonBwdConfig.dq_reduce), PERSISTENT (dkdv / dq), PINGPONG
 (fwd / fp8_fwd: the partitions take turns, as the long-row config ships; off by default, as small_fwd_pers), CAUSAL (fwd /
 fp8_fwd), PV_PROMOTE (fp8_fwd), dump (writes /tmp/gluon_dkdv.{ptx,ttgir,sass}). Uses triton's bundled ptxas / cuobjdump like
 attention_compile_report.py; registers are the launch allocation (maxnreg), the consumers run at
 240 after setmaxnreg. The last column lists the loops that touch local memory (spill traffic that
-runs per iteration, see ``loop_local_memory``); "steps" lists the key-tile step loops
+runs per iteration: ptxas's spill bytes count spill sites, not where they run;
+``gluon_compile.sass_loops``); "steps" lists the key-tile step loops
 (``gluon_compile.mma_step_loops``: static instructions, wgmma instructions, LDL, STL each; the forward
 kernels: per consumer partition the mask-free loop, then the masked one).
 """
 import json, re, sys
 
-from flamia_pack.kernels.gluon_compile import compile_sm90, mma_step_loops
-
-
-def loop_local_memory(sass: str) -> list[tuple[int, int, int, int]]:
-    """Local-memory traffic inside each loop of a SASS listing (cuobjdump -sass text).
-
-    ptxas's "bytes spill stores" counts spill sites, not where they run: a kernel with fewer spill
-    bytes can still move its fills into the step loop (2026-11-29 evening: the dK/dV kernel with the
-    document-end shift spilled 76 B instead of 88 B but ran 2-4% slower, its mask-free step loop
-    doing 12 local loads / 7 stores per iteration instead of 10 / 4).
-
-    Returns:
-        ``(instructions, LDL, STL, HGMMA)`` per backward branch (innermost loops have the fewest
-        instructions), in address order of the branch.
-    """
-    ins = []
-    for line in sass.splitlines():
-        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2)))
-    at = {a: i for i, (a, _) in enumerate(ins)}
-    loops = []
-    for i, (a, text) in enumerate(ins):
-        b = re.search(r"BRA\s+(?:.*?)(0x[0-9a-f]+)", text)
-        if b and int(b.group(1), 16) <= a and int(b.group(1), 16) in at:
-            body = [t for _, t in ins[at[int(b.group(1), 16)]:i + 1]]
-            loops.append((len(body), sum("LDL" in t for t in body), sum("STL" in t for t in body),
-                          sum("HGMMA" in t for t in body)))
-    return loops
+from flamia_pack.kernels.gluon_compile import compile_sm90, mma_step_loops, sass_loops
 
 
 def run(D=128, BM=None, BN=None, STAGES=None, GROUP=1, dump=False, KIND="dkdv", CAUSAL=True,
@@ -67,7 +40,7 @@ def run(D=128, BM=None, BN=None, STAGES=None, GROUP=1, dump=False, KIND="dkdv", 
                 f.write(r[ext])
     info = " ".join(l.strip() for l in r["ptxas"].splitlines() if "registers" in l or "spill" in l or "rror" in l)
     ops = {op: len(re.findall(op, r["sass"])) for op in ("HGMMA", "QGMMA", "UTMALDG", "UTMAREDG", "LDL", "STL", "SYNCS", "USETMAXREG", "BAR.SYNC")}
-    hot = [lp[:3] for lp in loop_local_memory(r["sass"]) if lp[1] or lp[2]]
+    hot = [(lp["instructions"], lp["ldl"], lp["stl"]) for lp in sass_loops(r["sass"]) if lp["ldl"] or lp["stl"]]
     steps = [(lp["instructions"], lp["gmma"], lp["ldl"], lp["stl"]) for lp in mma_step_loops(r["sass"])]
     print(f"{name}: smem {r['shared']} | wgmma {'SERIALIZED' if r['serialized'] else 'async'} | {info} | {ops}"
           f" | steps {steps} | loops with local memory (instructions, LDL, STL): {hot or 'none'}")
