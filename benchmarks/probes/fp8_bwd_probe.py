@@ -138,7 +138,7 @@ def _kernel_only(q, k, v, do, cu):
     delta = fp8_bwd_delta(d8.codes, d8.exponents, o)
     tabs = [exponent_table(ops.eq), ops.ekt, ops.evt, exponent_table(d8.exponents)]
     ent = fp8_bwd_entries(cu, q.shape[0])
-    return lambda: gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, None, d8.codes, d8.codes_t, *tabs, lse,
+    return lambda: gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, d8.codes, d8.codes_t, *tabs, lse,
                                  delta, cu, 128 ** -0.5, entries=ent)
 
 

@@ -350,7 +350,7 @@ def fp8_bwd_entries(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: bool
     return entries, cum[-1:].to(torch.int32) if n_docs else torch.zeros(1, dtype=torch.int32, device=dev), max_entries
 
 
-def gluon_fp8_bwd(qc, kc, vc, qt, kt, vt_unused, dc, dct, fq, fk, fv, fdo, lse, delta, cu_seqlens, softmax_scale,
+def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_seqlens, softmax_scale,
                   *, causal: bool = True, stages: int = 2, entries=None, dq_acc: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 attention backward (module docs), warp-specialized Gluon, sm_90.
@@ -358,7 +358,7 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, vt_unused, dc, dct, fq, fk, fv, fdo, lse, 
     Args:
         qc, dc: ``(T, H_q, 128)`` float8_e4m3fn codes of Q and dO; kc, vc: ``(T, H_kv, 128)``;
             qt, dct: ``(H_q, 128, TP)`` and kt: ``(H_kv, 128, TP)`` feature-major codes (token stride 1,
-            ``TP`` a multiple of 16); vt_unused: accepted for symmetry, not read.
+            ``TP`` a multiple of 16).
         fq, fdo: ``(H_q, ceil16(T) + TABLE_PAD)`` and fk, fv: ``(H_kv, ...)`` float32 factor tables
             (``gluon_fp8_fwd.exponent_table`` of the exponent bytes).
         lse: ``(H_q, T)`` float32 natural-log LSE of the FP8 forward; delta: ``(H_q, T)`` float32
