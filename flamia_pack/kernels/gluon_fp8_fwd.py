@@ -33,11 +33,10 @@ through E4M3's subnormal boundary, seed 001 §4); masked scores are ``-inf`` bef
 Why each tile's ``P~ V`` is promoted into an fp32 register accumulator by default (``PV_PROMOTE``,
 ``acc_i = acc_i alpha_i + (P~ Vc)_i 2^(r_i - BOOST)``, the emulation's ``pv_accumulator="fp32"``
 up to the MMA's accumulation inside one tile): accumulating across tiles in the MMA accumulator,
-rescaled by ``2^(r_old - r_new)`` (``pv_promote=False``), is 5-11% faster on the H200 (W1, W4,
-W7) and as accurate (cosine to fp32 equal to 5 digits, benchmarks/RESULTS.md 2026-12-02), but its
-accumulator lives in units of ``2^(r - BOOST)``: a key tile whose V is all zero drops ``r`` ~110
-binades and the rescale overflows (measured: 284 of 512 rows non-finite), so it is kept only as
-the measured alternative (issue 27 item 3).
+rescaled by ``2^(r_old - r_new)`` (``pv_promote=False``), is a little faster and as accurate, but
+its accumulator lives in units of ``2^(r - BOOST)``: a key tile whose V is all zero drops ``r`` ~110
+binades and the rescale overflows, so it is kept only as the alternative issue 27 item 3 compares
+(numbers: benchmarks/NOTES.md "FP8 forward").
 
 Merged items are not supported: ``fp8_attention.py`` builds lists without them (``merge_short``
 off), so every item holds one document, 1-token documents included. Inputs: codes and exponents from ``kernels.quantize.quantize_qkv`` (V with
@@ -544,8 +543,8 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
             hold no merged items either way).
         pingpong: the two consumer partitions take turns issuing their wgmma products
             (FlashAttention-3 §3.1, ``gluon_fwd(pingpong=True)``): one partition's softmax and fold run
-            while the other's products compute. Default on (H200, accumulating kernel: 1.02-1.04x on
-            W1 / W4, 0.97x on W7; bitwise the same results as off).
+            while the other's products compute. Default on (bitwise the same results as off; its
+            speed: benchmarks/NOTES.md "FP8 forward").
         pv_promote: each key tile's ``P~ V`` goes into a zero-initialized MMA accumulator and is
             promoted into a separate fp32 register accumulator (default; module docs: why). False:
             accumulate across tiles in the MMA accumulator (faster, overflows on an all-zero V tile).
