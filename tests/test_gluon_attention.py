@@ -285,13 +285,13 @@ def test_launchers_reject_a_ring_of_fewer_than_two_stages(fn, stages):
 
 
 def test_loop_local_memory_counts_spill_traffic_per_loop():
-    """benchmarks/probes/gluon_compile_report.py's loop scan: local loads / stores counted inside each
-    backward branch's body, not elsewhere (a synthetic cuobjdump listing; no compiler needed)."""
-    import os
-    import sys
+    """The loop scan ``gluon_compile.sass_loops`` (what benchmarks/probes/gluon_compile_report.py prints):
+    local loads / stores counted inside each backward branch's body, not elsewhere (a synthetic
+    cuobjdump listing; no compiler needed)."""
+    from flamia_pack.kernels.gluon_compile import sass_loops
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes"))
-    from gluon_compile_report import loop_local_memory
+    def loop_local_memory(sass):  # (instructions, LDL, STL, wgmma) per loop
+        return [(lp["instructions"], lp["ldl"], lp["stl"], lp["gmma"]) for lp in sass_loops(sass)]
 
     sass = "\n".join([
         "        /*0000*/                   STL [R1], R2 ;",

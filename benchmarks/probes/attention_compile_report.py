@@ -15,9 +15,7 @@ import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from flamia_pack.kernels import flash_fwd as F, flash_bwd as B
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_compile_report import loop_local_memory  # noqa: E402 (spill traffic per loop)
+from flamia_pack.kernels.gluon_compile import sass_loops  # spill traffic per loop
 
 TARGET = GPUTarget("cuda", 90, 32)
 DIV16 = {"stride", "T", "total_rows"}
@@ -51,7 +49,7 @@ def report(name, fn, types, consts, nw, ns, maxnreg=0):
         info = " ".join(l.strip() for l in r.stderr.splitlines() if "registers" in l or "spill" in l)
         sass = subprocess.run([os.path.join(os.path.dirname(PTXAS), "cuobjdump"), "-sass", os.path.join(d, "k.o")], capture_output=True, text=True).stdout
     ops = {op: len(re.findall(op, sass)) for op in ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDL", "STL", r"RED\.E\.ADD\.F32", r"RED\.E\.ADD\.F32\S*\.64", r"RED\.E\.ADD\.F32\S*\.128", "UTMAREDG")}
-    hot = [lp[:3] for lp in loop_local_memory(sass) if lp[1] or lp[2]]
+    hot = [(lp["instructions"], lp["ldl"], lp["stl"]) for lp in sass_loops(sass) if lp["ldl"] or lp["stl"]]
     print(f"{name}: smem {k.metadata.shared} | {info} | {ops} | loops with local memory (instructions, LDL, STL): "
           f"{hot or 'none'}")
 
