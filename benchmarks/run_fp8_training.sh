@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/run_fp8_training.sh [BUDGET_SECONDS [RUNS_DIR]]      (default 540 s, out/fp8-train)
 #   EXTRA="--steps 20" bash benchmarks/run_fp8_training.sh 120 /tmp/smoke   (extra flags for every run)
+#   ONLY="bf16-s0 fp8-block" bash benchmarks/run_fp8_training.sh               (only these runs, in this order)
 #
 # Each run gets --max-minutes = the time left, so the script returns inside the budget with every run
 # checkpointed; running it again resumes the unfinished ones and skips the complete ones. After each run
@@ -18,6 +19,13 @@ export PYTHONPATH=${PYTHONPATH:-.}
 END=$((SECONDS + BUDGET))
 RUNS=("bf16-s0|--attn bf16 --seed 0" "fp8-leak|--attn fp8-leak" "fp8-block|--attn fp8-block"
       "fp8-token|--attn fp8-token" "bf16-s1|--attn bf16 --seed 1")
+if [ -n "${ONLY:-}" ]; then
+  SEL=()
+  for want in $ONLY; do
+    for r in "${RUNS[@]}"; do [ "${r%%|*}" = "$want" ] && SEL+=("$r"); done
+  done
+  RUNS=("${SEL[@]}")
+fi
 for r in "${RUNS[@]}"; do
   name=${r%%|*}
   flags=${r#*|}
