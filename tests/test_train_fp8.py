@@ -209,10 +209,11 @@ def test_gpu_branch_plumbing(leak, monkeypatch):
     assert torch.equal(ops.eq, want.exponents) and torch.equal(ops.qc.view(torch.uint8), want.codes.view(torch.uint8))
     o.float().sum().backward()
     back = seen["bwd"]
-    assert back.granularity == "token" and all(
+    keep = [i for i in range(len(ops)) if i not in (2, 8)]  # V^T is not saved (the backward reads V row-major)
+    assert back.granularity == "token" and back.vt is None and all(
         torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                     b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
-        for a, b in zip(back[:8] + back[9:], ops[:8] + ops[9:]))
+        for a, b in ((back[i], ops[i]) for i in keep))
     assert bool((q.grad == 1).all())
 
 

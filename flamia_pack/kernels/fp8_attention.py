@@ -188,7 +188,8 @@ class _FP8Attention(torch.autograd.Function):
         else:
             ops = quantizer(q, k, v, cu32)
         o, lse = fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)
-        ctx.save_for_backward(o, lse, cu32, *(ops[:8]), ops.qt, ops.kt, ops.vc)
+        # V^T is the forward's operand only (the backward reads V row-major): not kept, T H_kv D bytes less
+        ctx.save_for_backward(o, lse, cu32, ops.qc, ops.kc, *(ops[3:8]), ops.qt, ops.kt, ops.vc)
         ctx.fp8 = (causal, float(softmax_scale), granularity)
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -198,9 +199,9 @@ class _FP8Attention(torch.autograd.Function):
     def backward(ctx, do, dlse):
         from flamia_pack.kernels.fp8_backward import fp8_backward
 
-        o, lse, cu32, *rest = ctx.saved_tensors
+        o, lse, cu32, qc, kc, *rest = ctx.saved_tensors
         causal, scale, granularity = ctx.fp8
-        ops = FP8Operands(*rest[:8], granularity, *rest[8:])
+        ops = FP8Operands(qc, kc, None, *rest[:5], granularity, *rest[5:])
         dq, dk, dv = fp8_backward(do, ops, o, lse, cu32, causal=causal, softmax_scale=scale, dlse=dlse)
         return dq, dk, dv, None, None, None, None, None, None
 
