@@ -162,16 +162,19 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     p = gl.exp2((st * kf[:, None]) * rowf[None, :] - lse2[None, :])
     fdo = ld_bufs.index(5 * s + 4).load(col)
     # dV fold (the E4M3 A operand made while dP^T runs): reference per key over the step's queries
-    # that see it
+    # that see it. The ratio 2^e_do / rho (<= 1 on visible pairs) is formed before the boost:
+    # 2^BOOST / rho alone overflows where rho < 2^(BOOST - 128), e.g. a key seen only by queries whose
+    # dO is 0 (a document's last token has no target: byte 0, rho = 2^-126). Masked pairs are
+    # selected to 0 after the product (their ratio is unbounded: inf x 0 would be NaN).
     if MASKED:
         p = gl.where(vis, p, 0.0)
         rho_new = gl.max(gl.where(vis, fdo[None, :], 0.0), 1)
         rho_new = gl.where(rho_new > 0.0, rho_new, rho)
-        pv = p * (fdo[None, :] * (_inv(rho_new) * (2.0 ** BOOST))[:, None])
+        pv = gl.where(vis, p * ((fdo[None, :] * _inv(rho_new)[:, None]) * (2.0 ** BOOST)), 0.0)
     else:
         rho_t = gl.max(fdo, 0)
         rho_new = gl.zeros_like(rho) + rho_t
-        pv = p * (fdo * (_inv(rho_t) * (2.0 ** BOOST)))[None, :]
+        pv = p * ((fdo * _inv(rho_t)) * (2.0 ** BOOST))[None, :]
     pv8 = gl.convert_layout(pv.to(gl.float8e4nv), op_layout)
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
     delta = ld_bufs.index(5 * s + 1).load(col)
