@@ -63,7 +63,8 @@ def test_fp8_forward_variants_compile_for_sm90(kw, max_spill):
 def test_fp8_backward_compiles_for_sm90(causal, group):
     """The FP8 backward (``gluon_fp8_bwd.py``): QGMMA for all five products (4 k = 32 instructions
     each of S^T and dP^T per warpgroup, the register-A dV / dK products and the dQ partial), no HGMMA,
-    asynchronous, TMA, and the spills RESULTS 2026-12-02 records (168-304 B, none serializing)."""
+    asynchronous, TMA, and bounded spills (none serializing; 304-452 B since the dV / dK reference
+    floors, RESULTS 2026-12-02 (second))."""
     try:
         from flamia_pack.kernels.gluon_compile import compile_sm90
 
@@ -74,4 +75,4 @@ def test_fp8_backward_compiles_for_sm90(causal, group):
     assert r["sass"].count("QGMMA") >= 40 and "HGMMA" not in r["sass"] and "UTMALDG" in r["sass"]
     assert "UTMAREDG" in r["sass"]  # the dQ partial's TMA reduce-add
     assert not r["serialized"], r["ptxas"]
-    assert r["spill_bytes"] <= 320, r["ptxas"]
+    assert r["spill_bytes"] <= 480, r["ptxas"]

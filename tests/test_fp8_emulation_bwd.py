@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flamia_pack.errors import FlamiaError
+from flamia_pack.kernels.constants import REF_FLOOR_LOG2
 from flamia_pack.kernels import fp8_emulation_bwd as B
 from flamia_pack.kernels.fp8_emulation import (
     LOG2E,
@@ -90,6 +91,9 @@ def literal_backward(do, q, k, v, o, lse, cu, gran, *, causal=True, block_m=64, 
             for kh in range(Hkv):
                 acc_k = torch.zeros((len(J), D), dtype=torch.float32)
                 acc_v = torch.zeros((len(J), D), dtype=torch.float32)
+                lowest = -(1 << 20)
+                sk_run = torch.full((len(J),), lowest, dtype=torch.int32)  # the references' floors
+                r_run = lowest
                 for h in range(kh * g, (kh + 1) * g):
                     for m in range(math.ceil((b - f) / block_m)):
                         I = torch.arange(max(a, f + block_m * m), min(b, f + block_m * (m + 1)))
@@ -97,10 +101,15 @@ def literal_backward(do, q, k, v, o, lse, cu, gran, *, causal=True, block_m=64, 
                             continue
                         vis, p, u = tile(I, J, h, kh)
                         sk = rule(u, 0)  # sigma_k(j): over the step's rows
+                        normal = _abs_bits(u).amax(0) >= 1 << 23
+                        sk = torch.where(normal, torch.maximum(sk, sk_run - REF_FLOOR_LOG2), sk)
+                        sk_run = torch.where(normal, torch.maximum(sk_run, sk), sk_run)
                         acc_k += exact_mm(e4m3(u * pow2(-sk)[None, :]).T, qc[I, h]) * pow2(sk)[:, None]
                         big = torch.iinfo(torch.int32).min
                         rho = torch.where(vis, edo[I, h][:, None], big).amax(0)
-                        rho = torch.where(vis.any(0), rho, 0)
+                        rho = torch.where(vis.any(0), torch.clamp(rho, min=max(r_run - REF_FLOOR_LOG2, boost - 126)), 0)
+                        if vis.any():
+                            r_run = max(r_run, int(edo[I, h][vis.any(1)].max()))
                         pt = torch.where(vis, p * pow2(edo[I, h][:, None] - rho[None, :] + boost), zero)
                         acc_v += exact_mm(e4m3(pt).T, dc[I, h]) * pow2(rho - boost)[:, None]
                 dk[J, kh] = (acc_k * s32).bfloat16()
@@ -129,6 +138,25 @@ def test_emulation_is_the_literal_contract_bitwise(gran, causal, block_m, H, Hkv
     want = literal_backward(do, q, k, v, o, lse, CU, gran, causal=causal, block_m=block_m, dlse=dl)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.isfinite(a).all() and a[:N].abs().max() > 0, name
+        bad = (a.float() != b.float()).nonzero()
+        assert bad.numel() == 0, f"{name}: {bad.shape[0]} mismatches, first at {bad[:4].tolist()}"
+
+
+@pytest.mark.parametrize("gran,H,Hkv", [("token", 2, 1), ("block", 2, 2)])
+def test_reference_floors_bitwise_on_degenerate_do(gran, H, Hkv):
+    """dO exactly 0 on every document's last token (a key seen only by it: rho floored at
+    boost - 126) and 2^-80 x dO on one query step of the long document (its dK / dV references 80
+    binades below the previous step's: floored at REF_FLOOR_LOG2 below): the emulation still equals
+    the transcription bitwise, and every gradient is finite."""
+    q, k, v, do = inputs(H, Hkv, 64, seed=11)
+    do = do.clone()
+    do[(CU[1:] - 1).long()] = 0
+    do[512:576] = do[512:576] * 2.0 ** -80
+    o, lse = fp8_attention_forward(q, k, v, CU, scale_granularity=gran)
+    got = fp8_attention_backward(do, q, k, v, o, lse, CU, scale_granularity=gran)
+    want = literal_backward(do, q, k, v, o, lse, CU, gran)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), name
         bad = (a.float() != b.float()).nonzero()
         assert bad.numel() == 0, f"{name}: {bad.shape[0]} mismatches, first at {bad[:4].tolist()}"
 

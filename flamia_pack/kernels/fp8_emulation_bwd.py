@@ -105,6 +105,7 @@ from flamia_pack.kernels.fp8_emulation import (
     scores,
     visibility,
 )
+from flamia_pack.kernels.constants import REF_FLOOR_LOG2
 from flamia_pack.quant import UE8M0_BIAS, _abs_bits, exponent_from_amax_bits, quantize_token_blocks
 
 __all__ = ["fp8_attention_backward", "MISMATCHES", "BWD_BLOCK_M", "BWD_BLOCK_MS"]
@@ -129,6 +130,41 @@ def _sigma(U: torch.Tensor, dim: int) -> torch.Tensor:
 def _encode(U: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     """E4M3 codes of ``U * 2^-sigma`` (RNE; no saturation: ``|U| 2^-sigma <= 448`` by the rule)."""
     return (U * pow2(-sigma)).to(torch.float8_e4m3fn)
+
+
+def _floor_references(steps: list, g: int, boost: int) -> None:
+    """Floor the dK / dV references of one key tile's query steps in place, in the kernel's order
+    (per kv head: the GQA group's query heads in turn, each one's steps ascending; head ``h`` is
+    group member ``h % g``), as ``gluon_fp8_bwd`` does so its rescaled accumulators cannot overflow:
+
+        sigma_k(j) <- max(sigma_k(j), Sk(j) - REF_FLOOR_LOG2)   where the step's max |Uk_.j| is a
+                      normal float (Sk: the largest sigma_k(j) so far)
+        rho_j      <- max(rho_j, R - REF_FLOOR_LOG2, boost - 126)   where key j sees a query of the step
+                      (R: the largest e_do so far of key j's document's queries that see a key of
+                      the tile)
+
+    ``steps``: tuples ``(sel, ia, um, vis_m, sigma_k (H, 1, n), normal (H, 1, n), rho (H, n),
+    has_v (n,), e_seen (H, n))``; sigma_k and rho are replaced. Both floors bind only on degenerate
+    rows (a step whose dO is 0 or whose dS is 2^64 below an earlier step's): elsewhere a no-op."""
+    if not steps:
+        return
+    H = steps[0][4].shape[0]
+    hkv = H // g
+    n = steps[0][4].shape[-1]
+    sk_run = torch.full((hkv, 1, n), -(1 << 20), dtype=torch.int32)
+    r_run = torch.full((hkv, n), -(1 << 20), dtype=torch.int32)
+    for j in range(g):
+        for t, (sel, ia, um, vis_m, sig_k, normal, rho, has_v, e_seen) in enumerate(steps):
+            hs = slice(j, None, g)
+            sk = torch.where(normal[hs], torch.maximum(sig_k[hs], sk_run - REF_FLOOR_LOG2), sig_k[hs])
+            sk_run = torch.where(normal[hs], torch.maximum(sk_run, sk), sk_run)
+            rv = torch.maximum(rho[hs], torch.clamp(r_run - REF_FLOOR_LOG2, min=boost - 126))
+            rv = torch.where(has_v[None, :], rv, rho[hs])
+            r_run = torch.maximum(r_run, e_seen[hs].to(torch.int32))
+            sig_k = sig_k.clone()
+            rho = rho.clone()
+            sig_k[hs], rho[hs] = sk, rv
+            steps[t] = (sel, ia, um, vis_m, sig_k, normal, rho, has_v, e_seen)
 
 
 def _check_bwd_options(scale_granularity, block_m, block_n, boost_log2) -> None:
@@ -200,14 +236,22 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
             # dK / dV: per query step of the rows, ascending; one partial per (query head, step)
             parts = []
             srow = step[rows]
+            steps = []
             for m in torch.unique(srow).tolist():
                 sel = (srow == m).nonzero().flatten()  # tile-relative rows of step m
                 ia = sel + r0  # segment-relative
                 um, vis_m = u[:, sel], vis[sel]
-                sig_k = _sigma(um, -2)  # (H, 1, n)
+                rho, has_v = reference_exponent(edo[:, ia], vis_m.transpose(0, 1))  # (H, n), (n,)
+                # per key: the step's rows of its document that see a key of the tile (the kernel's
+                # program is one document: its running max is one scalar)
+                same = vis_m.any(-1)[:, None] & (doc[ia][:, None] == doc[k0:k1][None, :])  # (m, n)
+                e_seen = edo[:, ia][:, :, None].masked_fill(~same, -(1 << 20)).amax(1)  # (H, n)
+                steps.append((sel, ia, um, vis_m, _sigma(um, -2), _abs_bits(um).amax(-2, keepdim=True) >= 1 << 23,
+                              rho, has_v, e_seen))
+            _floor_references(steps, g, boost)
+            for sel, ia, um, vis_m, sig_k, _, rho, _, _ in steps:
                 codes_k = _encode(um, sig_k)
                 pk = exact_mm(codes_k.float().transpose(-1, -2), qc[:, ia]) * pow2(sig_k).transpose(-1, -2)
-                rho, _ = reference_exponent(edo[:, ia], vis_m.transpose(0, 1))  # (H, n)
                 pvt = _fold_p(p[:, sel].transpose(-1, -2), edo[:, ia], rho, vis_m.transpose(0, 1), boost).float()
                 pv = exact_mm(pvt, dc[:, ia]) * pow2(rho - boost)[..., None]
                 parts.append((pk, pv))

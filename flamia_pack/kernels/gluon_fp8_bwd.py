@@ -44,11 +44,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 from triton.runtime.jit import constexpr_function
 
-from flamia_pack.kernels.constants import LOG2E
+from flamia_pack.kernels.constants import LOG2E, REF_FLOOR_LOG2
 from flamia_pack.kernels.gluon_common import (
     _tma_reduce_add, _slot_barriers, check_stages, descriptor, CONSUMER_WARPS, MAXNREG)
 from flamia_pack.kernels.gluon_fp8_fwd import (
-    BOOST_LOG2, TABLE_PAD, _qgmma_layout, _zero_cols_outside, fp8_descriptor, fp8_descriptor_t)
+    BOOST_LOG2, TABLE_PAD, _exp2_const, _qgmma_layout, _zero_cols_outside, fp8_descriptor, fp8_descriptor_t)
 
 __all__ = ["gluon_fp8_bwd", "fp8_bwd_entries", "BWD_BLOCK_M", "BWD_BLOCK_N"]
 
@@ -56,6 +56,8 @@ BWD_BLOCK_M = 64
 """Query rows per step of the FP8 dK/dV programs (the grid ``floor16(doc start) + 64 m``)."""
 BWD_BLOCK_N = 128
 """Keys per FP8 dK/dV program (the forward's key tile)."""
+_REF_FLOOR = gl.constexpr(2.0 ** -REF_FLOOR_LOG2)
+"""``2^-REF_FLOOR_LOG2``: the dV / dK references' floor relative to the largest one so far."""
 
 
 @constexpr_function
@@ -128,10 +130,12 @@ def _bwd_produce(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_
 
 @gluon.jit
 def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
-              dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sm_scale,
+              dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr):
-    """One query step (module docs); returns ``(dk, dv, sk, rho)`` with the dK / dV products in flight."""
+    """One query step (module docs); returns ``(dk, dv, sk, rho, sk_run, rho_run)`` with the dK / dV
+    products in flight (``sk_run``: per key, the largest dK reference so far; ``rho_run``: a scalar, the
+    largest 2^e_do so far; the floors of the references)."""
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     s_layout: gl.constexpr = _qgmma_layout(NW, BLOCK_M)
     acc_layout: gl.constexpr = _qgmma_layout(NW, HEAD_DIM)
@@ -162,19 +166,28 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     p = gl.exp2((st * kf[:, None]) * rowf[None, :] - lse2[None, :])
     fdo = ld_bufs.index(5 * s + 4).load(col)
     # dV fold (the E4M3 A operand made while dP^T runs): reference per key over the step's queries
-    # that see it. The ratio 2^e_do / rho (<= 1 on visible pairs) is formed before the boost:
-    # 2^BOOST / rho alone overflows where rho < 2^(BOOST - 128), e.g. a key seen only by queries whose
-    # dO is 0 (a document's last token has no target: byte 0, rho = 2^-126). Masked pairs are
-    # selected to 0 after the product (their ratio is unbounded: inf x 0 would be NaN).
+    # that see it, floored at 2^(BOOST - 126) (so 2^BOOST / rho is a normal float: a key seen only by
+    # zero-dO queries, e.g. a document's last token, has rho = 2^-126) and at 2^-REF_FLOOR_LOG2 x
+    # rho_run, the largest 2^e_do so far among the tile's queries that see a key of it (so the
+    # accumulator's rescale rho_prev / rho stays <= 2^64: a step whose dO is all 0 overflowed it).
+    # Masked pairs are selected to 0 after the product (their 2^e_do / rho is unbounded).
+    RMIN: gl.constexpr = _exp2_const(BOOST - 126)
+    floor = gl.maximum(rho_run * _REF_FLOOR, RMIN)
     if MASKED:
         p = gl.where(vis, p, 0.0)
-        rho_new = gl.max(gl.where(vis, fdo[None, :], 0.0), 1)
-        rho_new = gl.where(rho_new > 0.0, rho_new, rho)
-        pv = gl.where(vis, p * ((fdo[None, :] * _inv(rho_new)[:, None]) * (2.0 ** BOOST)), 0.0)
+        rho_step = gl.max(gl.where(vis, fdo[None, :], 0.0), 1)
+        rho_new = gl.where(rho_step > 0.0, gl.maximum(rho_step, floor), rho)
+        pv = gl.where(vis, p * (fdo[None, :] * (_inv(rho_new) * (2.0 ** BOOST))[:, None]), 0.0)
+        q_sees = (q_pos >= start) & (q_pos < end)
+        if CAUSAL:
+            q_sees = q_sees & (q_pos >= gl.maximum(a, start))
+        rho_run = gl.maximum(rho_run, gl.max(gl.where(q_sees, fdo, 0.0), 0))
     else:
         rho_t = gl.max(fdo, 0)
-        rho_new = gl.zeros_like(rho) + rho_t
-        pv = p * ((fdo * _inv(rho_t)) * (2.0 ** BOOST))[None, :]
+        rho_s = gl.maximum(rho_t, floor)
+        rho_new = gl.zeros_like(rho) + rho_s
+        pv = p * (fdo * (_inv(rho_s) * (2.0 ** BOOST)))[None, :]
+        rho_run = gl.maximum(rho_run, rho_t)
     pv8 = gl.convert_layout(pv.to(gl.float8e4nv), op_layout)
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
     delta = ld_bufs.index(5 * s + 1).load(col)
@@ -183,8 +196,9 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
         ds = gl.where(vis, ds, 0.0)
     # dK payload: one power of two per key over the step's queries
     uk = ds * ld_bufs.index(5 * s + 3).load(col)[None, :]
-    sk_new = _pow2_of(gl.max(gl.abs(uk), 1))
-    sk_new = gl.where(sk_new > 0.0, sk_new, sk)
+    sk_step = _pow2_of(gl.max(gl.abs(uk), 1))
+    sk_new = gl.where(sk_step > 0.0, gl.maximum(sk_step, sk_run * _REF_FLOOR), sk)
+    sk_run = gl.where(sk_step > 0.0, gl.maximum(sk_run, sk_new), sk_run)
     ck8 = gl.convert_layout((uk * _inv(sk_new)[:, None]).to(gl.float8e4nv), op_layout)
     # dQ payload: one power of two per query over the tile's keys (8 warps: a cross-warp max)
     uq = ds * kf[:, None]
@@ -210,7 +224,7 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     fence_async_shared()
     gl.thread_barrier()
     _tma_reduce_add(dq_desc, [q0, h * HEAD_DIM], dq_stage)
-    return dk, dv, sk_new, rho_new
+    return dk, dv, sk_new, rho_new, sk_run, rho_run
 
 
 @gluon.jit
@@ -230,6 +244,8 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
     sk = gl.full([BLOCK_N], 1.0, gl.float32, row)
     rho = gl.full([BLOCK_N], 1.0, gl.float32, row)
+    sk_run = gl.zeros([BLOCK_N], gl.float32, row)
+    rho_run = 0.0
     mbarrier.wait(kv_bar, 0)
     if (a < start) | (a + BLOCK_N > end):  # other documents' keys: 0 in K^T (the dQ partial reads every key)
         _zero_cols_outside(kt_smem, start - a, end - a, NW)
@@ -237,21 +253,21 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
     for g in range(GROUP):
         h = hk * GROUP + g
         for j in range(0, u0):
-            dk, dv, sk, rho = _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty,
+            dk, dv, sk, rho, sk_run, rho_run = _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty,
                                         ld_bufs, ds_smem, dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf,
-                                        vf, dk, dv, sk, rho, sm_scale, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
+                                        vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
                                         BLOCK_N, NW)
             c += 1
         for j in range(u0, u1):
-            dk, dv, sk, rho = _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty,
+            dk, dv, sk, rho, sk_run, rho_run = _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty,
                                         ld_bufs, ds_smem, dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf,
-                                        vf, dk, dv, sk, rho, sm_scale, False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
+                                        vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale, False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
                                         BLOCK_N, NW)
             c += 1
         for j in range(u1, n_steps):
-            dk, dv, sk, rho = _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty,
+            dk, dv, sk, rho, sk_run, rho_run = _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty,
                                         ld_bufs, ds_smem, dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf,
-                                        vf, dk, dv, sk, rho, sm_scale, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
+                                        vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
                                         BLOCK_N, NW)
             c += 1
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
