@@ -176,6 +176,11 @@ def main(argv=None):
     p.add_argument("--parts", default="synthetic,train")
     p.add_argument("--steps", type=int, default=20)
     a = p.parse_args(argv)
+    from flamia_pack.kernels.fp8_attention import fp8_kernels_available
+
+    if not torch.cuda.is_available() or not fp8_kernels_available("cuda"):
+        raise SystemExit("error: fp8_leak_gpu.py compares the Gluon FP8 kernels with the emulation: it needs a "
+                         "CUDA GPU of compute capability 9.x (the CPU probes: python examples/fp8_leak.py)")
     torch.set_num_threads(os.cpu_count() or 1)
     out = pathlib.Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
