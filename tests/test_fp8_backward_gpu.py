@@ -81,14 +81,16 @@ def test_gradients_match_reference(name, gran, causal):
 def test_zero_do_rows_give_finite_gradients(gran):
     """dO exactly 0 where a training loss has no target: every document's last token (a key seen only
     by zero-dO queries: the dV fold's reference is 2^-126) and a whole 64-query step of the long
-    document (the unmasked fold's reference too). The kernel once overflowed 2^BOOST / rho there
-    (NaN dV in the last token of every 8,192-token training row)."""
+    document (the unmasked fold's reference too), and a step whose dO is 2^-80 x the others'. The
+    kernel once overflowed 2^BOOST / rho and the rescale rho_prev / rho there (NaN dV in the last
+    token of every 8,192-token training row)."""
     lens = [2048, 33, 1, 700]
     q, k, v, do, cu = _inputs(lens, 2, 2, 0, seed=9)
     do = do.clone()
     ends = (cu[1:] - 1).long()
     do[ends] = 0
     do[1024:1088] = 0
+    do[1536:1600] = do[1536:1600] * 2.0 ** -80  # a step 80 binades below the others: the floors bind
     g8 = _grads(q, k, v, do, cu, gran=gran)
     qf, kf, vf = (t.float() for t in (q, k, v))
     o, lse = packed_attention_reference(qf, kf, vf, cu, return_lse=True)
