@@ -22,7 +22,12 @@ RUNS=("bf16-s0|--attn bf16 --seed 0" "fp8-leak|--attn fp8-leak" "fp8-block|--att
 if [ -n "${ONLY:-}" ]; then
   SEL=()
   for want in $ONLY; do
-    for r in "${RUNS[@]}"; do [ "${r%%|*}" = "$want" ] && SEL+=("$r"); done
+    found=0
+    for r in "${RUNS[@]}"; do [ "${r%%|*}" = "$want" ] && SEL+=("$r") && found=1; done
+    if [ "$found" = 0 ]; then
+      echo "error: ONLY names an unknown run '$want' (runs: bf16-s0 fp8-leak fp8-block fp8-token bf16-s1)" >&2
+      exit 2
+    fi
   done
   RUNS=("${SEL[@]}")
 fi
