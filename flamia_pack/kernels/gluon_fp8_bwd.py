@@ -178,9 +178,10 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
         rho_step = gl.max(gl.where(vis, fdo[None, :], 0.0), 1)
         rho_new = gl.where(rho_step > 0.0, gl.maximum(rho_step, floor), rho)
         pv = gl.where(vis, p * (fdo[None, :] * (_inv(rho_new) * (2.0 ** BOOST))[:, None]), 0.0)
-        # the step's rows of the document: exactly the rows that see a key of the tile (steps start at
-        # the tile's first key, causal or not every row of the document sees its keys)
-        rho_run = gl.maximum(rho_run, gl.max(gl.where((q_pos >= start) & (q_pos < end), fdo, 0.0), 0))
+        q_sees = (q_pos >= start) & (q_pos < end)
+        if CAUSAL:
+            q_sees = q_sees & (q_pos >= gl.maximum(a, start))
+        rho_run = gl.maximum(rho_run, gl.max(gl.where(q_sees, fdo, 0.0), 0))
     else:
         rho_t = gl.max(fdo, 0)
         rho_s = gl.maximum(rho_t, floor)
