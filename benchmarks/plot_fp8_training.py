@@ -96,6 +96,8 @@ def plot(runs: list[dict], out: pathlib.Path, smooth: int = 50) -> pathlib.Path:
         color = (COLORS if (r["seed"] or 0) == 0 else OTHER_SEED).get(r["attn"], None)
         ls = "-"
         label = f"{r['attn']} s{r['seed']}"
+        if sum(1 for o in runs if (o["attn"], o["seed"]) == (r["attn"], r["seed"])) > 1:
+            label += f" ({r['name']})"  # two runs of one configuration: tell them apart by directory
         steps = [t["step"] for t in r["train"]]
         ax[0].plot(steps, _smooth([t["loss"] for t in r["train"]], smooth), color=color, ls=ls, lw=1.2, label=label)
         ax[2].plot(steps, [t["grad_norm"] for t in r["train"]], color=color, ls=ls, lw=0.6, alpha=0.8, label=label)

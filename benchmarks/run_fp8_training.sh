@@ -17,6 +17,8 @@ DIR=${2:-out/fp8-train}
 PY=${PYTHON:-python}
 export PYTHONPATH=${PYTHONPATH:-.}
 END=$((SECONDS + BUDGET))
+FAILED=0
+mkdir -p "$DIR"
 RUNS=("bf16-s0|--attn bf16 --seed 0" "fp8-leak|--attn fp8-leak" "fp8-block|--attn fp8-block"
       "fp8-token|--attn fp8-token" "bf16-s1|--attn bf16 --seed 1")
 if [ -n "${ONLY:-}" ]; then
@@ -39,9 +41,13 @@ for r in "${RUNS[@]}"; do
   if [ "$left" -lt 45 ]; then echo "== $name: not started (${left} s left of the budget)"; continue; fi
   echo "== $name: python examples/train_fp8.py $flags ${EXTRA:-} --out $DIR/$name (${left} s left)"
   $PY examples/train_fp8.py $flags ${EXTRA:-} --out "$DIR/$name" --max-minutes "$(awk "BEGIN{print ($left - 5) / 60}")" \
-    2>&1 | grep -v "^\s*$" | tail -n 14
+    > "$DIR/$name.console" 2>&1
+  rc=$?
+  grep -v "^\s*$" "$DIR/$name.console" | tail -n 14
+  if [ "$rc" != 0 ]; then echo "== $name: FAILED (exit $rc; the whole output: $DIR/$name.console)"; FAILED=$((FAILED + 1)); fi
   if [ -n "${OUT:-}" ] && [ -f "$DIR/$name/log.jsonl" ]; then
     mkdir -p "$OUT/$name" && cp "$DIR/$name/log.jsonl" "$OUT/$name/" && cp -f "$DIR/$name/summary.json" "$OUT/$name/" 2>/dev/null
   fi
 done
 echo "== $(( SECONDS )) s used"
+if [ "$FAILED" != 0 ]; then echo "== $FAILED run(s) failed" >&2; exit 1; fi

@@ -63,6 +63,7 @@ for p in (str(ROOT), str(HERE)):
         sys.path.insert(0, p)
 
 import fp8_leak  # noqa: E402
+from flamia_pack.errors import FlamiaError  # noqa: E402
 import train_tiny_gpt as tiny  # noqa: E402
 from flamia_pack.kernels.attention import varlen_attention  # noqa: E402
 from flamia_pack.kernels.config import kernel_config, work_list_tile_config  # noqa: E402
@@ -134,7 +135,11 @@ def eval_kinds(attn: str) -> dict[str, str]:
 def load_split(source: pathlib.Path, every: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Byte-tokenized documents of ``source``: (train, val); document ``i`` is held out iff
     ``i % every == 0``."""
-    docs = [np.asarray(d, dtype=np.int32) for d in open_source(str(source))]
+    try:
+        docs = [np.asarray(d, dtype=np.int32) for d in open_source(str(source))]
+    except FlamiaError as exc:  # a source this script cannot read as text files: say why, no traceback
+        raise SystemExit(f"error: --source {source}: {exc}; train_fp8.py reads plain-text files or a 'text' "
+                         "column (it has no --text-column option; the default is the bundled sample)") from None
     train = [d for i, d in enumerate(docs) if i % every]
     val = [d for i, d in enumerate(docs) if i % every == 0]
     return train, val

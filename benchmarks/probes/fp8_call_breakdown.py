@@ -71,6 +71,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="W1,W4,W7")
     a = ap.parse_args(argv)
+    from flamia_pack.kernels.fp8_attention import fp8_kernels_available
+
+    if not torch.cuda.is_available() or not fp8_kernels_available("cuda"):
+        raise SystemExit("error: fp8_call_breakdown.py times the Gluon FP8 kernels: it needs a CUDA GPU of compute "
+                         "capability 9.x")
 
     def ms(fn):
         return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
