@@ -6,7 +6,9 @@ benchmarks/RESULTS.md 2026-12-02), so the emulation's error against exact attent
 Per input: cosine of dQ / dK / dV against the fp64 exact gradients on the same bf16 inputs, the
 gradient norm ratios, the dS zero fraction of each payload, the signed row-sum residual of the decoded
 dQ payload, and the positive control (S recomputed from the unquantized q, k: P no longer matches the
-saved LSE) that must show the residual / norm blow-up.
+saved LSE) that must show the residual / norm blow-up. The last two columns split the error: the FP8
+backward against exact attention on the forward's dequantized inputs q^, k^, v^ (the backward's own
+error), and exact attention on q^, k^, v^ against exact attention on q, k, v (the input quantization's).
 
 Inputs: N(0, 1); N(0, 1) with K channels 5, 17, 40, 99 x 20; the q, k, v entering a layer of the
 tiny GPT of ``examples/train_tiny_gpt.py`` trained on the CPU (``fp8_numerics.gpt_capture``, head_dim
@@ -27,10 +29,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 from flamia_pack.kernels.fp8_emulation import fp8_attention_forward  # noqa: E402
 from flamia_pack.kernels.fp8_emulation_bwd import fp8_attention_backward  # noqa: E402
 from flamia_pack.kernels.reference import packed_attention_reference, packed_attention_reference_bwd  # noqa: E402
+from flamia_pack.quant import quantize_token_blocks  # noqa: E402
 
 
 def _cos(a, b):
     return float(torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+
+
+def _dequantized(x, cu, gran):
+    """float64 ``codes 2^e`` of ``x`` under the FP8 forward's quantization (what its attention sees)."""
+    r = quantize_token_blocks(x, cu, gran)
+    return r.codes.double() * torch.exp2(r.exponents.double() - 127)[..., None]
 
 
 def row(name, q, k, v, cu, gran, seed=0):
@@ -45,12 +54,21 @@ def row(name, q, k, v, cu, gran, seed=0):
         g = fp8_attention_backward(do, q, k, v, o, lse, cu, scale_granularity=gran, stats=st, mismatch=mismatch)
         cos = [_cos(a, r) for a, r in zip(g, ref)]
         nr = [float(a.double().norm() / r.norm()) for a, r in zip(g, ref)]
+        if mismatch is None:
+            st["_grads"] = g
         out.append((mismatch, cos, nr, st))
     (_, c, n, st), (_, cc, nc, sc) = out
+    # where the error comes from: exact attention on the forward's dequantized inputs q^, k^, v^
+    qh, kh, vh = (_dequantized(t, cu, gran) for t in (q, k, v))
+    oh, lseh = packed_attention_reference(qh, kh, vh, cu, return_lse=True, compute_dtype=torch.float64)
+    refh = packed_attention_reference_bwd(do.double(), qh, kh, vh, oh, lseh, cu, compute_dtype=torch.float64)
+    g = out[0][3].pop("_grads")
+    vs_hat = " / ".join(f"{_cos(a, r):.5f}" for a, r in zip(g, refh))
+    hat_vs_exact = " / ".join(f"{_cos(a, r):.5f}" for a, r in zip(refh, ref))
     print(f"| {name} | {gran} | {c[0]:.5f} | {c[1]:.5f} | {c[2]:.5f} | {n[0]:.4f} / {n[1]:.4f} / {n[2]:.4f} | "
           f"{st['ds_zero_fraction']:.2e} / {st['ds_zero_fraction_dk']:.2e} | {st['ds_row_residual']:+.2e} "
           f"(rms {st['ds_row_residual_rms']:.2e}) | control: dQ cos {cc[0]:.4f}, norm {nc[0]:.3f}, residual rms "
-          f"{sc['ds_row_residual_rms']:.2e} |", flush=True)
+          f"{sc['ds_row_residual_rms']:.2e} | {vs_hat} | {hat_vs_exact} |", flush=True)
 
 
 def main(argv=None):
@@ -67,8 +85,9 @@ def main(argv=None):
     k_out = k.clone()
     k_out[:, :, [5, 17, 40, 99]] *= 20
     print("| input | mode | cos dQ | cos dK | cos dV | norm ratio dQ / dK / dV | dS zero fraction dQ / dK payload |"
-          " row residual | positive control (bf16 scores) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          " row residual | positive control (bf16 scores) | dQ / dK / dV vs exact on q^, k^, v^ |"
+          " exact on q^, k^, v^ vs exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for gran in ("block", "token"):
         row("N(0,1)", q, k, v, cu, gran)
     row("K ch x20", q, k_out, v, cu, "block")
