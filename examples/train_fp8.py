@@ -63,8 +63,8 @@ for p in (str(ROOT), str(HERE)):
         sys.path.insert(0, p)
 
 import fp8_leak  # noqa: E402
-from flamia_pack.errors import FlamiaError  # noqa: E402
 import train_tiny_gpt as tiny  # noqa: E402
+from flamia_pack.errors import FlamiaError  # noqa: E402
 from flamia_pack.kernels.attention import varlen_attention  # noqa: E402
 from flamia_pack.kernels.config import kernel_config, work_list_tile_config  # noqa: E402
 from flamia_pack.loaders import PackedCollator, StreamingPackedDataset, open_source, to_device  # noqa: E402

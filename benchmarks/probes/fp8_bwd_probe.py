@@ -123,23 +123,45 @@ def _use_module(path):
     spec.loader.exec_module(mod)
 
 
-def _kernel_only(q, k, v, do, cu):
-    """The FP8 backward kernel alone on prepared operands (a closure to time)."""
-    from flamia_pack.kernels.fp8_attention import fp8_attention_forward, fp8_quantize
-    from flamia_pack.kernels.fp8_bwd_prep import fp8_bwd_delta
-    from flamia_pack.kernels.gluon_fp8_bwd import fp8_bwd_entries, gluon_fp8_bwd
-    from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
+def quantize_do(do, cu):
+    """dO's codes in both layouts, as ``fp8_backward`` quantizes it (block granularity)."""
     from flamia_pack.kernels.quantize import quantize
 
+    return quantize(do, cu, "block", transposed=True, transposed_store="kernel", hw_cvt=False, check_finite=False,
+                    validate=False)
+
+
+def prepared_backward(q, k, v, do, cu, work_list=None):
+    """Everything the FP8 backward kernel reads, made once (block granularity): a dict of ``ops``,
+    ``o``, ``lse``, ``d8`` (dO's codes), ``delta``, ``tables`` (q, k, v, dO factor tables) and ``entries``."""
+    from flamia_pack.kernels.fp8_attention import fp8_attention_forward, fp8_quantize
+    from flamia_pack.kernels.fp8_bwd_prep import fp8_bwd_delta
+    from flamia_pack.kernels.gluon_fp8_bwd import fp8_bwd_entries
+    from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
+
     ops = fp8_quantize(q, k, v, cu, "block", backward=True)
-    o, lse = fp8_attention_forward(ops, cu)
-    d8 = quantize(do, cu, "block", transposed=True, transposed_store="kernel", hw_cvt=False, check_finite=False,
-                  validate=False)
-    delta = fp8_bwd_delta(d8.codes, d8.exponents, o)
-    tabs = [exponent_table(ops.eq), ops.ekt, ops.evt, exponent_table(d8.exponents)]
-    ent = fp8_bwd_entries(cu, q.shape[0])
-    return lambda: gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, d8.codes, d8.codes_t, *tabs, lse,
-                                 delta, cu, 128 ** -0.5, entries=ent)
+    o, lse = fp8_attention_forward(ops, cu, work_list=work_list)
+    d8 = quantize_do(do, cu)
+    return {"ops": ops, "o": o, "lse": lse, "d8": d8, "delta": fp8_bwd_delta(d8.codes, d8.exponents, o),
+            "tables": [exponent_table(ops.eq), ops.ekt, ops.evt, exponent_table(d8.exponents)],
+            "entries": fp8_bwd_entries(cu, q.shape[0])}
+
+
+def _kernel_only(q, k, v, do, cu, dq_acc=None, prepared=None):
+    """The FP8 backward kernel alone on prepared operands (a closure to time; ``dq_acc``: an fp32
+    accumulator zeroed before each call, else the launcher allocates one; ``prepared``: a
+    :func:`prepared_backward` result to reuse)."""
+    from flamia_pack.kernels.gluon_fp8_bwd import gluon_fp8_bwd
+
+    b = prepared_backward(q, k, v, do, cu) if prepared is None else prepared
+    ops, d8 = b["ops"], b["d8"]
+
+    def run():
+        if dq_acc is not None:
+            dq_acc.zero_()
+        return gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, d8.codes, d8.codes_t, *b["tables"], b["lse"],
+                             b["delta"], cu, 128 ** -0.5, entries=b["entries"], dq_acc=dq_acc)
+    return run
 
 
 def speed(rows):

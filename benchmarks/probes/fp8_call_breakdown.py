@@ -11,38 +11,32 @@ WORKLOADS names (H_q 16, D 128; W5 GQA 16/4).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 HBM = 4.8e12  # H200 HBM3e bytes/s
 
 
 def _pieces(q, k, v, do, cu):
     """``[(name, bytes, fn)]``: each piece of the FP8 training call on prepared inputs."""
+    from fp8_bwd_probe import _kernel_only, prepared_backward, quantize_do
+
     from flamia_pack.kernels.fp8_attention import build_fp8_work_list, fp8_attention_forward, fp8_quantize
     from flamia_pack.kernels.fp8_bwd_prep import fp8_bwd_delta
-    from flamia_pack.kernels.gluon_fp8_bwd import fp8_bwd_entries, gluon_fp8_bwd
+    from flamia_pack.kernels.gluon_fp8_bwd import fp8_bwd_entries
     from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
-    from flamia_pack.kernels.quantize import quantize
 
     T, H, D = q.shape
     Hkv = k.shape[1]
     n_q, n_kv = T * H * D, T * Hkv * D
     wl = build_fp8_work_list(cu, T, causal=True, validate=False)
-    ops = fp8_quantize(q, k, v, cu, "block", backward=True)
-    o, lse = fp8_attention_forward(ops, cu, work_list=wl)
-    d8 = quantize(do, cu, "block", transposed=True, transposed_store="kernel", hw_cvt=False, check_finite=False,
-                  validate=False)
-    delta = fp8_bwd_delta(d8.codes, d8.exponents, o)
-    tabs = [exponent_table(ops.eq), ops.ekt, ops.evt, exponent_table(d8.exponents)]
-    ent = fp8_bwd_entries(cu, T)
+    b = prepared_backward(q, k, v, do, cu, work_list=wl)
+    ops, d8 = b["ops"], b["d8"]
     acc = torch.zeros((T, H, D), dtype=torch.float32, device=q.device)
-    scale = D ** -0.5
-
-    def bwd_kernel():
-        acc.zero_()
-        return gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, d8.codes, d8.codes_t, *tabs, lse, delta, cu,
-                             scale, entries=ent, dq_acc=acc)
 
     return [
         ("fwd: work list", 0, lambda: build_fp8_work_list(cu, T, causal=True, validate=False)),
@@ -50,14 +44,12 @@ def _pieces(q, k, v, do, cu):
         ("fwd: quantize q, k, v (both layouts)", 2 * (n_q + 2 * n_kv) + 2 * (n_q + 2 * n_kv),
          lambda: fp8_quantize(q, k, v, cu, "block", backward=True)),
         ("fwd: kernel", n_q + 2 * n_kv + 2 * n_q, lambda: fp8_attention_forward(ops, cu, work_list=wl)),
-        ("bwd: quantize dO (both layouts)", 2 * n_q + 2 * n_q,
-         lambda: quantize(do, cu, "block", transposed=True, transposed_store="kernel", hw_cvt=False,
-                          check_finite=False, validate=False)),
-        ("bwd: Delta", n_q + 2 * n_q, lambda: fp8_bwd_delta(d8.codes, d8.exponents, o)),
+        ("bwd: quantize dO (both layouts)", 2 * n_q + 2 * n_q, lambda: quantize_do(do, cu)),
+        ("bwd: Delta", n_q + 2 * n_q, lambda: fp8_bwd_delta(d8.codes, d8.exponents, b["o"])),
         ("bwd: factor tables (q, dO)", 0, lambda: (exponent_table(ops.eq), exponent_table(d8.exponents))),
         ("bwd: entries", 0, lambda: fp8_bwd_entries(cu, T)),
         ("bwd: dQ accumulator zeroed", 4 * n_q, lambda: acc.zero_()),
-        ("bwd: kernel (incl. zeroing, dQ cast)", 0, bwd_kernel),
+        ("bwd: kernel (incl. zeroing, dQ cast)", 0, _kernel_only(q, k, v, do, cu, dq_acc=acc, prepared=b)),
         ("bwd: dQ cast fp32 -> bf16", 4 * n_q + 2 * n_q, lambda: acc.to(torch.bfloat16)),
     ]
 

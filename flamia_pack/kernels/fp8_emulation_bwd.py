@@ -144,8 +144,9 @@ def _floor_references(steps: list, g: int, boost: int) -> None:
                       the tile)
 
     ``steps``: tuples ``(sel, ia, um, vis_m, sigma_k (H, 1, n), normal (H, 1, n), rho (H, n),
-    has_v (n,), e_seen (H, n))``; sigma_k and rho are replaced. Both floors bind only on degenerate
-    rows (a step whose dO is 0 or whose dS is 2^64 below an earlier step's): elsewhere a no-op."""
+    has_v (n,), e_seen (H, n))``; sigma_k and rho (each step's own tensors) are written in place.
+    Both floors bind only on degenerate rows (a step whose dO is 0 or whose dS is 2^64 below an
+    earlier step's): elsewhere a no-op."""
     if not steps:
         return
     H = steps[0][4].shape[0]
@@ -154,17 +155,14 @@ def _floor_references(steps: list, g: int, boost: int) -> None:
     sk_run = torch.full((hkv, 1, n), -(1 << 20), dtype=torch.int32)
     r_run = torch.full((hkv, n), -(1 << 20), dtype=torch.int32)
     for j in range(g):
-        for t, (sel, ia, um, vis_m, sig_k, normal, rho, has_v, e_seen) in enumerate(steps):
-            hs = slice(j, None, g)
+        hs = slice(j, None, g)
+        for _, _, _, _, sig_k, normal, rho, has_v, e_seen in steps:
             sk = torch.where(normal[hs], torch.maximum(sig_k[hs], sk_run - REF_FLOOR_LOG2), sig_k[hs])
             sk_run = torch.where(normal[hs], torch.maximum(sk_run, sk), sk_run)
             rv = torch.maximum(rho[hs], torch.clamp(r_run - REF_FLOOR_LOG2, min=boost - 126))
-            rv = torch.where(has_v[None, :], rv, rho[hs])
+            rho[hs] = torch.where(has_v[None, :], rv, rho[hs])
+            sig_k[hs] = sk
             r_run = torch.maximum(r_run, e_seen[hs].to(torch.int32))
-            sig_k = sig_k.clone()
-            rho = rho.clone()
-            sig_k[hs], rho[hs] = sk, rv
-            steps[t] = (sel, ia, um, vis_m, sig_k, normal, rho, has_v, e_seen)
 
 
 def _check_bwd_options(scale_granularity, block_m, block_n, boost_log2) -> None:

@@ -16,6 +16,8 @@ step's per-query vectors; the consumer (8 warps, 16 keys each) runs, per step::
           dv <- dv (rho_prev / rho_j) + P~v dOc^T-tile        (acc in units of rho_j 2^-BOOST)
     dK:   s_j = 2^sigma_k(j) (quant.py's rule on max_i |Uk_ij| of the step);  Ck = E4M3(Uk / s_j)
           dk <- dk (s_prev / s_j) + Ck Qc^T-tile               (acc in units of s_j; dK = dk s_j scale)
+          rho_j and s_j are floored (2^(BOOST - 126); 2^-REF_FLOOR_LOG2 x the largest so far) so the
+          rescales stay finite on zero / tiny-dO steps (the emulation's ``_floor_references``)
     dQ:   t_i = 2^sigma_q(i) (the rule on max_j |Uq_ij| of the tile);  Cq = E4M3(Uq / t_i) through
           shared memory (keys contiguous);  dQacc_i += (Cq Kc)_i t_i scale         (TMA reduce-add)
 
@@ -253,22 +255,22 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
     for g in range(GROUP):
         h = hk * GROUP + g
         for j in range(0, u0):
-            dk, dv, sk, rho, sk_run, rho_run = _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty,
-                                        ld_bufs, ds_smem, dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf,
-                                        vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
-                                        BLOCK_N, NW)
+            dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
+                q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
+                dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
+                True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW)
             c += 1
         for j in range(u0, u1):
-            dk, dv, sk, rho, sk_run, rho_run = _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty,
-                                        ld_bufs, ds_smem, dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf,
-                                        vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale, False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
-                                        BLOCK_N, NW)
+            dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
+                q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
+                dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
+                False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW)
             c += 1
         for j in range(u1, n_steps):
-            dk, dv, sk, rho, sk_run, rho_run = _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty,
-                                        ld_bufs, ds_smem, dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf,
-                                        vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
-                                        BLOCK_N, NW)
+            dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
+                q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
+                dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
+                True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW)
             c += 1
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     tma.store_wait(0)  # the last reduce has read its staging tile before the program exits
