@@ -53,6 +53,24 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+def test_fp8_work_list_on_the_cpu():
+    """build_fp8_work_list's FP8WorkList is a WorkList (the CPU path checks and accepts it); without the
+    kernels it carries no backward entries; the gradients through it are the emulation's."""
+    from flamia_pack.kernels.fp8_attention import FP8WorkList, build_fp8_work_list
+    from flamia_pack.scheduler.worklist import WorkList
+
+    q, k, v, do = _inputs(64, seed=11)
+    wl = build_fp8_work_list(CU, q.shape[0])
+    assert isinstance(wl, FP8WorkList) and isinstance(wl, WorkList) and wl.bwd_entries is None
+    assert wl.total_tokens == q.shape[0] and int(wl.num_items[0]) > 0
+    a = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    varlen_attention(*a, CU, MAX_SEQLEN, precision="fp8", work_list=wl).backward(do)
+    b = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    fp8_varlen_attention_emulated(*b, CU, MAX_SEQLEN).backward(do)
+    for x, y in zip(a, b):
+        assert torch.equal(x.grad, y.grad)
+
+
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("gran", ["block", "token"])

@@ -135,6 +135,32 @@ def test_token_mode_dq_before_cut_is_causal():
 
 
 @needs_hopper
+@pytest.mark.parametrize("causal", [True, False])
+def test_work_list_carries_the_backward_entries(causal):
+    """A prebuilt FP8 work list carries the backward's entries (built once per row, reused by every layer);
+    gradients through it equal those of a call that builds its own: dK / dV bitwise, dQ up to its reduce."""
+    from flamia_pack.kernels.fp8_attention import build_fp8_work_list
+    from flamia_pack.kernels.gluon_fp8_bwd import fp8_bwd_entries
+
+    lens = [300, 1, 77, 700, 129]
+    q, k, v, do, cu = _inputs(lens, 4, 2, seed=9)
+    wl = build_fp8_work_list(cu, q.shape[0], causal=causal)
+    ref = fp8_bwd_entries(cu, q.shape[0], causal=causal)
+    assert wl.bwd_entries is not None and wl.bwd_entries[2] == ref[2]
+    assert torch.equal(wl.bwd_entries[0], ref[0]) and torch.equal(wl.bwd_entries[1], ref[1])
+    assert build_fp8_work_list(cu, q.shape[0], causal=causal, backward=False).bwd_entries is None
+
+    def grads(work_list):
+        x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        varlen_attention(*x, cu, 700, causal=causal, precision="fp8", work_list=work_list).backward(do)
+        return [t.grad for t in x]
+
+    a, b = grads(wl), grads(None)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=2e-3)
+
+
+@needs_hopper
 def test_backward_captures_in_a_cuda_graph():
     q, k, v, do, cu = _inputs([700, 300], 4, 2, seed=7)
     ops = fp8_quantize(q, k, v, cu, "block", backward=True)

@@ -13,6 +13,7 @@ codes (and Q^T, K^T from the same quantizer launch) for the Gluon FP8 backward (
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple, Optional
 
@@ -20,9 +21,10 @@ import torch
 
 from flamia_pack.errors import FlamiaError
 from flamia_pack.quant import GRANULARITIES
+from flamia_pack.scheduler.worklist import WorkList
 
-__all__ = ["FP8Operands", "fp8_quantize", "fp8_attention_forward", "fp8_varlen_attention", "build_fp8_work_list",
-           "fp8_kernels_available"]
+__all__ = ["FP8Operands", "FP8WorkList", "fp8_quantize", "fp8_attention_forward", "fp8_varlen_attention",
+           "build_fp8_work_list", "fp8_kernels_available"]
 
 FP8_BLOCK_M = 128
 """Query rows per work-list item and per kernel entry of the FP8 forward."""
@@ -105,18 +107,39 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
                        vq.codes if backward else None)
 
 
+@dataclasses.dataclass
+class FP8WorkList(WorkList):
+    """A :class:`~flamia_pack.scheduler.worklist.WorkList` of the FP8 forward plus the FP8 backward's
+    dK/dV entries for the same ``cu_seqlens`` (``bwd_entries``: ``gluon_fp8_bwd.fp8_bwd_entries``'
+    ``(entries, n_entries, max_entries)``, or None where the kernels do not run). One list per packed row
+    serves every layer's forward and backward: the entries cost ~15 small device ops (0.5-0.9 ms of
+    launches on the H200), which a backward without them rebuilds on every call."""
+
+    bwd_entries: tuple | None = None
+
+
 def build_fp8_work_list(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: bool = True, validate: bool = True,
-                        max_items: int | None = None):
-    """The work list of the FP8 forward (128-row items, no merged items), for reuse across calls /
-    CUDA graphs: ``fp8_attention_forward(..., work_list=)`` / ``varlen_attention(precision="fp8", work_list=)``.
+                        max_items: int | None = None, backward: bool = True) -> FP8WorkList:
+    """The work list of the FP8 forward (128-row items, no merged items) and, with ``backward`` on a device
+    where the kernels run, the backward's entries (:class:`FP8WorkList`), for reuse across calls, layers
+    and CUDA graphs: ``fp8_attention_forward(..., work_list=)`` / ``varlen_attention(precision="fp8",
+    work_list=)``. No host sync with ``validate=False``.
 
     Args/Raises: as :func:`flamia_pack.scheduler.worklist.build_work_list`.
     """
     from flamia_pack.scheduler.worklist import TileConfig, build_work_list
 
-    return build_work_list(cu_seqlens, total_tokens, TileConfig(block_m=FP8_BLOCK_M, causal=bool(causal),
-                                                                merge_short=False),
-                           max_items=max_items, validate=validate)
+    wl = build_work_list(cu_seqlens, total_tokens, TileConfig(block_m=FP8_BLOCK_M, causal=bool(causal),
+                                                              merge_short=False),
+                         max_items=max_items, validate=validate)
+    entries = None
+    if backward and fp8_kernels_available(wl.items.device):
+        from flamia_pack.kernels.gluon_fp8_bwd import fp8_bwd_entries
+
+        cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+        entries = fp8_bwd_entries(cu32.to(wl.items.device), total_tokens, causal=bool(causal))
+    return FP8WorkList(wl.items, wl.num_items, wl.max_items, wl.config, wl.total_tokens, wl.min_seqlen, wl.doc_tokens,
+                       bwd_entries=entries)
 
 
 def _check_fp8_list(work_list, causal: bool, device, T: int):
@@ -191,6 +214,7 @@ class _FP8Attention(torch.autograd.Function):
         # V^T is the forward's operand only (the backward reads V row-major): not kept, T H_kv D bytes less
         ctx.save_for_backward(o, lse, cu32, ops.qc, ops.kc, *(ops[3:8]), ops.qt, ops.kt, ops.vc)
         ctx.fp8 = (causal, float(softmax_scale), granularity)
+        ctx.entries = getattr(work_list, "bwd_entries", None)  # built for this cu_seqlens with the list
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -202,7 +226,8 @@ class _FP8Attention(torch.autograd.Function):
         o, lse, cu32, qc, kc, *rest = ctx.saved_tensors
         causal, scale, granularity = ctx.fp8
         ops = FP8Operands(qc, kc, None, *rest[:5], granularity, *rest[5:])
-        dq, dk, dv = fp8_backward(do, ops, o, lse, cu32, causal=causal, softmax_scale=scale, dlse=dlse)
+        dq, dk, dv = fp8_backward(do, ops, o, lse, cu32, causal=causal, softmax_scale=scale, dlse=dlse,
+                                  entries=ctx.entries)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -241,6 +266,13 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
         return o.to(q.device), lse.to(q.device)
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         raise FlamiaError(f"precision='fp8' on the GPU takes bfloat16 q, k, v (quantized inside), got {q.dtype}")
+    return _fp8_gpu_call(q, k, v, cu32, causal, softmax_scale, scale_granularity, work_list)
+
+
+@torch.compiler.disable
+def _fp8_gpu_call(q, k, v, cu32, causal, softmax_scale, scale_granularity, work_list):
+    """The Gluon FP8 path, eager under ``torch.compile`` (one graph break per call): Inductor would re-emit
+    the Triton quantizer from source and loses its module-level combine functions."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FP8Attention.apply(q, k, v, cu32, bool(causal), float(softmax_scale), scale_granularity, work_list)
     ops = fp8_quantize(q, k, v, cu32, scale_granularity)
