@@ -370,11 +370,15 @@ def measure(name, make, inp, *, fwd=True, train=True, rep=200):
     return res
 
 
-def peak_memory(make, inp) -> dict:
-    """Peak bytes allocated by one training call beyond its inputs, plus the own-tensor bytes."""
+def peak_memory(make, inp, fp8: bool = False) -> dict:
+    """Peak bytes allocated by one training call beyond its inputs, plus the own-tensor bytes; ``fp8``:
+    the own tensors also count the E4M3 codes the forward saves for the backward (Q, K in both layouts,
+    V row-major: 2 T H_q D + 3 T H_kv D bytes) and their exponent bytes (T (H_q + 2 H_kv))."""
     q, k, do = inp["q"], inp["k"], inp["do"]
     T, H, D = q.shape
     own = 2 * (4 * q.numel() + 4 * k.numel()) + 4 * H * T  # bf16 q,o,dO,dq + k,v,dk,dv; fp32 lse
+    if fp8:
+        own += 2 * q.numel() + 3 * k.numel() + T * (H + 2 * k.shape[1])
     try:
         fns = make(inp)
         _, t, leaves = fns
@@ -452,6 +456,13 @@ def markdown(rows) -> str:
             b, br = cell(m.get("varlen", {}))
             out.append(f"| {r['name']} | {own / 1e9:.2f} | {a} | {ar} | {f4} | {f4r} | {b} | {br} | "
                        f"{r['pad_factor']:.1f}x |")
+        for r in mem:
+            x = r["memory"].get("ours_fp8")
+            if x:
+                peak = f"{x['peak_bytes'] / 1e9:.2f} GB" if "peak_bytes" in x else x.get("error", "-")
+                ratio = f"{x['peak_bytes'] / x['own_bytes']:.2f}x" if "peak_bytes" in x else "-"
+                out.append(f"\n{r['name']} precision=\"fp8\": peak {peak}, own tensors incl. the saved FP8 codes "
+                           f"{x['own_bytes'] / 1e9:.2f} GB, ratio {ratio} (issue 28 target <= 1.2x)")
     f8 = [r for r in rows if "ours_fp8" in r["impl"]]
     if f8:
         out.append("\n### FP8 (precision=\"fp8\"): ms; ratio = fastest BF16 time of the row (ours, FA4-sm90, "
@@ -511,6 +522,8 @@ def run(workloads, peers, rep, out_dir, memory_for=("S2",), config=None, fp8=Fal
             for p in ("fa4", "varlen"):
                 if p in peers:
                     row["memory"][p] = peak_memory(PEERS[p], inp)
+            if fp8:
+                row["memory"]["ours_fp8"] = peak_memory(ours_fp8, inp, fp8=True)
         row["seconds"] = time.time() - t0
         print(f"[{name}] {json.dumps(row['impl'])} ({row['seconds']:.0f} s)", flush=True)
         rows.append(row)
