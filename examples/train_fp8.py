@@ -242,6 +242,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--estimate", action="store_true", help="print FLOPs per step and the H200 time estimate, then exit")
     p.add_argument("--quiet", action="store_true", help="print nothing while training (the log has it all)")
     p.add_argument("--verbose", action="store_true", help="print every --log-every window, not only at evaluations")
+    p.add_argument("--grad-probe", action="store_true",
+                   help="diagnostic: every step also computes the same batch's gradient through exact BF16 attention "
+                        "(same weights; the update still uses the run's own) and logs its norm, its loss and the "
+                        "cosine between the two gradients (about doubles the step time)")
     args = p.parse_args(argv)
     if args.attn not in ATTNS:
         p.error(f"--attn must be one of {', '.join(ATTNS)}, got {args.attn!r}")
@@ -483,10 +487,48 @@ def summarize(args, log: Log, flops: Optional[dict], complete: bool, device) -> 
         "train_seconds": sum(r.get("step_ms", 0) for r in tr) / 1e3,
         "flops_per_step": flops,
     }
+    pr = [r for r in tr if "grad_norm_exact" in r]
+    if pr:  # --grad-probe: the run's gradient against exact attention's on the same weights and batch
+        by_step = {r["step"]: r for r in pr}
+        cos = [r["grad_cos_exact"] for r in pr]
+        s["grad_probe"] = {
+            "steps": len(pr), "cos_median": float(np.median(cos)), "cos_p01": float(np.percentile(cos, 1)),
+            "norm_ratio_median": float(np.median([r["grad_norm"] / max(r["grad_norm_exact"], 1e-30) for r in pr])),
+            "at_spikes": [{"step": st, "grad_norm": by_step[st]["grad_norm"],
+                           "grad_norm_exact": by_step[st]["grad_norm_exact"], "cos": by_step[st]["grad_cos_exact"]}
+                          for st in s["grad_norm_spikes"] if st in by_step],
+            "exact_spikes": _spikes([r["grad_norm_exact"] for r in pr], args.warmup_steps),
+        }
     if flops and s["tokens_per_s"]:
         s["mfu_h200_bf16"] = s["tokens_per_s"] * flops["total"] / flops["tokens"] / H200_BF16_PEAK
     (args.out / SUMMARY).write_text(json.dumps(s, indent=1))
     return s
+
+
+def grad_probe(model, batch, grads: list, cuda: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``--grad-probe`` of one step: ``(loss, grad norm, cosine to grads)`` of the same batch and weights
+    through exact BF16 attention, as device scalars (no sync). ``grads``: the run's own gradients (before
+    clipping), restored into ``.grad`` afterwards, so the step's update is unchanged. Tells a gradient
+    spike of the kernel (the exact gradient is small there) from one of the trajectory (large as well)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    own_attn = model.attention
+    model.attention = make_attention("exact", prebuilt=False)
+    try:
+        for p in params:
+            p.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            logits = model(batch)
+        loss = F.cross_entropy(logits.float(), batch["labels"].reshape(-1), ignore_index=-100)
+        loss.backward()
+        ge = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    finally:
+        model.attention = own_attn
+    dot = sum((a.float() * b.float()).sum() for a, b in zip(grads, ge))
+    n_own = torch.sqrt(sum(a.float().square().sum() for a in grads))
+    n_ex = torch.sqrt(sum(b.float().square().sum() for b in ge))
+    for p, g in zip(params, grads):
+        p.grad = g
+    return loss.detach(), n_ex, dot / (n_own * n_ex).clamp_min(1e-30)
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -562,13 +604,17 @@ def train(args: argparse.Namespace) -> dict:
 
     def write_pending():
         """The pending steps' records (one sync); returns ``(their values, tokens, seconds, diverged)``."""
-        vals = torch.stack([torch.stack([p[1].float(), p[2].float()]) for p in pending]).cpu().tolist()
+        vals = torch.stack([torch.stack([p[1].float(), p[2].float(), *(p[6] if p[6] else [p[1]] * 3)])
+                            for p in pending]).float().cpu().tolist()
         dt = time.perf_counter() - t_win
         ntok = sum(p[4] for p in pending)
         bad = False
-        for (s, _, _, lr_s, tok, ndocs), (lv, gv) in zip(pending, vals):
-            log.write({"type": "train", "step": s, "loss": lv, "grad_norm": gv, "lr": lr_s, "tokens": tok,
-                       "docs": ndocs, "tok_s": ntok / dt, "step_ms": 1e3 * dt / len(pending)})
+        for (s, _, _, lr_s, tok, ndocs, pr), (lv, gv, le, ge, gc) in zip(pending, vals):
+            rec = {"type": "train", "step": s, "loss": lv, "grad_norm": gv, "lr": lr_s, "tokens": tok,
+                   "docs": ndocs, "tok_s": ntok / dt, "step_ms": 1e3 * dt / len(pending)}
+            if pr is not None:
+                rec.update(loss_exact=le, grad_norm_exact=ge, grad_cos_exact=gc)
+            log.write(rec)
             bad = bad or not (math.isfinite(lv) and math.isfinite(gv))
         return vals, ntok, dt, bad
 
@@ -590,6 +636,10 @@ def train(args: argparse.Namespace) -> dict:
         loss = F.cross_entropy(logits.float(), batch["labels"].reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        probe = None
+        if args.grad_probe:
+            own = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters() if p.requires_grad]
+            probe = grad_probe(model, batch, own, cuda)
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         lr = sched.get_last_lr()[0]
         opt.step()
@@ -598,7 +648,7 @@ def train(args: argparse.Namespace) -> dict:
         cu = cpu_batch["cu_seqlens"].tolist()
         if len(cus) < 64:
             cus.append(cu)
-        pending.append((step, loss.detach(), gn.detach(), lr, int(cpu_batch["num_real_tokens"]), len(cu) - 1))
+        pending.append((step, loss.detach(), gn.detach(), lr, int(cpu_batch["num_real_tokens"]), len(cu) - 1, probe))
         is_eval = step % args.eval_every == 0 or step == args.steps
         if len(pending) >= args.log_every or is_eval or step % args.ckpt_every == 0 or step == args.steps:
             vals, ntok, dt, bad = write_pending()

@@ -77,6 +77,27 @@ def test_three_steps_on_cpu(tf, source, tmp_path, attn):
     assert s["flops_per_step"]["total"] > 0 and (tmp_path / attn / "summary.json").is_file()
 
 
+@pytest.mark.parametrize("attn", ["bf16", "fp8-block"])
+def test_grad_probe_logs_the_exact_gradient_and_leaves_the_update(tf, source, tmp_path, attn):
+    """--grad-probe: per step the exact-attention gradient's norm, loss and cosine to the run's own; bf16's own
+    attention is the exact one (cosine 1, same norm), the FP8 emulation's differs a little; the run's
+    trajectory is the one without the probe (bitwise on the CPU)."""
+    plain = tf.main(_argv(source, tmp_path / "plain", attn))
+    s = tf.main(_argv(source, tmp_path / "probe", attn) + ["--grad-probe"])
+    a = [r for r in _records(tmp_path / "plain") if r["type"] == "train"]
+    b = [r for r in _records(tmp_path / "probe") if r["type"] == "train"]
+    assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b]
+    assert all("grad_norm_exact" not in r for r in a) and plain.get("grad_probe") is None
+    for r in b:
+        if attn == "bf16":
+            assert r["grad_cos_exact"] == pytest.approx(1.0, abs=1e-5)
+            assert r["grad_norm_exact"] == pytest.approx(r["grad_norm"], rel=1e-5) and r["loss_exact"] == r["loss"]
+        else:
+            assert 0.9 < r["grad_cos_exact"] < 1.0 and r["grad_norm_exact"] > 0
+            assert abs(r["loss_exact"] - r["loss"]) < 0.05
+    assert s["grad_probe"]["steps"] == 3 and s["grad_probe"]["cos_median"] > 0.9
+
+
 def test_resume_is_bitwise(tf, source, tmp_path):
     straight = tf.main(_argv(source, tmp_path / "a", "bf16", 3))
     part = tf.main(_argv(source, tmp_path / "b", "bf16", 3, "--stop-at", "2"))
