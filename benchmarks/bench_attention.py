@@ -26,6 +26,7 @@ argument) are reported as such.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import inspect
@@ -585,6 +586,31 @@ def fit_and_report(rows) -> str:
             pred_ms = p.dynamic_ms
             meas = r["impl"]["ours"][key]
             lines.append(f"| {r['name']} | {path} | {meas:.2f} | {pred_ms:.2f} | {100 * (pred_ms - meas) / meas:+.1f} |")
+    # FP8 (bench --fp8 rows): each entry on the geometry of its shipped entry (calibration.json documents the
+    # units); fp8_bwd = training call - forward incl. quantization, as a call pays it
+    from flamia_pack.scheduler.simulate import load_calibration
+    from flamia_pack.scheduler.worklist import TileConfig
+
+    table = load_calibration()
+    fp8_cols = {"fp8_fwd": lambda x: x["fwd_ms"], "fp8_fwd_bwd": lambda x: x["train_ms"],
+                "fp8_bwd": lambda x: x["train_ms"] - x["fwd_ms"]}
+    for path, col in fp8_cols.items():
+        meas = {r["name"]: col(r["impl"]["ours_fp8"]) for r in rows if r["name"].startswith("W")
+                and {"fwd_ms", "train_ms"} <= set(r["impl"].get("ours_fp8", {}))}
+        if not meas:
+            continue
+        old = table.lookup(path, HEAD_DIM, "H200")
+        fcfg = TileConfig(block_m=old.block_m, block_n=old.block_n, merge_short=old.merge_short)
+        hs = {r["name"]: (r["H"], r["Hkv"]) for r in rows}
+        a, b = fit_calibration([(workload_lengths(w), hs[w][0], ms * 1e3) for w, ms in meas.items()], num_sms=132,
+                               config=fcfg)
+        fits[path] = (a, b)
+        cal = dataclasses.replace(old, a_us_per_tile=round(a, 4), b_us_per_item=round(b, 4), measured=True)
+        for w, ms in meas.items():
+            pr = predict(workload_lengths(w), num_heads=hs[w][0], num_kv_heads=hs[w][1], head_dim=HEAD_DIM,
+                         causal=True, precision="fp8", pass_=path.split("_", 1)[1], calibration=cal)
+            lines.append(f"| {w} | {path} | {ms:.2f} | {pr.predicted_ms:.2f} | "
+                         f"{100 * (pr.predicted_ms - ms) / ms:+.1f} |")
     head = "\n".join(f"- {k}: a = {v[0]:.4f} us/tile, b = {v[1]:.4f} us/item" for k, v in fits.items())
     return head + "\n\n" + "\n".join(lines), fits
 

@@ -234,11 +234,12 @@ def test_plan_fp8_rejects_geometry_overrides(tmp_path):
         assert r.exit_code == 2 and "do not apply to --precision fp8" in r.output, (flag, r.output)
 
 
-@pytest.mark.parametrize("pass_, path, measured_ms, rel", [("bwd", "fp8_bwd", 8.961, 0.079),
-                                                          ("fwd_bwd", "fp8_fwd_bwd", 13.117, 0.068)])
+@pytest.mark.parametrize("pass_, path, measured_ms, rel", [("bwd", "fp8_bwd", 8.937, 0.037),
+                                                          ("fwd_bwd", "fp8_fwd_bwd", 13.044, 0.023)])
 def test_plan_fp8_backward_and_training_call_from_the_measured_entry(tmp_path, pass_, path, measured_ms, rel):
-    """`plan --precision fp8` predicts the FP8 backward / training call from the entries fitted to run 3 of
-    RESULTS.md's 2026-12-02 session (issue 28), on their geometry; it said "no GPU FP8 backward exists yet"."""
+    """`plan --precision fp8` predicts the FP8 backward / training call from the entries fitted to the committed
+    bench_attention.py --fp8 run (RESULTS.md 2026-12-02 (third), W1 measured 8.937 / 13.044 ms), on their
+    geometry; it said "no GPU FP8 backward exists yet"."""
     from flamia_pack.scheduler import load_calibration, workload_lengths
 
     f = tmp_path / "w1.txt"
