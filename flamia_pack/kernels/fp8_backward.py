@@ -43,6 +43,8 @@ def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32
     dq8 = quantize(do.to(torch.bfloat16).contiguous(), cu32, ops.granularity, transposed=True,
                    transposed_store="kernel", hw_cvt=False, check_finite=False, validate=False)
     delta = fp8_bwd_delta(dq8.codes, dq8.exponents, o, dlse)
-    return gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, dq8.codes, dq8.codes_t,
-                         exponent_table(ops.eq), ops.ekt, ops.evt, exponent_table(dq8.exponents),
-                         lse, delta, cu32, softmax_scale, causal=causal, entries=entries)
+    dq_acc, dk, dv = gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, dq8.codes, dq8.codes_t,
+                                   exponent_table(ops.eq), ops.ekt, ops.evt, exponent_table(dq8.exponents),
+                                   lse, delta, cu32, softmax_scale, causal=causal, entries=entries, cast_dq=False)
+    del dq8, delta  # dO's codes are dead: freed before the bf16 dQ is allocated (the call's memory peak)
+    return dq_acc.to(torch.bfloat16), dk, dv

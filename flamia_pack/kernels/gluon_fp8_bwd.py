@@ -372,8 +372,8 @@ def fp8_bwd_entries(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: bool
 
 
 def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_seqlens, softmax_scale,
-                  *, causal: bool = True, stages: int = 2, entries=None, dq_acc: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  *, causal: bool = True, stages: int = 2, entries=None, dq_acc: torch.Tensor | None = None,
+                  cast_dq: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 attention backward (module docs), warp-specialized Gluon, sm_90.
 
     Args:
@@ -387,10 +387,14 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
         cu_seqlens: ``(n_docs + 1,)`` int32, validated; softmax_scale: the forward's.
         causal: as the forward; stages: ring depth (>= 2); entries: :func:`fp8_bwd_entries`' result
             (default: built here); dq_acc: optional zeroed ``(T, H_q, 128)`` float32 accumulator.
+        cast_dq: return dQ cast to bf16 (default), or its float32 accumulator (the caller casts it
+            once it has freed what the kernel read: ``fp8_backward`` frees dO's codes first, 2 T H_q D
+            bytes less at the call's memory peak).
 
     Returns:
-        ``(dq, dk, dv)`` bf16 ``(T, H_q, 128)``, ``(T, H_kv, 128)`` x 2; padding rows 0 (every row of a
-        document is written by exactly one program: the outputs are not pre-zeroed).
+        ``(dq, dk, dv)``: bf16 (``cast_dq=False``: float32) ``(T, H_q, 128)`` and bf16 ``(T, H_kv, 128)`` x 2;
+        padding rows 0 (every row of a document is written by exactly one program: dK / dV are not
+        pre-zeroed).
 
     Raises:
         ValueError: operands of the wrong dtype / shape / layout, head_dim other than 128.
@@ -436,4 +440,4 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
     from flamia_pack.kernels.flash_fwd import fill_tails
 
     fill_tails([(dk, 0.0, 0), (dv, 0.0, 0)], cu_seqlens)
-    return dq_acc.to(torch.bfloat16), dk, dv
+    return (dq_acc.to(torch.bfloat16) if cast_dq else dq_acc), dk, dv
