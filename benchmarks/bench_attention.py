@@ -203,15 +203,17 @@ def ours(inp, config=None, causal: bool = True):
     return _fwd_bwd_fns(ours_call(inp, config, causal), inp)
 
 
-def ours_fp8(inp):
-    """Our FP8 op (``precision="fp8"``: quantization inside the call) with its work list built once."""
+def ours_fp8(inp, granularity: str = "block"):
+    """Our FP8 op (``precision="fp8"``: quantization inside the call) with its work list built once;
+    ``granularity="token"``: the strict mode (per-token exponents, ``causal_dq_scale``)."""
     from flamia_pack.kernels import varlen_attention
     from flamia_pack.kernels.fp8_attention import build_fp8_work_list
 
     wl = build_fp8_work_list(inp["cu"], inp["T"], causal=True, validate=False)
 
     def call(q, k, v):
-        return varlen_attention(q, k, v, inp["cu"], inp["max_seqlen"], precision="fp8", work_list=wl)
+        return varlen_attention(q, k, v, inp["cu"], inp["max_seqlen"], precision="fp8", work_list=wl,
+                                scale_granularity=granularity, causal_dq_scale=granularity == "token")
 
     return _fwd_bwd_fns(call, inp)
 
@@ -469,22 +471,24 @@ def markdown(rows) -> str:
         out.append("\n### FP8 (precision=\"fp8\"): ms; ratio = fastest BF16 time of the row (ours, FA4-sm90, "
                    "FlexAttention, varlen_attn, padded SDPA) / FP8 time (> 1: FP8 is faster)\n")
         out.append("| wl | fwd incl. quantization | kernel alone | ratio incl. quant | ratio kernel | fastest BF16 fwd |"
-                   " training call | ratio | fastest BF16 training call | vs our BF16 training call |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|")
+                   " training call | ratio | fastest BF16 training call | vs our BF16 training call |"
+                   " strict (token) training call | strict / block |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in f8:
             bf16 = [r["impl"][n] for n in ("ours", "fa4", "flex", "varlen", "sdpa") if n in r["impl"]]
             bf = min((x["fwd_ms"] for x in bf16 if "fwd_ms" in x), default=None)
             bt = min((x["train_ms"] for x in bf16 if "train_ms" in x), default=None)
             a, kk = r["impl"]["ours_fp8"], r["impl"].get("ours_fp8_kernel", {})
+            tk = r["impl"].get("ours_fp8_token", {})
 
             def rat(base, x):
                 return f"{base / x:.2f}x" if (base and x) else "-"
 
             ours_t = r["impl"].get("ours", {}).get("train_ms")
             out.append(f"| {r['name']} | {_fmt_ms(a, 'fwd_ms')} | {_fmt_ms(kk, 'fwd_ms')} | "
-                       f"{rat(bf, a.get('fwd_ms'))} | {rat(bf, kk.get('fwd_ms'))} | {bf or '-'} | "
-                       f"{_fmt_ms(a, 'train_ms')} | {rat(bt, a.get('train_ms'))} | {bt or '-'} | "
-                       f"{rat(ours_t, a.get('train_ms'))} |")
+                       f"{rat(bf, a.get('fwd_ms'))} | {rat(bf, kk.get('fwd_ms'))} | {f'{bf:.2f}' if bf else '-'} | "
+                       f"{_fmt_ms(a, 'train_ms')} | {rat(bt, a.get('train_ms'))} | {f'{bt:.2f}' if bt else '-'} | "
+                       f"{rat(ours_t, a.get('train_ms'))} | {_fmt_ms(tk, 'train_ms')} | {rat(tk.get('train_ms'), a.get('train_ms'))} |")
     wlb = [r for r in rows if "worklist_ms" in r]
     if wlb:
         out.append("\nwork-list build (GPU, validate=False, per row): " +
@@ -518,6 +522,7 @@ def run(workloads, peers, rep, out_dir, memory_for=("S2",), config=None, fp8=Fal
         if fp8:  # in the same process as the BF16 peers (issue 27 / 28)
             row["impl"]["ours_fp8"] = measure("ours_fp8", ours_fp8, inp, rep=rep)
             row["impl"]["ours_fp8_kernel"] = measure("ours_fp8_kernel", ours_fp8_kernel, inp, train=False, rep=rep)
+            row["impl"]["ours_fp8_token"] = measure("ours_fp8_token", lambda i: ours_fp8(i, "token"), inp, rep=rep)
         if name in memory_for:
             row["memory"] = {"ours": peak_memory(mk, inp)}
             for p in ("fa4", "varlen"):
