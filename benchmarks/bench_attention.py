@@ -22,6 +22,10 @@ and causal), ``torch.nn.attention.varlen.varlen_attn`` (``window_size=(-1, 0)`` 
 read at run time), ``scaled_dot_product_attention`` on the dense (B, H, L, D) view where all
 documents have one length. The packed peers are fa4, flex and varlen. Failures (out of memory, invalid
 argument) are reported as such.
+
+``--fp8`` adds, in the same process, our ``precision="fp8"`` call (block and the strict token mode), its
+forward kernel alone, S2's FP8 peak memory, and, where ``cudnn`` imports and the row's documents have
+one length, cuDNN's FP8 attention (``peer_cudnn_fp8.py``: per-tensor scales, batched rows).
 """
 from __future__ import annotations
 
@@ -318,6 +322,24 @@ def sdpa_padded(inp):
     return None if call is None else _fwd_bwd_fns(call, inp)
 
 
+def cudnn_fp8(inp):
+    """cuDNN's FP8 attention (``peer_cudnn_fp8.py``: per-tensor scales, batched rows, E4M3 in and out,
+    quantization outside the timed calls) on the row's equal-length documents, or None."""
+    lens = inp["lengths"]
+    if len(set(lens.tolist())) != 1:
+        return None
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from peer_cudnn_fp8 import cudnn_fp8_peer
+
+    B, L = len(lens), int(lens[0])
+
+    def view(x):
+        return x.view(B, L, x.shape[1], x.shape[2])
+
+    p = cudnn_fp8_peer(view(inp["q"]), view(inp["k"]), view(inp["v"]), view(inp["do"]), causal=True)
+    return p["fwd"], p["train"], None
+
+
 PEERS = {"fa4": fa4, "flex": flex, "varlen": varlen, "sdpa": sdpa_padded}
 PACKED_PEERS = ("fa4", "flex", "varlen")
 PEER_LABELS = {"fa4": "FA4-sm90", "flex": "FlexAttention", "varlen": "varlen_attn", "sdpa": "padded SDPA"}
@@ -472,14 +494,16 @@ def markdown(rows) -> str:
                    "FlexAttention, varlen_attn, padded SDPA) / FP8 time (> 1: FP8 is faster)\n")
         out.append("| wl | fwd incl. quantization | kernel alone | ratio incl. quant | ratio kernel | fastest BF16 fwd |"
                    " training call | ratio | fastest BF16 training call | vs our BF16 training call |"
-                   " strict (token) training call | strict / block |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+                   " strict (token) training call | strict / block | cuDNN FP8 fwd / training call | ours vs cuDNN FP8"
+                   " training call |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in f8:
             bf16 = [r["impl"][n] for n in ("ours", "fa4", "flex", "varlen", "sdpa") if n in r["impl"]]
             bf = min((x["fwd_ms"] for x in bf16 if "fwd_ms" in x), default=None)
             bt = min((x["train_ms"] for x in bf16 if "train_ms" in x), default=None)
             a, kk = r["impl"]["ours_fp8"], r["impl"].get("ours_fp8_kernel", {})
             tk = r["impl"].get("ours_fp8_token", {})
+            cd = r["impl"].get("cudnn_fp8", {})
 
             def rat(base, x):
                 return f"{base / x:.2f}x" if (base and x) else "-"
@@ -488,12 +512,21 @@ def markdown(rows) -> str:
             out.append(f"| {r['name']} | {_fmt_ms(a, 'fwd_ms')} | {_fmt_ms(kk, 'fwd_ms')} | "
                        f"{rat(bf, a.get('fwd_ms'))} | {rat(bf, kk.get('fwd_ms'))} | {f'{bf:.2f}' if bf else '-'} | "
                        f"{_fmt_ms(a, 'train_ms')} | {rat(bt, a.get('train_ms'))} | {f'{bt:.2f}' if bt else '-'} | "
-                       f"{rat(ours_t, a.get('train_ms'))} | {_fmt_ms(tk, 'train_ms')} | {rat(tk.get('train_ms'), a.get('train_ms'))} |")
+                       f"{rat(ours_t, a.get('train_ms'))} | {_fmt_ms(tk, 'train_ms')} | {rat(tk.get('train_ms'), a.get('train_ms'))} | "
+                       f"{_fmt_ms(cd, 'fwd_ms')} / {_fmt_ms(cd, 'train_ms')} | {rat(cd.get('train_ms'), a.get('train_ms'))} |")
     wlb = [r for r in rows if "worklist_ms" in r]
     if wlb:
         out.append("\nwork-list build (GPU, validate=False, per row): " +
                    ", ".join(f"{r['name']} {r['worklist_ms'] * 1e3:.0f} us" for r in wlb))
     return "\n".join(out)
+
+
+def _cudnn_fp8_reason() -> str | None:
+    """None where cuDNN's FP8 peer runs here, else why not (``peer_cudnn_fp8.cudnn_fp8_available``)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from peer_cudnn_fp8 import cudnn_fp8_available
+
+    return cudnn_fp8_available()
 
 
 def run(workloads, peers, rep, out_dir, memory_for=("S2",), config=None, fp8=False):
@@ -523,6 +556,8 @@ def run(workloads, peers, rep, out_dir, memory_for=("S2",), config=None, fp8=Fal
             row["impl"]["ours_fp8"] = measure("ours_fp8", ours_fp8, inp, rep=rep)
             row["impl"]["ours_fp8_kernel"] = measure("ours_fp8_kernel", ours_fp8_kernel, inp, train=False, rep=rep)
             row["impl"]["ours_fp8_token"] = measure("ours_fp8_token", lambda i: ours_fp8(i, "token"), inp, rep=rep)
+            if _cudnn_fp8_reason() is None:
+                row["impl"]["cudnn_fp8"] = measure("cudnn_fp8", cudnn_fp8, inp, rep=rep)
         if name in memory_for:
             row["memory"] = {"ours": peak_memory(mk, inp)}
             for p in ("fa4", "varlen"):
