@@ -212,8 +212,9 @@ def test_gpu_branch_plumbing(leak, monkeypatch):
         T, H, D = ops.qc.shape
         return torch.zeros(T, H, D, dtype=torch.bfloat16), torch.zeros(H, T)
 
-    def fake_bwd(do, ops, o, lse, cu32, *, causal, softmax_scale, dlse=None):
+    def fake_bwd(do, ops, o, lse, cu32, *, causal, softmax_scale, dlse=None, entries=None):
         seen["bwd"] = ops
+        seen["entries"] = entries
         return torch.ones_like(do), torch.ones_like(do), torch.ones_like(do)
 
     monkeypatch.setattr(fa, "fp8_kernels_available", lambda device: True)
@@ -236,6 +237,13 @@ def test_gpu_branch_plumbing(leak, monkeypatch):
                     b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
         for a, b in ((back[i], ops[i]) for i in keep))
     assert bool((q.grad == 1).all())
+    assert seen["entries"] is None  # "WL" carries no backward entries
+    # a work list that carries them (build_fp8_work_list's FP8WorkList) hands them to the backward
+    wl = type("FakeFP8WorkList", (), {"bwd_entries": ("E", "N", 3)})()
+    with pytest.warns(leak.LeakWarning):
+        o = leak.leaky_varlen_attention(q, k, v, cu, 30, work_list=wl)
+    o.float().sum().backward()
+    assert seen["entries"] == ("E", "N", 3)
 
 
 def test_resume_inside_a_log_window_keeps_every_record(tf, source, tmp_path):
