@@ -246,6 +246,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="diagnostic: every step also computes the same batch's gradient through exact BF16 attention "
                         "(same weights; the update still uses the run's own) and logs its norm, its loss and the "
                         "cosine between the two gradients (about doubles the step time)")
+    p.add_argument("--probe-capture-ratio", type=float, default=3.0,
+                   help="with --grad-probe: on a step whose gradient norm exceeds this many times the exact one, "
+                        "compare each layer's attention gradients (own vs exact, on the step's recorded q, k, v, "
+                        "dO), log them and save the worst layer's inputs to --out/spike-step<N>.pt (first 3 steps)")
     args = p.parse_args(argv)
     if args.attn not in ATTNS:
         p.error(f"--attn must be one of {', '.join(ATTNS)}, got {args.attn!r}")
@@ -505,6 +509,57 @@ def summarize(args, log: Log, flops: Optional[dict], complete: bool, device) -> 
     return s
 
 
+class AttentionRecorder:
+    """``--grad-probe``: the model's attention, recording each call's ``q, k, v`` (references, detached) and,
+    through a hook on the output, its ``dO``, so a spiking step's attention gradients can be replayed
+    layer by layer (:func:`capture_spike`). ``calls`` holds the current step's records."""
+
+    def __init__(self, attn: Callable) -> None:
+        self.attn = attn
+        self.calls: list[dict] = []
+
+    def __call__(self, q, k, v, batch):
+        o = self.attn(q, k, v, batch)
+        rec = {"q": q.detach(), "k": k.detach(), "v": v.detach()}
+        if o.requires_grad:
+            o.register_hook(lambda g, rec=rec: rec.__setitem__("do", g.detach()))
+        self.calls.append(rec)
+        return o
+
+
+def _attn_grads(fn: Callable, rec: dict, batch: dict) -> list[torch.Tensor]:
+    x = [rec[n].clone().requires_grad_(True) for n in ("q", "k", "v")]
+    o = fn(*x, batch)
+    return list(torch.autograd.grad(o, x, rec["do"].to(o.dtype)))
+
+
+def capture_spike(recorder: AttentionRecorder, batch: dict, args, step: int, log) -> dict:
+    """One spiking step of ``--grad-probe``: each layer's attention gradients through the run's own attention
+    and through exact BF16 attention on the step's recorded ``q, k, v, dO``: cosines and norm ratios per
+    layer (logged as a ``"spike"`` record); the worst layer's inputs saved to ``--out/spike-step<N>.pt``
+    (``q, k, v, do, cu_seqlens, max_seqlen``, the run's ``attn``) for a replay through the CPU emulation."""
+    exact = make_attention("exact", prebuilt=False)
+    layers = []
+    for i, rec in enumerate(recorder.calls):
+        if "do" not in rec:
+            continue
+        own, ex = _attn_grads(recorder.attn, rec, batch), _attn_grads(exact, rec, batch)
+        cos = [float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0)) for a, b in zip(own, ex)]
+        ratio = [float(a.double().norm() / b.double().norm().clamp_min(1e-30)) for a, b in zip(own, ex)]
+        layers.append({"layer": i, "cos_dq": cos[0], "cos_dk": cos[1], "cos_dv": cos[2],
+                       "norm_ratio_dq": ratio[0], "norm_ratio_dk": ratio[1], "norm_ratio_dv": ratio[2]})
+    worst = min(layers, key=lambda d: min(d["cos_dq"], d["cos_dk"], d["cos_dv"])) if layers else None
+    rec = {"type": "spike", "step": step, "layers": layers}
+    if worst is not None:
+        r = recorder.calls[worst["layer"]]
+        path = args.out / f"spike-step{step}.pt"
+        torch.save({"step": step, "layer": worst["layer"], "attn": args.attn, "cu_seqlens": batch["cu_seqlens"].cpu(),
+                    "max_seqlen": int(batch["max_seqlen"]), **{n: r[n].cpu() for n in ("q", "k", "v", "do")}}, path)
+        rec["file"] = path.name
+    log.write(rec)
+    return rec
+
+
 def grad_probe(model, batch, grads: list, cuda: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``--grad-probe`` of one step: ``(loss, grad norm, cosine to grads)`` of the same batch and weights
     through exact BF16 attention, as device scalars (no sync). ``grads``: the run's own gradients (before
@@ -555,6 +610,10 @@ def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     model = tiny.TinyGPT(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
                          attention=make_attention(args.attn, leak_mode=args.leak_mode)).to(device)
+    recorder = AttentionRecorder(model.attention) if args.grad_probe else None
+    if recorder is not None:
+        model.attention = recorder
+    spikes_saved = 0
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                             **({"fused": True} if cuda else {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
@@ -631,6 +690,8 @@ def train(args: argparse.Namespace) -> dict:
                 break
         cpu_batch, batch = prepare([rows.next() for _ in range(args.batch_rows)], device, args.attn,
                                    model.head_dim, fp8_gpu)
+        if recorder is not None:
+            recorder.calls.clear()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             logits = model(batch)
         loss = F.cross_entropy(logits.float(), batch["labels"].reshape(-1), ignore_index=-100)
@@ -641,6 +702,11 @@ def train(args: argparse.Namespace) -> dict:
             own = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters() if p.requires_grad]
             probe = grad_probe(model, batch, own, cuda)
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if probe is not None and spikes_saved < 3 and float(gn) > args.probe_capture_ratio * float(probe[1]):
+            rec = capture_spike(recorder, batch, args, step + 1, log)
+            spikes_saved += 1
+            say(f"step {step + 1}: grad norm {float(gn):.3f} vs exact {float(probe[1]):.3f}; per layer min cos "
+                + ", ".join(f"{d['layer']}: {min(d['cos_dq'], d['cos_dk'], d['cos_dv']):.4f}" for d in rec["layers"]))
         lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()

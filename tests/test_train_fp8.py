@@ -98,6 +98,37 @@ def test_grad_probe_logs_the_exact_gradient_and_leaves_the_update(tf, source, tm
     assert s["grad_probe"]["steps"] == 3 and s["grad_probe"]["cos_median"] > 0.9
 
 
+def test_grad_probe_captures_a_spiking_step_layer_by_layer(tf, source, tmp_path):
+    """--probe-capture-ratio 0 makes every step a "spike": the first 3 are replayed per layer (own vs exact
+    attention gradients on the recorded q, k, v, dO), logged, and the worst layer's inputs saved; they
+    replay to the same gradients through the emulation."""
+    out = tmp_path / "cap"
+    tf.main(_argv(source, out, "fp8-block", 3) + ["--grad-probe", "--probe-capture-ratio", "0", "--layers", "2"])
+    spikes = [r for r in _records(out) if r["type"] == "spike"]
+    assert [r["step"] for r in spikes] == [1, 2, 3]
+    for r in spikes:
+        assert [d["layer"] for d in r["layers"]] == [0, 1]
+        for d in r["layers"]:
+            assert 0.9 < min(d["cos_dq"], d["cos_dk"], d["cos_dv"]) < 1.0  # the emulation differs a little
+            assert 0.5 < d["norm_ratio_dq"] < 2.0
+        saved = torch.load(out / r["file"])
+        assert saved["step"] == r["step"] and saved["attn"] == "fp8-block"
+        assert saved["q"].shape == saved["do"].shape and saved["do"].is_floating_point()
+        worst = min(r["layers"], key=lambda d: min(d["cos_dq"], d["cos_dk"], d["cos_dv"]))
+        assert saved["layer"] == worst["layer"]
+    # the saved inputs replay: own attention's dQ on them against exact attention's has the logged cosine
+    from flamia_pack.kernels import varlen_attention
+    saved = torch.load(out / spikes[0]["file"])
+    g = []
+    for prec in ("fp8", "bf16"):
+        x = [saved[n].clone().requires_grad_(True) for n in ("q", "k", "v")]
+        o = varlen_attention(*x, saved["cu_seqlens"], saved["max_seqlen"], precision=prec)
+        g.append(torch.autograd.grad(o, x, saved["do"])[0])
+    cos = float(torch.nn.functional.cosine_similarity(g[0].double().flatten(), g[1].double().flatten(), dim=0))
+    logged = [d for d in spikes[0]["layers"] if d["layer"] == saved["layer"]][0]["cos_dq"]
+    assert cos == pytest.approx(logged, abs=1e-6)
+
+
 def test_resume_is_bitwise(tf, source, tmp_path):
     straight = tf.main(_argv(source, tmp_path / "a", "bf16", 3))
     part = tf.main(_argv(source, tmp_path / "b", "bf16", 3, "--stop-at", "2"))
