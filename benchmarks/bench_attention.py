@@ -597,8 +597,10 @@ def _header() -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def fit_and_report(rows) -> str:
-    """Fit (a, b) for bf16_fwd and bf16_fwd_bwd at D = 128 from the W rows and report the error."""
+def fit_and_report(rows) -> tuple[str, dict]:
+    """Fit (a, b) at D = 128 from the W rows -- bf16_fwd and bf16_fwd_bwd from our BF16 times, fp8_fwd,
+    fp8_fwd_bwd and fp8_bwd from the ``--fp8`` columns where present (each on its shipped entry's
+    geometry) -- and report the in-sample errors: ``(markdown, {kernel_path: (a, b)})``."""
     from flamia_pack.kernels.config import kernel_config, work_list_tile_config
     from flamia_pack.scheduler.simulate import Calibration, fit_calibration, predict
 
@@ -670,10 +672,24 @@ def main(argv=None) -> int:
                     "kernel alone, the training call) against the fastest BF16 implementation of each row")
     args = ap.parse_args(argv)
     if args.fit:
-        with open(args.fit) as f:
-            data = json.load(f)
-        text, _ = fit_and_report(data["rows"])
+        try:
+            with open(args.fit) as f:
+                data = json.load(f)
+            rows = data["rows"]
+            if not isinstance(rows, list) or not all(isinstance(r, dict) and "impl" in r for r in rows):
+                raise ValueError("'rows' is not a list of benchmark rows")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"error: --fit {args.fit}: not a bench_attention.json of this script ({type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0][:160] if str(exc) else ''})", file=sys.stderr)
+            return 2
+        text, fits = fit_and_report(rows)
+        if not fits:
+            print(f"error: --fit {args.fit}: no W1-W9 rows with our times to fit", file=sys.stderr)
+            return 2
         print(text)
+        missing = [p for p in ("fp8_fwd", "fp8_fwd_bwd", "fp8_bwd") if p not in fits]
+        if missing:
+            print(f"(no FP8 columns in this run: {', '.join(missing)} not fitted; run the benchmark with --fp8)")
         return 0
     peers = [] if args.no_peers else available_peers([p.strip() for p in args.peers.split(",") if p.strip()])
     os.makedirs(args.out, exist_ok=True)  # run() writes its partial JSON there after each row

@@ -628,9 +628,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.smoke and args.rows is None:
         args.smoke = True
+    if args.rows is not None:
+        from flamia_pack.scheduler.workloads import WORKLOADS
+
+        unknown = [w for w in args.rows.split(",") if w.strip() and w.strip().upper() not in WORKLOADS]
+        if unknown:
+            print(f"error: --rows: unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}", file=sys.stderr)
+            return 2
     reason = cudnn_fp8_available()
-    if reason is not None:
-        print(f"cuDNN FP8 peer not available: {reason}")
+    if reason is not None:  # exit code 2: nothing was measured
+        print(f"cuDNN FP8 peer not available: {reason}", file=sys.stderr)
         return 2
     print(_header(), flush=True)
     rc = 0
@@ -643,7 +650,7 @@ def main(argv=None) -> int:
               "first documents (train: min over dq, dk, dv)\n")
         print("| wl | B x S | H_q/H_kv | fwd ms | fwd TFLOP/s | train ms | train TFLOP/s | cos o | cos grads (min) |")
         print("|---|---|---|---|---|---|---|---|---|", flush=True)
-        for wl in [w.strip() for w in args.rows.split(",") if w.strip()]:
+        for wl in [w.strip().upper() for w in args.rows.split(",") if w.strip()]:
             try:
                 print(_row(wl), flush=True)
             except Exception as e:  # noqa: BLE001 - never stop the table

@@ -71,6 +71,29 @@ def test_fp8_work_list_on_the_cpu():
         assert torch.equal(x.grad, y.grad)
 
 
+def test_fp8_work_list_bad_inputs_are_clear_errors():
+    import dataclasses
+
+    from flamia_pack.kernels.fp8_attention import build_fp8_work_list
+
+    q, k, v, _ = _inputs(64, seed=12)
+    T = q.shape[0]
+    for kw in ({"causal": None}, {"causal": "yes"}, {"backward": "no"}, {"validate": 1}):
+        with pytest.raises(FlamiaError, match=f"build_fp8_work_list: {next(iter(kw))} must be a bool"):
+            build_fp8_work_list(CU, T, **kw)
+    wl = build_fp8_work_list(CU, T)
+    bad = [(dataclasses.replace(wl, items=wl.items.long()), "items must be a contiguous"),
+           (dataclasses.replace(wl, items=wl.items[:, :3]), "items must be a contiguous"),
+           (dataclasses.replace(wl, num_items=wl.num_items.float()), "num_items must be a"),
+           (dataclasses.replace(wl, bwd_entries="garbage"), "bwd_entries must be None or"),
+           ("WL", "work_list must be a flamia_pack.scheduler.worklist.WorkList")]
+    for w, msg in bad:
+        with pytest.raises(FlamiaError, match=msg):
+            varlen_attention(q, k, v, CU, MAX_SEQLEN, precision="fp8", work_list=w)
+    with pytest.raises(FlamiaError, match="work_list is an FP8 list"):
+        varlen_attention(q, k, v, CU, MAX_SEQLEN, precision="bf16", work_list=wl)
+
+
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("gran", ["block", "token"])

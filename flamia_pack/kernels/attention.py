@@ -324,17 +324,13 @@ def _config_for_list(cfg: AttentionKernelConfig, work_list) -> AttentionKernelCo
 
 
 def _check_work_list(work_list, causal: bool, cfg: AttentionKernelConfig, device: torch.device, T: int):
-    items = getattr(work_list, "items", None)
-    num_items = getattr(work_list, "num_items", None)
-    wcfg = getattr(work_list, "config", None)
-    if not isinstance(items, torch.Tensor) or not isinstance(num_items, torch.Tensor) or wcfg is None:
-        raise FlamiaError("work_list must be a flamia_pack.scheduler.worklist.WorkList (items, num_items, config)")
-    if items.dtype != torch.int32 or items.dim() != 2 or items.shape[1] != 4 or not items.is_contiguous():
-        raise FlamiaError(f"work_list.items must be a contiguous (max_items, 4) int32 tensor, got {tuple(items.shape)} {items.dtype}")
-    if num_items.dtype != torch.int32 or num_items.numel() != 1:
-        raise FlamiaError("work_list.num_items must be a (1,) int32 tensor")
-    if items.device != device or num_items.device != device:
-        raise FlamiaError(f"work_list must be on {device}, got {items.device}")
+    from flamia_pack.scheduler.worklist import check_work_list_tensors
+
+    items, num_items = check_work_list_tensors(work_list, device)
+    wcfg = work_list.config
+    if hasattr(work_list, "bwd_entries"):
+        raise FlamiaError("work_list is an FP8 list (build_fp8_work_list: no merged items, the FP8 backward's "
+                          "entries); precision='bf16' takes build_attention_work_list(cu_seqlens, T, ...)'s")
     if bool(wcfg.causal) != bool(causal):
         raise FlamiaError(f"work_list was built with causal={wcfg.causal} but the call has causal={causal}")
     built_t = getattr(work_list, "total_tokens", None)

@@ -125,10 +125,15 @@ def build_fp8_work_list(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: 
     and CUDA graphs: ``fp8_attention_forward(..., work_list=)`` / ``varlen_attention(precision="fp8",
     work_list=)``. No host sync with ``validate=False``.
 
-    Args/Raises: as :func:`flamia_pack.scheduler.worklist.build_work_list`.
+    Args/Raises: as :func:`flamia_pack.scheduler.worklist.build_work_list`; ``causal``, ``validate`` and
+    ``backward`` must be bools (FlamiaError). The list describes the ``cu_seqlens`` it was built from: a
+    call with other ``cu_seqlens`` of the same T is not detected (as for every prebuilt list).
     """
     from flamia_pack.scheduler.worklist import TileConfig, build_work_list
 
+    for name, flag in (("causal", causal), ("validate", validate), ("backward", backward)):
+        if not isinstance(flag, bool):
+            raise FlamiaError(f"build_fp8_work_list: {name} must be a bool, got {flag!r}")
     wl = build_work_list(cu_seqlens, total_tokens, TileConfig(block_m=FP8_BLOCK_M, causal=bool(causal),
                                                               merge_short=False),
                          max_items=max_items, validate=validate)
@@ -143,10 +148,10 @@ def build_fp8_work_list(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: 
 
 
 def _check_fp8_list(work_list, causal: bool, device, T: int):
-    items = getattr(work_list, "items", None)
-    wcfg = getattr(work_list, "config", None)
-    if not isinstance(items, torch.Tensor) or wcfg is None:
-        raise FlamiaError("work_list must be a flamia_pack.scheduler.worklist.WorkList (items, num_items, config)")
+    from flamia_pack.scheduler.worklist import check_work_list_tensors
+
+    items, num_items = check_work_list_tensors(work_list, device)
+    wcfg = work_list.config
     if wcfg.block_m != FP8_BLOCK_M or wcfg.merge_short or bool(wcfg.causal) != bool(causal):
         raise FlamiaError(f"the FP8 forward needs a work list of {FP8_BLOCK_M}-row items without merged items built "
                           f"for causal={causal} (build_fp8_work_list), got block_m={wcfg.block_m}, "
@@ -154,9 +159,15 @@ def _check_fp8_list(work_list, causal: bool, device, T: int):
     built_t = getattr(work_list, "total_tokens", None)
     if built_t is not None and int(built_t) != int(T):
         raise FlamiaError(f"work_list was built for a row of T={built_t} tokens but q has T={T}")
-    if items.device != torch.device(device):
-        raise FlamiaError(f"work_list must be on {device}, got {items.device}")
-    return items, work_list.num_items
+    ent = getattr(work_list, "bwd_entries", None)
+    if ent is not None and not (isinstance(ent, tuple) and len(ent) == 3 and isinstance(ent[0], torch.Tensor)
+                                and ent[0].dtype == torch.int32 and ent[0].dim() == 2 and ent[0].shape[1] == 4
+                                and isinstance(ent[1], torch.Tensor) and ent[1].dtype == torch.int32
+                                and ent[1].numel() == 1 and isinstance(ent[2], int) and ent[0].shape[0] == ent[2]
+                                and ent[0].device == items.device and ent[1].device == items.device):
+        raise FlamiaError("work_list.bwd_entries must be None or gluon_fp8_bwd.fp8_bwd_entries' (entries, n_entries, "
+                          "max_entries) for this row, on the list's device: build the list with build_fp8_work_list")
+    return items, num_items
 
 
 def fp8_attention_forward(ops: FP8Operands, cu_seqlens: torch.Tensor, *, causal: bool = True,

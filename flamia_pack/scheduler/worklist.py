@@ -68,6 +68,7 @@ from flamia_pack.scheduler.keys import cost_key_dtype
 from flamia_pack.varlen import validate_cu_seqlens
 
 __all__ = [
+    "check_work_list_tensors",
     "ITEM_COLUMNS",
     "TileConfig",
     "WorkList",
@@ -335,6 +336,31 @@ class WorkList:
     def to_numpy(self) -> np.ndarray:
         """Valid rows as a ``(num_items, 4)`` int32 numpy array (syncs; for tests and tools)."""
         return work_list_to_numpy(self)
+
+
+def check_work_list_tensors(work_list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(items, num_items)`` of a :class:`WorkList` handed to an attention call, after the checks every path
+    makes: a WorkList-like object, ``items`` a contiguous ``(max_items, 4)`` int32 tensor, ``num_items`` a
+    ``(1,)`` int32 tensor, both on ``device``.
+
+    Raises:
+        FlamiaError: naming what is wrong and what is allowed.
+    """
+    items = getattr(work_list, "items", None)
+    num_items = getattr(work_list, "num_items", None)
+    if not isinstance(items, torch.Tensor) or not isinstance(num_items, torch.Tensor) or \
+            getattr(work_list, "config", None) is None:
+        raise FlamiaError("work_list must be a flamia_pack.scheduler.worklist.WorkList (items, num_items, config), "
+                          f"got {type(work_list).__name__}")
+    if items.dtype != torch.int32 or items.dim() != 2 or items.shape[1] != 4 or not items.is_contiguous():
+        raise FlamiaError(f"work_list.items must be a contiguous (max_items, 4) int32 tensor, got "
+                          f"{tuple(items.shape)} {items.dtype}")
+    if num_items.dtype != torch.int32 or num_items.numel() != 1:
+        raise FlamiaError(f"work_list.num_items must be a (1,) int32 tensor, got {tuple(num_items.shape)} "
+                          f"{num_items.dtype}")
+    if items.device != torch.device(device) or num_items.device != torch.device(device):
+        raise FlamiaError(f"work_list must be on {device}, got {items.device}")
+    return items, num_items
 
 
 def work_list_to_numpy(wl: WorkList) -> np.ndarray:
