@@ -521,6 +521,7 @@ def interp_results(run_interpreter):
     return run_interpreter(_SCRIPT, json.dumps(_INTERP_CASES))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(_INTERP_CASES))
 def test_triton_kernels_in_interpreter(interp_results, case):
     r = interp_results[case]
@@ -588,6 +589,7 @@ def _finite_per_document(lens, pos, which):
     return [int(x) for x in r.stdout.split()]
 
 
+@pytest.mark.slow
 def test_nan_in_one_document_stays_in_it_triton_interpreter():
     """Documents of their own items (here 200 and 100 tokens) keep a NaN in q, k or v to themselves:
     forward and all three gradients of the other document stay finite (Triton kernels, interpreted)."""
@@ -621,6 +623,7 @@ for T in (40, 48):
 """
 
 
+@pytest.mark.slow
 def test_policy_schedule_under_torch_compile_dynamic_shapes():
     """schedule="policy" resolves while Dynamo traces with symbolic T (no reason string, no int checks) and
     the compiled call equals eager (Triton interpreter)."""
@@ -676,6 +679,7 @@ print("RESULTS " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_leftover_launch_heads_per_program_interpreter(run_interpreter):
     """The forward's leftover launch behind the Gluon programs (``HEADS_PER_PROGRAM`` > 1: one program per
     (entry, chunk of heads)) writes exactly the rows of merged items and one-token documents, for every
@@ -807,6 +811,7 @@ print("RESULTS " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_fill_tails_one_launch_interpreter(run_interpreter):
     """``fill_tails`` fills, in ONE launch, exactly the row-end padding rows (``>= cu_seqlens[-1]``) of 1-3
     NaN-poisoned tensors of mixed dtypes (bf16 / fp16 / fp32), token dims ((T, ...) and (H, T), strided),

@@ -167,6 +167,7 @@ def interp_results(run_interpreter):
     return run_interpreter(_SCRIPT, timeout=900)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _INTERP_CONFIGS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_shipped_configs_in_interpreter(interp_results, name, causal):

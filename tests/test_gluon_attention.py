@@ -159,6 +159,7 @@ print("RESULTS " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_leftover_launch_fills_exactly_what_gluon_skips(run_interpreter):
     """Interpreter run of flash_fwd's / flash_bwd's Gluon branches with the Gluon kernels replaced by
     writers of the Triton kernels' own results for the tokens they own (NaN elsewhere): the Triton
@@ -259,6 +260,7 @@ print("RESULTS " + json.dumps(bad))
 """
 
 
+@pytest.mark.slow
 def test_dq_reduce_cast_writes_exactly_the_gluon_rows(run_interpreter):
     """Interpreter run of ``flash_bwd._dq_reduce_cast`` (and its ``_gluon_rows`` binary search of
     ``cu_seqlens``) on random rows with empty documents, 1-token documents, lengths at the threshold

@@ -131,6 +131,7 @@ def _batch_key(b):
     return tuple(key(r) for r in b)
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     kind=st.sampled_from(["packed", "streaming"]),
