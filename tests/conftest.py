@@ -19,63 +19,6 @@ if _XDIST_WORKERS and os.environ["OMP_NUM_THREADS"].isdigit():
     torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
 
-# files whose tests, of several functions, share a costly module-scoped fixture: one worker runs them all
-# (test_service_browser.py's `server`: a `flamia serve` process, 6-14 s to start)
-_ONE_WORKER_FILES = {"tests/test_service_browser.py"}
-
-
-@pytest.hookimpl(optionalhook=True, tryfirst=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`-n N` (xdist's default `--dist load`): hand out one test *function* (all its parametrizations;
-    a whole file for _ONE_WORKER_FILES) at a time to the worker whose queue runs low, in collection order.
-
-    Why not plain `load`: it sends chunks of consecutive tests (up to an eighth of the suite at first)
-    and may cut a parametrized test in two, and the ones that share a module-scoped fixture (the
-    Triton-interpreter runs behind test_attention.py::test_triton_kernels_in_interpreter and
-    test_attention_config.py::test_shipped_configs_in_interpreter, 30-40 s each) then build it on both
-    workers; its big chunks also queue several slow tests on one worker. Why not `loadgroup` /
-    `loadscope` / `loadfile`: they key their work by node id, and schemathesis' items share one
-    (test_service_schemathesis.py: 6 items, 1 id), so 5 of them would silently not run; and xdist 3.8
-    cannot rename pytest 9.2's node ids, so `loadgroup`'s groups fall apart. This scheduler keeps
-    xdist's item indices. Another `--dist` given on the command line is kept (xdist's own scheduler).
-    It subclasses xdist 3.x's LoadScheduling (its pending / node2pending / _send_tests). Measured on the
-    2-core machine: the suite in 2:28-2:33 against 2:45 with plain `load`."""
-    if config.getvalue("dist") != "load":
-        return None
-    from xdist.scheduler import LoadScheduling
-
-    def unit(nodeid: str) -> str:
-        path, _, rest = nodeid.partition("::")
-        return path if path in _ONE_WORKER_FILES else path + "::" + rest.split("[", 1)[0]
-
-    class LoadFunctionScheduling(LoadScheduling):
-        def schedule(self) -> None:
-            assert self.collection_is_completed
-            if self.collection is None:
-                if not self._check_nodes_have_same_collection():
-                    self.log("**Different tests collected, aborting run**")
-                    return
-                self.collection = next(iter(self.node2collection.values()))
-                self.pending[:] = range(len(self.collection))
-            for node in self.nodes:
-                self.check_schedule(node)
-
-        def check_schedule(self, node, duration: float = 0) -> None:
-            if node.shutting_down:
-                return
-            # a worker needs the test after the running one queued (pytest's nextitem), hence 2
-            while self.pending and len(self.node2pending[node]) < 2:
-                first = unit(self.collection[self.pending[0]])
-                n = 1
-                while n < len(self.pending) and unit(self.collection[self.pending[n]]) == first:
-                    n += 1
-                self._send_tests(node, n)
-            if not self.pending:
-                node.shutdown()
-
-    return LoadFunctionScheduling(config, log)
-
-
 def pytest_collection_modifyitems(config, items):
     if _XDIST_WORKERS:
         # the tests marked slow (the Triton-interpreter runs, 7-75 s each) start first, one per free
