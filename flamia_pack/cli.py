@@ -505,6 +505,10 @@ def plan_cmd(
     t.add_row("calibration", f"{s['kernel_path']} a={s['a_us_per_tile']:.3g} us/tile, b={s['b_us_per_item']:.3g} "
                              f"us/item, {s['calibration_version']}"
                              f"{'' if s['calibration_measured'] else ' (estimate, not measured on this kernel)'}")
+    if s["precision"] == "fp8" and s["head_dim"] != 128:
+        t.add_row("note", f"the GPU FP8 kernels run head_dim 128 only: varlen_attention(precision='fp8') refuses "
+                          f"head_dim {s['head_dim']} on the GPU (the CPU emulation runs it); this predicts a kernel "
+                          "that does not exist")
     _stdout().print(t)
 
 

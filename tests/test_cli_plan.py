@@ -257,3 +257,16 @@ def test_plan_fp8_backward_and_training_call_from_the_measured_entry(tmp_path, p
     assert r.exit_code == 0, r.output
     text = " ".join(r.stdout.replace("│", " ").split())
     assert path in text and "estimate" not in text and "no GPU FP8 backward" not in text
+
+
+def test_plan_fp8_head_dim_64_says_the_gpu_kernels_do_not_run_it(tmp_path):
+    """`plan --precision fp8 --head-dim 64` prints its estimate with a note that the GPU FP8 kernels run
+    head_dim 128 only; at 128 there is no such note."""
+    f = tmp_path / "lens.txt"
+    f.write_text("4096\n4096\n")
+    r = _run(f, "--precision", "fp8", "--head-dim", "64")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.replace("│", " ").split())
+    assert "the GPU FP8 kernels run head_dim 128 only" in text
+    r = _run(f, "--precision", "fp8", "--head-dim", "128")
+    assert r.exit_code == 0 and "head_dim 128 only" not in " ".join(r.stdout.replace("│", " ").split())
