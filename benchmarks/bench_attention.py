@@ -328,15 +328,12 @@ def cudnn_fp8(inp):
     lens = inp["lengths"]
     if len(set(lens.tolist())) != 1:
         return None
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from peer_cudnn_fp8 import cudnn_fp8_peer
-
     B, L = len(lens), int(lens[0])
 
     def view(x):
         return x.view(B, L, x.shape[1], x.shape[2])
 
-    p = cudnn_fp8_peer(view(inp["q"]), view(inp["k"]), view(inp["v"]), view(inp["do"]), causal=True)
+    p = _peer_cudnn_fp8().cudnn_fp8_peer(view(inp["q"]), view(inp["k"]), view(inp["v"]), view(inp["do"]), causal=True)
     return p["fwd"], p["train"], None
 
 
@@ -521,16 +518,19 @@ def markdown(rows) -> str:
     return "\n".join(out)
 
 
-def _cudnn_fp8_reason() -> str | None:
-    """None where cuDNN's FP8 peer runs here, else why not (``peer_cudnn_fp8.cudnn_fp8_available``)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from peer_cudnn_fp8 import cudnn_fp8_available
+def _peer_cudnn_fp8():
+    """The ``peer_cudnn_fp8`` module next to this script (imports without ``cudnn``)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import peer_cudnn_fp8
 
-    return cudnn_fp8_available()
+    return peer_cudnn_fp8
 
 
 def run(workloads, peers, rep, out_dir, memory_for=("S2",), config=None, fp8=False):
     rows = []
+    cudnn_fp8_ok = fp8 and _peer_cudnn_fp8().cudnn_fp8_available() is None
     for name in workloads:
         spec = WORKLOADS[name]
         lengths = workload_lengths(name)
@@ -556,7 +556,7 @@ def run(workloads, peers, rep, out_dir, memory_for=("S2",), config=None, fp8=Fal
             row["impl"]["ours_fp8"] = measure("ours_fp8", ours_fp8, inp, rep=rep)
             row["impl"]["ours_fp8_kernel"] = measure("ours_fp8_kernel", ours_fp8_kernel, inp, train=False, rep=rep)
             row["impl"]["ours_fp8_token"] = measure("ours_fp8_token", lambda i: ours_fp8(i, "token"), inp, rep=rep)
-            if _cudnn_fp8_reason() is None:
+            if cudnn_fp8_ok:
                 row["impl"]["cudnn_fp8"] = measure("cudnn_fp8", cudnn_fp8, inp, rep=rep)
         if name in memory_for:
             row["memory"] = {"ours": peak_memory(mk, inp)}
@@ -634,6 +634,7 @@ def fit_and_report(rows) -> tuple[str, dict]:
     from flamia_pack.scheduler.worklist import TileConfig
 
     table = load_calibration()
+    hs = {r["name"]: (r["H"], r["Hkv"]) for r in rows}
     fp8_cols = {"fp8_fwd": lambda x: x["fwd_ms"], "fp8_fwd_bwd": lambda x: x["train_ms"],
                 "fp8_bwd": lambda x: x["train_ms"] - x["fwd_ms"]}
     for path, col in fp8_cols.items():
@@ -643,7 +644,6 @@ def fit_and_report(rows) -> tuple[str, dict]:
             continue
         old = table.lookup(path, HEAD_DIM, "H200")
         fcfg = TileConfig(block_m=old.block_m, block_n=old.block_n, merge_short=old.merge_short)
-        hs = {r["name"]: (r["H"], r["Hkv"]) for r in rows}
         a, b = fit_calibration([(workload_lengths(w), hs[w][0], ms * 1e3) for w, ms in meas.items()], num_sms=132,
                                config=fcfg)
         fits[path] = (a, b)

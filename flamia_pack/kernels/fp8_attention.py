@@ -143,8 +143,9 @@ def build_fp8_work_list(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: 
 
         cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
         entries = fp8_bwd_entries(cu32.to(wl.items.device), total_tokens, causal=bool(causal))
-    return FP8WorkList(wl.items, wl.num_items, wl.max_items, wl.config, wl.total_tokens, wl.min_seqlen, wl.doc_tokens,
-                       bwd_entries=entries)
+    out = FP8WorkList(**{f.name: getattr(wl, f.name) for f in dataclasses.fields(WorkList)}, bwd_entries=entries)
+    out._hint_versions = getattr(wl, "_hint_versions", None)  # the build's stamp: same buffers, same hints
+    return out
 
 
 def _check_fp8_list(work_list, causal: bool, device, T: int):
