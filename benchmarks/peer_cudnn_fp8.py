@@ -54,10 +54,9 @@ the GPU machine has 1.32.0, newer than anything read here):
   * ``samples/cpp/sdpa/fp8_bwd.cpp`` (``sdpa_fp8_gqa_bprop``), ``samples/python/51_sdpa_backward.ipynb``.
   * ``python/cudnn/__init__.py`` -- ``pygraph.execute`` accepts ``{uid: int device pointer}``.
 
-Run on the H200 (2026-12-02, cudnn-frontend 1.32.0, cuDNN backend 9.19.0, torch 2.11): the keywords that
-bind are ``diagonal_alignment`` + ``right_bound`` (causal) and ``generate_stats``; cuDNN reports amax before
-scaling; ``--smoke`` passes (cosines vs fp32: o 0.9986, dq / dk 0.9975, dv 0.9984, MHA and GQA). The
-numbers are in ``benchmarks/RESULTS.md``. Install on the GPU machine: ``pip install --target DIR`` the
+With cudnn-frontend 1.32.0 / cuDNN 9.19.0 the keywords that bind are ``diagonal_alignment`` + ``right_bound``
+(causal) and ``generate_stats``, and cuDNN reports amax before scaling; measured numbers and cosines are
+in ``benchmarks/RESULTS.md``. Install on the GPU machine: ``pip install --target DIR`` the
 ``nvidia_cudnn_frontend`` wheel that ``../shared/tools/fa4-peer/prepare.sh`` fetches, ``PYTHONPATH=.:DIR``.
 """
 from __future__ import annotations

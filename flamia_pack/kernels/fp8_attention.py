@@ -112,8 +112,8 @@ class FP8WorkList(WorkList):
     """A :class:`~flamia_pack.scheduler.worklist.WorkList` of the FP8 forward plus the FP8 backward's
     dK/dV entries for the same ``cu_seqlens`` (``bwd_entries``: ``gluon_fp8_bwd.fp8_bwd_entries``'
     ``(entries, n_entries, max_entries)``, or None where the kernels do not run). One list per packed row
-    serves every layer's forward and backward: the entries cost ~15 small device ops (0.5-0.9 ms of
-    launches on the H200), which a backward without them rebuilds on every call."""
+    serves every layer's forward and backward: the entries are ~15 small device ops, which a backward
+    without them rebuilds on every call."""
 
     bwd_entries: tuple | None = None
 
