@@ -156,6 +156,21 @@ def test_nan_stays_in_its_document():
 
 
 @needs_hopper
+def test_nan_in_the_neighbours_tile_columns_stays_out():
+    """A non-finite V group that another document's key tile holds in its masked columns: document 1's
+    first group (tokens 400-431, in document 0's last tile 384-511) and its last (688-699, in the tile
+    document 2 starts at 700 reads from 688): the kernel zeroes those columns only where the factor
+    table marks such a group, and documents 0 and 2 stay bitwise the clean run's."""
+    q, k, v, cu = _row([400, 300, 500], 2, 2, seed=10)
+    clean = varlen_attention(q, k, v, cu, 500, precision="fp8")
+    v[401, 0, 9] = float("nan")
+    v[695, 1, 5] = float("nan")
+    bad = varlen_attention(q, k, v, cu, 500, precision="fp8")
+    keep = torch.cat([torch.arange(0, 400), torch.arange(700, 1200)]).cuda()
+    assert torch.equal(bad[keep], clean[keep])
+
+
+@needs_hopper
 def test_token_mode_is_causal_bitwise():
     q, k, v, cu = _row([600, 500], 2, 2, seed=4)
     base = varlen_attention(q, k, v, cu, 600, precision="fp8", scale_granularity="token")

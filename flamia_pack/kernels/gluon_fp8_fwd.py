@@ -118,7 +118,9 @@ def _zero_cols_outside(buf, lo, hi, NW: gl.constexpr):
     E4M3) set to 0: the feature-major twin of ``gluon_common._zero_rows_from``. A document's first
     tile starts at the 16-token boundary before it (TMA) and holds the previous document's codes
     below ``lo``; the tile its end cuts holds the next document's from ``hi``: ``0 x NaN`` in
-    ``P~ V`` would carry a NaN across documents."""
+    ``P~ V`` would carry a NaN across documents. Run only where :func:`_may_be_nonfinite_outside`
+    finds a group there whose codes may be NaN (a load / store pass over the tile per item and
+    partition, most of the FP8 forward's cost on rows of unaligned documents when run always)."""
     ROWS: gl.constexpr = buf.type.shape[0]
     COLS: gl.constexpr = buf.type.shape[1]
     CHUNK: gl.constexpr = 16
@@ -131,6 +133,20 @@ def _zero_cols_outside(buf, lo, hi, NW: gl.constexpr):
         part.store(gl.where(keep[None, :], x, gl.zeros_like(x)))
     fence_async_shared()
     gl.thread_barrier()
+
+
+@gluon.jit
+def _may_be_nonfinite_outside(F, stride_e, hk, o_lo, j, lo, hi, BLOCK_N: gl.constexpr, NW: gl.constexpr):
+    """Whether a column (token) of walked tile ``j`` outside ``[lo, hi)`` has V factor ``2^127`` in the
+    table ``F`` (:func:`exponent_table`: its group's byte is the non-finite sentinel 255, or 254): only
+    such a group's codes can be NaN (every finite group's E4M3 codes are finite), so only then must the
+    tile's columns of the neighbouring documents be zeroed (``0 x NaN`` in ``P~ V``). One masked load
+    of ``BLOCK_N`` table entries (L2), reduced to a scalar shared by the partition."""
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // (32 * NW)], [32], [NW], [0])
+    cols = gl.arange(0, BLOCK_N, layout=layout)
+    out = (cols < lo) | (cols >= hi)
+    f = gl.load(F + hk * stride_e + o_lo + j * BLOCK_N + cols, mask=out, other=1.0)
+    return gl.max(f, 0) >= _exp2_const(127)
 
 
 @gluon.jit
@@ -357,8 +373,9 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
         p, m_i, l_i, a_i, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, fk, fv, True, BOOST, BLOCK_N,
                                                 s_layout, op_layout)
     if (ph > 0) & (n_steps > 1):  # tile 0's leading columns hold the previous document (the last tile: below)
-        mbarrier.wait(ready.index(STAGES + s0), (c // STAGES) & 1)
-        _zero_cols_outside(v_bufs.index(s0), ph, BLOCK_N, NW)
+        if _may_be_nonfinite_outside(FV, stride_e, hk, o_lo, 0, ph, BLOCK_N, BLOCK_N, NW):
+            mbarrier.wait(ready.index(STAGES + s0), (c // STAGES) & 1)
+            _zero_cols_outside(v_bufs.index(s0), ph, BLOCK_N, NW)
     for j in range(1, u1):
         acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph,
                                                o_hi, lim, row_f, j, c, acc, p, m_i, l_i, r_i, a_i, turn, k_turn, False,
@@ -375,7 +392,8 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
     lo_last = gl.where(n_steps == 1, ph, 0)  # a one-tile walk: tile 0 is also the last
     hi_last = o_hi - o_lo - (n_steps - 1) * BLOCK_N
     if (hi_last < BLOCK_N) | (lo_last > 0):  # the tile the document end cuts (and a one-tile walk's start)
-        _zero_cols_outside(v_bufs.index(sl), lo_last, hi_last, NW)
+        if _may_be_nonfinite_outside(FV, stride_e, hk, o_lo, n_steps - 1, lo_last, hi_last, BLOCK_N, NW):
+            _zero_cols_outside(v_bufs.index(sl), lo_last, hi_last, NW)
     _turn_wait(turn, k_turn + n_steps, WG, PINGPONG)
     pv = _pv_issue(p, v_bufs.index(sl), acc, PV_PROMOTE)
     _turn_pass(turn, WG, PINGPONG)
