@@ -3,7 +3,8 @@
 Reads each run directory's ``log.jsonl`` (CPU only, no torch) and writes one PNG with three panels:
 training loss (smoothed), validation loss through the run's own attention (solid) and through
 exact BF16 attention (dashed; the leak's causal control dotted), and the gradient norm. Also
-prints a table of the final numbers (markdown with ``--markdown``).
+prints a table of the final numbers (markdown with ``--markdown``, then the per-mode parity table of
+:func:`parity`: mean, sd and difference to BF16 over each mode's runs).
 
     python benchmarks/plot_fp8_training.py out/fp8-train/* --out benchmarks/fp8_training.png
 """
@@ -78,6 +79,45 @@ def markdown(rows: list[dict]) -> str:
         out.append(f"| {x['run']} | {x['attn']} | {x['seed']} | {x['steps']} | {x['train_loss_last100']:.4f} | "
                    f"{x['val_own']:.4f} | {x['val_exact']:.4f} | {x['gap_own_minus_exact']:+.4f} | {ctl} | "
                    f"{x['grad_norm_max']:.3f} | {sp} | {x['tok_s'] / 1e3:.1f}k |")
+    return "\n".join(out)
+
+
+def parity(rows: list[dict], margin: float = 0.01) -> list[dict]:
+    """Issue 29's parity test on the exact-evaluated validation loss, per attention mode over its runs
+    (``table`` rows; the leak left out): ``n``, mean, sample sd, the mean's difference to BF16's with its
+    standard error ``sqrt(sd^2 / n + sd_bf16^2 / n_bf16)``, and ``runs_for_margin``: the runs per mode
+    (at the pooled sd) that put two standard errors of the difference inside ``margin`` -- the number a
+    claim "within ``margin`` of BF16" needs. A mode with one run has no sd (``nan``)."""
+    import math
+    import statistics
+
+    by: dict[str, list[float]] = {}
+    for x in rows:
+        if x["attn"] != "fp8-leak" and math.isfinite(x["val_exact"]):
+            by.setdefault(x["attn"], []).append(x["val_exact"])
+    stats = {a: (len(v), statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else float("nan"))
+             for a, v in by.items()}
+    base = stats.get("bf16")
+    out = []
+    for a, (n, mean, sd) in stats.items():
+        d = se = need = float("nan")
+        if base is not None and a != "bf16":
+            nb, mb, sb = base
+            d, se = mean - mb, math.sqrt(sd ** 2 / n + sb ** 2 / nb)
+            pooled = math.sqrt((sd ** 2 + sb ** 2) / 2)
+            need = math.ceil(2 * (2 * pooled / margin) ** 2) if math.isfinite(pooled) else float("nan")
+        out.append({"attn": a, "n": n, "mean": mean, "sd": sd, "diff_vs_bf16": d, "se": se, "runs_for_margin": need})
+    return out
+
+
+def parity_markdown(prows: list[dict], margin: float = 0.01) -> str:
+    out = [f"| attn | runs | val exact: mean | sd | - BF16 | standard error | runs for +-{margin} at 2 SE |",
+           "|" + "---|" * 7]
+    for x in prows:
+        def f(v, fmt):
+            return "-" if v != v else format(v, fmt)
+        out.append(f"| {x['attn']} | {x['n']} | {x['mean']:.4f} | {f(x['sd'], '.4f')} | {f(x['diff_vs_bf16'], '+.4f')} | "
+                   f"{f(x['se'], '.4f')} | {f(x['runs_for_margin'], '.0f')} |")
     return "\n".join(out)
 
 
@@ -158,6 +198,8 @@ def main(argv=None) -> list[dict]:
     rows = table(runs)
     if a.markdown:
         print(markdown(rows))
+        print()
+        print(parity_markdown(parity(rows)))
     else:
         json.dump(rows, sys.stdout, indent=1)
         print()

@@ -300,3 +300,24 @@ def test_unusable_run_directories_are_one_line_errors(tf, source, tmp_path, caps
     with pytest.raises(SystemExit, match="cannot be read as a checkpoint"):
         tf.main(_argv(source, run, "bf16", 3))
     assert (run / "ckpt.pt").read_text() == "garbage"  # nothing lost
+
+
+def test_parity_table_of_the_plot_script():
+    """benchmarks/plot_fp8_training.parity: per-mode mean / sd of the exact-evaluated validation loss, the
+    difference to BF16 with its standard error, and the runs a +-0.01 claim needs (the leak left out)."""
+    spec = importlib.util.spec_from_file_location("plot_fp8_training", ROOT / "benchmarks" / "plot_fp8_training.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [{"attn": "bf16", "val_exact": v} for v in (1.0, 1.2)]
+    rows += [{"attn": "fp8-block", "val_exact": v} for v in (1.05, 1.15, 1.25)]
+    rows += [{"attn": "fp8-leak", "val_exact": 9.0}, {"attn": "fp8-token", "val_exact": 1.3}]
+    got = {x["attn"]: x for x in mod.parity(rows)}
+    assert set(got) == {"bf16", "fp8-block", "fp8-token"}
+    b = got["fp8-block"]
+    assert b["n"] == 3 and b["mean"] == pytest.approx(1.15) and b["sd"] == pytest.approx(0.1)
+    assert b["diff_vs_bf16"] == pytest.approx(0.05)
+    assert b["se"] == pytest.approx(math.sqrt(0.01 / 3 + 0.02 / 2))
+    assert b["runs_for_margin"] in (1200, 1201)  # 2 (2 x pooled sd 0.1225 / 0.01)^2, rounded up
+    assert math.isnan(got["fp8-token"]["sd"]) and math.isnan(got["fp8-token"]["runs_for_margin"])
+    table = mod.parity_markdown(mod.parity(rows))
+    assert "| fp8-block | 3 | 1.1500 | 0.1000 | +0.0500 |" in table
