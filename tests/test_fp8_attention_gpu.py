@@ -160,11 +160,19 @@ def test_nan_in_the_neighbours_tile_columns_stays_out():
     """A non-finite V group that another document's key tile holds in its masked columns: document 1's
     first group (tokens 400-431, in document 0's last tile 384-511) and its last (688-699, in the tile
     document 2 starts at 700 reads from 688): the kernel zeroes those columns only where the factor
-    table marks such a group, and documents 0 and 2 stay bitwise the clean run's."""
+    table marks such a group, and documents 0 and 2 stay bitwise the clean run's. The poison is a NaN
+    (the group's byte 255) and 480 in the same token: the integer E4M3 encoder gives a NaN input a
+    finite code but 480 in a non-finite group (scale 1) the NaN code, so V^T's codes really hold NaN."""
+    from flamia_pack.kernels.fp8_attention import fp8_quantize
+
     q, k, v, cu = _row([400, 300, 500], 2, 2, seed=10)
     clean = varlen_attention(q, k, v, cu, 500, precision="fp8")
-    v[401, 0, 9] = float("nan")
-    v[695, 1, 5] = float("nan")
+    for t, h in ((401, 0), (695, 1)):
+        v[t, h, 9] = float("nan")
+        v[t, h, 5] = 480.0
+    ops = fp8_quantize(q, k, v, cu)
+    for t, h in ((401, 0), (695, 1)):
+        assert torch.isnan(ops.vt[h, :, t].float()).any(), "the poison did not make a NaN code"
     bad = varlen_attention(q, k, v, cu, 500, precision="fp8")
     keep = torch.cat([torch.arange(0, 400), torch.arange(700, 1200)]).cuda()
     assert torch.equal(bad[keep], clean[keep])
