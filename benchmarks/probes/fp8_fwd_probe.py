@@ -294,6 +294,22 @@ def quant():
                   f"no-T {t_n:.3f} | bf16 copy of q,k,v {t_c:.3f}")
     t_ship = triton.testing.do_bench(lambda: fp8_quantize(q, k, v, cu, "block"))
     print(f"quant W1 fp8_quantize (as shipped: bf16, V^T in the kernel, integer encoder) {t_ship:.3f} ms")
+    # tile sweep of the in-kernel transposed store (integer encoder), V only (the forward) and all three
+    # (the backward's operands): sm_90a compile of the shipped 128 x 8 tile: 151 / 100 registers and 32 KB
+    # of shared memory (one / two programs an SM) against 75 / 128 at 64 x 8 / 64 x 4 (three / four)
+    for flags, label in ((only_v, "V^T"), (True, "Q^T K^T V^T")):
+        ref = quantize_qkv(q, k, v, cu, "block", transposed=flags, validate=False)
+        for rows, warps in ((128, 8), (64, 8), (64, 4), (32, 4)):
+            got = quantize_qkv(q, k, v, cu, "block", transposed=flags, transposed_store="kernel", hw_cvt=False,
+                               validate=False, block_rows=rows, num_warps=warps)
+            same = all(torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8)) and
+                       torch.equal(a.exponents, b.exponents) and
+                       (a.codes_t is None or torch.equal(a.codes_t.view(torch.uint8), b.codes_t.view(torch.uint8)))
+                       for a, b in zip(got, ref))
+            t = triton.testing.do_bench(lambda: quantize_qkv(q, k, v, cu, "block", transposed=flags,
+                                                             transposed_store="kernel", hw_cvt=False, validate=False,
+                                                             check_finite=False, block_rows=rows, num_warps=warps))
+            print(f"quant W1 block {label:11s} in-kernel {rows:3d} rows x {warps} warps: {t:.3f} ms  bitwise {same}")
 
 
 def main():
