@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
+import statistics
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: issue 29's parity margin on the exact-evaluated validation loss
+PARITY_MARGIN = 0.01
 COLORS = {"bf16": "#1f77b4", "fp8-block": "#2ca02c", "fp8-token": "#9467bd", "fp8-leak": "#d62728"}
 OTHER_SEED = {"bf16": "#17becf", "fp8-block": "#98df8a", "fp8-token": "#c5b0d5", "fp8-leak": "#ff9896"}
 
@@ -82,15 +86,13 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def parity(rows: list[dict], margin: float = 0.01) -> list[dict]:
+def parity(rows: list[dict], margin: float = PARITY_MARGIN) -> list[dict]:
     """Issue 29's parity test on the exact-evaluated validation loss, per attention mode over its runs
     (``table`` rows; the leak left out): ``n``, mean, sample sd, the mean's difference to BF16's with its
     standard error ``sqrt(sd^2 / n + sd_bf16^2 / n_bf16)``, and ``runs_for_margin``: the runs per mode
     (at the pooled sd) that put two standard errors of the difference inside ``margin`` -- the number a
-    claim "within ``margin`` of BF16" needs. A mode with one run has no sd (``nan``)."""
-    import math
-    import statistics
-
+    claim "within ``margin`` of BF16" needs (each row carries ``margin``). A mode with one run has no sd
+    (``nan``)."""
     by: dict[str, list[float]] = {}
     for x in rows:
         if x["attn"] != "fp8-leak" and math.isfinite(x["val_exact"]):
@@ -106,11 +108,13 @@ def parity(rows: list[dict], margin: float = 0.01) -> list[dict]:
             d, se = mean - mb, math.sqrt(sd ** 2 / n + sb ** 2 / nb)
             pooled = math.sqrt((sd ** 2 + sb ** 2) / 2)
             need = math.ceil(2 * (2 * pooled / margin) ** 2) if math.isfinite(pooled) else float("nan")
-        out.append({"attn": a, "n": n, "mean": mean, "sd": sd, "diff_vs_bf16": d, "se": se, "runs_for_margin": need})
+        out.append({"attn": a, "n": n, "mean": mean, "sd": sd, "diff_vs_bf16": d, "se": se, "runs_for_margin": need,
+                    "margin": margin})
     return out
 
 
-def parity_markdown(prows: list[dict], margin: float = 0.01) -> str:
+def parity_markdown(prows: list[dict]) -> str:
+    margin = prows[0]["margin"] if prows else PARITY_MARGIN
     out = [f"| attn | runs | val exact: mean | sd | - BF16 | standard error | runs for +-{margin} at 2 SE |",
            "|" + "---|" * 7]
     for x in prows:

@@ -37,6 +37,7 @@ needs_hopper = pytest.mark.skipif(not _HOPPER, reason="the FP8 kernels need sm_9
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes"))
 from fp8_fwd_probe import _cos, _row  # noqa: E402  (the probe's inputs and its NaN-poisoned launch)
+from fp8_fwd_probe import poison_with_nan_code  # noqa: E402
 from fp8_fwd_probe import _kernel as _poisoned_kernel  # noqa: E402
 
 
@@ -160,16 +161,14 @@ def test_nan_in_the_neighbours_tile_columns_stays_out():
     """A non-finite V group that another document's key tile holds in its masked columns: document 1's
     first group (tokens 400-431, in document 0's last tile 384-511) and its last (688-699, in the tile
     document 2 starts at 700 reads from 688): the kernel zeroes those columns only where the factor
-    table marks such a group, and documents 0 and 2 stay bitwise the clean run's. The poison is a NaN
-    (the group's byte 255) and 480 in the same token: the integer E4M3 encoder gives a NaN input a
-    finite code but 480 in a non-finite group (scale 1) the NaN code, so V^T's codes really hold NaN."""
+    table marks such a group, and documents 0 and 2 stay bitwise the clean run's. The poison makes a real
+    NaN code (``poison_with_nan_code``: a NaN input alone encodes as a finite code)."""
     from flamia_pack.kernels.fp8_attention import fp8_quantize
 
     q, k, v, cu = _row([400, 300, 500], 2, 2, seed=10)
     clean = varlen_attention(q, k, v, cu, 500, precision="fp8")
     for t, h in ((401, 0), (695, 1)):
-        v[t, h, 9] = float("nan")
-        v[t, h, 5] = 480.0
+        poison_with_nan_code(v, t, h)
     ops = fp8_quantize(q, k, v, cu)
     for t, h in ((401, 0), (695, 1)):
         assert torch.isnan(ops.vt[h, :, t].float()).any(), "the poison did not make a NaN code"

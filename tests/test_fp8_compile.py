@@ -50,6 +50,7 @@ def test_shipped_fp8_forward_compiles_for_sm90(causal):
 
 
 @pytest.mark.parametrize("kw,max_spill", [
+    # 32 B outside the step loops since the neighbour-column NaN check (8 before; the loops have none)
     ({"pingpong": False}, 32),                      # the partitions without turns
     ({"pingpong": True, "pv_promote": False}, 32),   # accumulating in the MMA (issue 27 item 3's alternative)
 ])

@@ -118,9 +118,9 @@ def _zero_cols_outside(buf, lo, hi, NW: gl.constexpr):
     E4M3) set to 0: the feature-major twin of ``gluon_common._zero_rows_from``. A document's first
     tile starts at the 16-token boundary before it (TMA) and holds the previous document's codes
     below ``lo``; the tile its end cuts holds the next document's from ``hi``: ``0 x NaN`` in
-    ``P~ V`` would carry a NaN across documents. Run only where :func:`_may_be_nonfinite_outside`
-    finds a group there whose codes may be NaN (a load / store pass over the tile per item and
-    partition, most of the FP8 forward's cost on rows of unaligned documents when run always)."""
+    ``P~ V`` would carry a NaN across documents. Called only where :func:`_may_be_nonfinite_outside`
+    finds a group there whose codes may be NaN: this is a load / store pass over the tile, per item and
+    partition, with a fence and a barrier; the check is one load of table entries."""
     ROWS: gl.constexpr = buf.type.shape[0]
     COLS: gl.constexpr = buf.type.shape[1]
     CHUNK: gl.constexpr = 16
