@@ -4,8 +4,8 @@ Gradients from autograd through the GPU FP8 path against the fp32 reference's (f
 W1-W9-like rows scaled down, random S3-style rows with 1-token documents, GQA / MQA, padding rows,
 causal and not, both granularities); the launcher allocates dK / dV uninitialised (a row no program
 writes stays garbage and fails the comparison), padding rows must be exactly 0. Also: NaN
-containment per document, token-mode causality of dQ (bitwise), CUDA graph capture of the backward,
-and the errors of bad inputs.
+containment per document (NaN codes in the rows of a neighbour's query steps included), token-mode
+causality of dQ (bitwise), CUDA graph capture of the backward, and the errors of bad inputs.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from flamia_pack.kernels.reference import packed_attention_reference, packed_att
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes"))
 from fp8_bwd_probe import _cos, _inputs  # noqa: E402  (the probe's inputs and cosine)
+from fp8_fwd_probe import poison_with_nan_code  # noqa: E402  (a NaN code, not only a NaN input)
 
 _HOPPER = fp8_kernels_available("cuda")
 needs_hopper = pytest.mark.skipif(not _HOPPER, reason="the FP8 kernels need sm_90 and triton's Gluon")
@@ -113,6 +114,45 @@ def test_nan_stays_in_its_document():
     for a, b in zip(dirty, clean):
         assert torch.isfinite(a[keep]).all()
         torch.testing.assert_close(a[keep], b[keep], rtol=0, atol=2e-3)  # dQ's reduce order varies
+
+
+def _poison_codes(x, cu, rows):
+    """A copy of ``x`` with a NaN code in head 0 at each of ``rows`` (``fp8_fwd_probe.poison_with_nan_code``:
+    a NaN input alone gets a finite code from the integer encoder), checked in both layouts of the
+    codes the FP8 path makes."""
+    from flamia_pack.kernels.quantize import quantize
+
+    x = x.clone()
+    for r in rows:
+        poison_with_nan_code(x, r, 0)
+    q8 = quantize(x, cu, "block", transposed=True, transposed_store="kernel", hw_cvt=False, check_finite=False,
+                  validate=False)
+    for r in rows:
+        assert int(q8.exponents[r, 0]) == 255
+        assert torch.isnan(q8.codes[r, 0].float()).any() and torch.isnan(q8.codes_t[0, :, r].float()).any()
+    return x
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("which", ["q", "do"])
+def test_nan_codes_in_the_neighbours_step_rows_stay_out(which, causal):
+    """NaN codes in Q (or dO) rows that another document's query steps hold: document 1 (tokens 200-349)
+    walks the steps 192 + 64 m, so its first step holds document 0's last group (192-199, poisoned at
+    197) and its last one document 2's first (350-381, poisoned at 360). dK / dV contract over a step's
+    queries: the kernel zeroes those Q^T / dO^T columns only where 2^e_q / 2^e_do marks a non-finite
+    group (gluon_fp8_bwd._nonfinite_outside), and must here. Document 1's dQ, dK, dV stay bitwise the
+    clean run's (each of its rows gets nonzero dQ partials from its 2 key tiles only: no reduce-order
+    effect; the neighbours' programs add exact zeros)."""
+    q, k, v, do, cu = _inputs([200, 150, 230], 2, 2, seed=11)
+    clean = _grads(q, k, v, do, cu, causal=causal)
+    if which == "q":
+        q = _poison_codes(q, cu, [197, 360])
+    else:
+        do = _poison_codes(do, cu, [197, 360])
+    dirty = _grads(q, k, v, do, cu, causal=causal)
+    for name_g, a, b in zip(("dq", "dk", "dv"), dirty, clean):
+        assert torch.equal(a[200:350], b[200:350]), name_g
 
 
 @needs_hopper

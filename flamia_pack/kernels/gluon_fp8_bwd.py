@@ -29,9 +29,11 @@ of two clamped to ``2^127`` (an accumulator that is still 0). Causality: ``rho_j
 the step's queries that see key ``j`` (dK_j and dV_j depend on them in exact attention), ``t_i``
 reads the keys query ``i`` sees; dQ accumulates in fp32 with no data-dependent accumulator scale,
 so ``causal_dq_scale`` holds in both granularities. Masked pairs are selected to 0 (never ``0 x
-NaN``); tiles' rows / columns of other documents are zeroed in shared memory before the products
-that contract over them (K^T once, Q^T / dO^T on steps cut by the document), so a NaN in one document
-reaches no other.
+NaN``); tiles' columns of other documents are zeroed in shared memory before the products that
+contract over them (K^T once, Q^T / dO^T on steps cut by the document), only where the factor
+tables (K's; Q's or dO's) mark a neighbouring group whose codes may be NaN (``2^127``,
+:func:`_nonfinite_outside`: a finite group's codes are finite), so a NaN in one document reaches no
+other.
 
 Why two payloads and not one ``32 x 32``-block payload: Hopper's FP8 wgmma has no block scales and a
 k = 32 instruction, so a scale that varies along a product's contraction needs one promotion per
@@ -86,6 +88,20 @@ def _inv(x):
     """``1 / x`` for a power of two ``x = 2^e``, ``e`` in ``[-126, 126]``, exactly, from the bits (no
     division: the IEEE one costs ~10 instructions an element)."""
     return ((254 << 23) - x.to(gl.int32, bitcast=True)).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _nonfinite_outside(fac, pos, lo, hi):
+    """Whether a token at ``pos`` outside ``[lo, hi)`` has factor ``2^127`` in ``fac`` (a tile's vector of
+    factor-table entries, ``gluon_fp8_fwd.exponent_table``: that group's exponent byte is the non-finite
+    sentinel 255, or 254; ``pos`` the tokens, in ``fac``'s layout): only such a group's E4M3 codes can
+    be NaN (every finite group's codes are finite; past T the table is 1.0 and TMA fills zeros), so
+    only then must the tile's columns of the neighbouring documents be zeroed (``0 x NaN`` in the dK /
+    dV products over Q^T / dO^T, the dQ partial over K^T). The skip-unless-marked rule of the forward's
+    ``_may_be_nonfinite_outside``, on factors the consumer already holds (the step's ``ld_bufs``
+    vectors 2^e_q, 2^e_do, their maximum; the tile's ``kf``): no global load, no pointer live across
+    the step loops."""
+    return gl.max(gl.where((pos < lo) | (pos >= hi), fac, 0.0), 0) >= _exp2_const(127)
 
 
 @gluon.jit
@@ -148,6 +164,18 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     s = c % STAGES
     q0 = f + (m0 + j) * BLOCK_M
     mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+    if MASKED:
+        if (q0 < start) | (q0 + BLOCK_M > end):  # the step holds other documents' rows: 0 in Q^T, dO^T
+            # (dK / dV contract over the step's queries), only where 2^e_q or 2^e_do marks a group of those
+            # rows whose codes may be NaN (both tiles then: one check, less code in the masked loops); here,
+            # under the previous step's dK / dV (they read another slot), not under S^T / dP^T: fewer
+            # registers live (ptxas: ~130-190 fewer masked-loop instructions; spills vary with the group)
+            vec: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [NW], [0])  # each warp all the rows
+            q_out = q0 + gl.arange(0, BLOCK_M, layout=vec)
+            fac = gl.maximum(ld_bufs.index(5 * s + 3).load(vec), ld_bufs.index(5 * s + 4).load(vec))
+            if _nonfinite_outside(fac, q_out, start, end):
+                _zero_cols_outside(qt_bufs.index(s), start - q0, end - q0, NW)
+                _zero_cols_outside(dot_bufs.index(s), start - q0, end - q0, NW)
     # the previous step's dK / dV retire first: their A operands are dead, their B slot is released
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=c > 0)
@@ -159,9 +187,6 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
         vis = (q_pos >= start)[None, :] & (q_pos < end)[None, :] & (k_pos >= start)[:, None] & (k_pos < end)[:, None]
         if CAUSAL:
             vis = vis & (k_pos[:, None] <= q_pos[None, :])
-        if (q0 < start) | (q0 + BLOCK_M > end):  # the step holds other documents' rows: 0 in Q^T, dO^T
-            _zero_cols_outside(qt_bufs.index(s), start - q0, end - q0, NW)
-            _zero_cols_outside(dot_bufs.index(s), start - q0, end - q0, NW)
     st = warpgroup_mma_wait(1, deps=(st,))
     lse2 = ld_bufs.index(5 * s).load(col)
     rowf = ld_bufs.index(5 * s + 2).load(col)
@@ -242,6 +267,7 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
     k_pos = a + gl.arange(0, BLOCK_N, layout=row)
     kf = gl.load(FK + hk * stride_f + k_pos)
     vf = gl.load(FV + hk * stride_f + k_pos)
+    k_nan = _nonfinite_outside(kf, k_pos, start, end)
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
     sk = gl.full([BLOCK_N], 1.0, gl.float32, row)
@@ -250,7 +276,8 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
     rho_run = 0.0
     mbarrier.wait(kv_bar, 0)
     if (a < start) | (a + BLOCK_N > end):  # other documents' keys: 0 in K^T (the dQ partial reads every key)
-        _zero_cols_outside(kt_smem, start - a, end - a, NW)
+        if k_nan:  # only where one of their groups' codes may be NaN
+            _zero_cols_outside(kt_smem, start - a, end - a, NW)
     c = 0
     for g in range(GROUP):
         h = hk * GROUP + g
