@@ -137,13 +137,18 @@ def leaky_codes(x: torch.Tensor, cu32: torch.Tensor, mode: str = "next-floor") -
     return _Codes((codes, ebyte))
 
 
-def _feature_major(codes: torch.Tensor) -> torch.Tensor:
+def _feature_major(codes: torch.Tensor, wgmma_order: bool = False) -> torch.Tensor:
     """``(H, D, T)`` view of ``codes`` ``(T, H, D)`` with token stride 1 and a row pitch padded to 16
-    bytes (zeros), the layout of ``kernels.quantize``'s ``codes_t``."""
+    bytes (zeros), the layout of ``kernels.quantize``'s ``codes_t``; ``wgmma_order``: the whole
+    ``(H, D, ceil16(T))`` in the order of ``to_wgmma_order`` (the forward's V^T)."""
+    from flamia_pack.kernels.quantize import to_wgmma_order
+
     T, H, D = codes.shape
     tp = -(-T // 16) * 16
     buf = torch.zeros((H, D, tp), dtype=torch.uint8, device=codes.device)
     buf[:, :, :T] = codes.view(torch.uint8).permute(1, 2, 0)
+    if wgmma_order:
+        return to_wgmma_order(buf).view(torch.float8_e4m3fn)
     return buf.view(torch.float8_e4m3fn)[:, :, :T]
 
 
@@ -157,7 +162,7 @@ def leaky_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu32: torc
 
     with torch.autocast(q.device.type, enabled=False):
         (qc, eq), (kc, ek), (vc, ev) = (leaky_codes(x, cu32, mode) for x in (q, k, v))
-    return FP8Operands(qc.contiguous(), kc.contiguous(), _feature_major(vc), eq.contiguous(), ek.contiguous(),
+    return FP8Operands(qc.contiguous(), kc.contiguous(), _feature_major(vc, True), eq.contiguous(), ek.contiguous(),
                        ev.contiguous(), exponent_table(ek), exponent_table(ev), "token",
                        _feature_major(qc), _feature_major(kc), vc.contiguous())
 

@@ -19,7 +19,7 @@ from flamia_pack.kernels.fp8_attention import FP8Operands, fp8_attention_forward
 from flamia_pack.kernels.fp8_emulation import TILE_ALIGN, _segments, _steps
 from flamia_pack.kernels.fp8_emulation import fp8_attention_forward as emulated_forward
 from flamia_pack.kernels.fp8_emulation import fp8_varlen_attention_emulated
-from flamia_pack.kernels.quantize import HAS_TRITON, quantize_qkv
+from flamia_pack.kernels.quantize import HAS_TRITON, from_wgmma_order, quantize_qkv, to_wgmma_order
 from flamia_pack.kernels.reference import packed_attention_reference
 from flamia_pack.quant import quantize_token_blocks
 
@@ -202,7 +202,10 @@ def test_prequantized_entry_on_cpu_operands():
         assert torch.equal(_bits(codes), _bits(want.codes)) and torch.equal(ex, want.exponents)
     want_v = quantize_token_blocks(v, cu, "block")
     assert torch.equal(ops.ev, want_v.exponents)
-    assert ops.vt.shape == (1, 16, 40) and torch.equal(_bits(ops.vt), _bits(want_v.codes.permute(1, 2, 0)))
+    assert ops.vt.shape == (1, 16, 48)  # the whole 16-token pitch, in the wgmma order
+    assert torch.equal(_bits(from_wgmma_order(ops.vt, 40)), _bits(want_v.codes.permute(1, 2, 0)))
+    token_at = to_wgmma_order(torch.arange(48))  # the token each position holds
+    assert bool((_bits(ops.vt)[:, :, token_at >= 40] == 0).all())
     with pytest.raises(FlamiaError, match=r"CUDA GPU of compute capability 9\.x \(Hopper\).*got cpu"):
         fp8_attention_forward(ops, cu)
     with pytest.raises(FlamiaError, match="ops must be FP8Operands.*got tuple"):
@@ -235,6 +238,43 @@ def test_quantize_qkv_per_input_transposed(gran):
     for got, x in ((qq, q), (kq, k), (vq, v)):  # still quant.py's bits
         want = quantize_token_blocks(x, QCU, gran)
         assert torch.equal(_bits(got.codes), _bits(want.codes)) and torch.equal(got.exponents, want.exponents)
+
+
+def test_wgmma_order_is_the_accumulator_columns_in_operand_order():
+    """Position ``4 q + 2 h + r`` of every 16-token block holds token ``8 h + 2 q + r``: the FP8 wgmma
+    accumulator's columns of quad lane ``q`` (``8 h + 2 q + r``) land in that lane's A-operand k slots
+    (``4 q .. 4 q + 3``); the inverse cuts to T."""
+    tok = to_wgmma_order(torch.arange(64))
+    for b in range(4):
+        for q in range(4):
+            for h in range(2):
+                for r in range(2):
+                    assert int(tok[16 * b + 4 * q + 2 * h + r]) == 16 * b + 8 * h + 2 * q + r
+    x = torch.randint(0, 255, (2, 3, 48), dtype=torch.uint8)
+    assert torch.equal(from_wgmma_order(to_wgmma_order(x), 37), x[..., :37])
+    with pytest.raises(FlamiaError, match="multiple of 16"):
+        to_wgmma_order(torch.zeros(40))
+    with pytest.raises(FlamiaError, match="multiple of 16 and >= T"):
+        from_wgmma_order(torch.zeros(48), 49)
+
+
+@pytest.mark.parametrize("store", ["torch", "kernel"])
+@pytest.mark.parametrize("gran", ["block", "token"])
+def test_quantize_qkv_wgmma_order(gran, store):
+    """V^T in the wgmma order (the FP8 forward's operand): the whole 16-token pitch, the token-order
+    copy's bits permuted, zeros at the padding tokens' positions; Q^T / K^T of the same launch stay in
+    token order (the in-kernel store under Triton's interpreter here, on sm_90 in the GPU tests)."""
+    q, k, v = _qkv_small()
+    want = quantize_qkv(q, k, v, QCU, gran, transposed=True)
+    for tr in ((False, False, True), True):
+        got = quantize_qkv(q, k, v, QCU, gran, transposed=tr, wgmma_order=(False, False, True),
+                           transposed_store=store, hw_cvt=False if store == "kernel" else None)
+        vt = _bits(got[2].codes_t)
+        assert vt.shape == (2, 16, 48)
+        assert torch.equal(vt, to_wgmma_order(torch.nn.functional.pad(_bits(want[2].codes_t), (0, 8))))
+        if tr is True:
+            for a, b in zip(got[:2], want[:2]):
+                assert torch.equal(_bits(a.codes_t), _bits(b.codes_t))
 
 
 @pytest.mark.parametrize("transposed", [(True, False), (True, False, True, False), "yes", (1, 0, 1), None])

@@ -29,6 +29,7 @@ from flamia_pack.kernels.fp8_attention import (build_fp8_work_list, fp8_attentio
                                                fp8_kernels_available, fp8_quantize)
 from flamia_pack.kernels.fp8_emulation import OperandCodes  # noqa: E402
 from flamia_pack.kernels.fp8_emulation import fp8_attention_forward as emulated_forward  # noqa: E402
+from flamia_pack.kernels.quantize import from_wgmma_order  # noqa: E402
 from flamia_pack.kernels.reference import packed_attention_reference  # noqa: E402
 
 _HOPPER = fp8_kernels_available("cuda")
@@ -63,7 +64,7 @@ def test_kernel_matches_emulation_and_reference(name, gran, causal):
     q, k, v, cu = _row(lens, H, Hkv, pad, seed=len(name))
     ops = fp8_quantize(q, k, v, cu, gran)
     o, lse = _poisoned_kernel(ops, cu, causal)
-    vc = ops.vt.permute(2, 0, 1).contiguous()
+    vc = from_wgmma_order(ops.vt, ops.qc.shape[0]).permute(2, 0, 1).contiguous()
     quant = tuple(OperandCodes(c.cpu(), e.cpu()) for c, e in ((ops.qc, ops.eq), (ops.kc, ops.ek), (vc, ops.ev)))
     oe, lsee = emulated_forward(None, None, None, cu.cpu(), causal=causal, scale_granularity=gran, quantized=quant)
     n = int(cu[-1])
@@ -98,7 +99,7 @@ def test_kernel_variants(name, causal):
     op, lsep = _poisoned_kernel(ops, cu, causal)  # the launcher's defaults (pv_promote=True)
     assert not op.isnan().any() and bool((op[n:] == 0).all())
     assert float((lsep[:, :n] - lse1[:, :n]).abs().max()) < 1e-5  # the same softmax: P~V only moves O
-    vc = ops.vt.permute(2, 0, 1).contiguous()
+    vc = from_wgmma_order(ops.vt, ops.qc.shape[0]).permute(2, 0, 1).contiguous()
     quant = tuple(OperandCodes(c.cpu(), e.cpu()) for c, e in ((ops.qc, ops.eq), (ops.kc, ops.ek), (vc, ops.ev)))
     oe, _ = emulated_forward(None, None, None, cu.cpu(), causal=causal, quantized=quant)
     d_p = float((op.float().cpu()[:n] - oe[:n].float()).abs().max())
@@ -171,7 +172,7 @@ def test_nan_in_the_neighbours_tile_columns_stays_out():
         poison_with_nan_code(v, t, h)
     ops = fp8_quantize(q, k, v, cu)
     for t, h in ((401, 0), (695, 1)):
-        assert torch.isnan(ops.vt[h, :, t].float()).any(), "the poison did not make a NaN code"
+        assert torch.isnan(from_wgmma_order(ops.vt, 1200)[h, :, t].float()).any(), "the poison did not make a NaN code"
     bad = varlen_attention(q, k, v, cu, 500, precision="fp8")
     keep = torch.cat([torch.arange(0, 400), torch.arange(700, 1200)]).cuda()
     assert torch.equal(bad[keep], clean[keep])

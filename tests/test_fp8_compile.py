@@ -19,8 +19,9 @@ DEFAULTS = {k: p.default for k, p in inspect.signature(gluon_fp8_fwd.gluon_fp8_f
             if k in ("pingpong", "pv_promote")}
 
 #: static instructions of the mask-free step loop (one consumer partition) at or below which the
-#: shipped kernel stays (benchmarks/NOTES.md "FP8 forward": 988 with pv_promote on triton 3.6.0's ptxas)
-MAX_STEP = 1040
+#: shipped kernel stays (benchmarks/NOTES.md "FP8 forward": 758 with P~ as E4M3 words in the wgmma
+#: order, 982 before, on triton 3.6.0's ptxas)
+MAX_STEP = 800
 
 
 def _compile(**kw):
@@ -40,23 +41,26 @@ def test_shipped_fp8_forward_compiles_for_sm90(causal):
     assert r["shared"] <= 228 * 1024
     assert "QGMMA" in r["sass"] and "HGMMA" not in r["sass"] and "UTMALDG" in r["sass"]
     assert not r["serialized"], r["ptxas"]
-    assert r["spill_bytes"] <= 128, r["ptxas"]  # 116 B, outside the mask-free step loop
+    assert r["spill_bytes"] <= 192, r["ptxas"]  # 124-164 B
     steps = mma_step_loops(r["sass"])
     assert len(steps) == 4, steps  # per consumer partition: the mask-free and the masked step loop
     for lp in steps:
         assert lp["gmma"] == 8, lp  # S and P~V: 4 QGMMA each, k = 32
     free = min(steps, key=lambda lp: lp["instructions"])
-    assert free["ldl"] == 0 and free["stl"] == 0 and free["instructions"] <= MAX_STEP, steps
+    assert free["instructions"] <= MAX_STEP, steps
+    assert all(lp["ldl"] <= 1 and lp["stl"] <= 1 for lp in steps if lp["instructions"] <= MAX_STEP), steps
 
 
-@pytest.mark.parametrize("kw,max_spill", [
-    # 32 B outside the step loops since the neighbour-column NaN check (8 before; the loops have none)
-    ({"pingpong": False}, 32),                      # the partitions without turns
-    ({"pingpong": True, "pv_promote": False}, 32),   # accumulating in the MMA (issue 27 item 3's alternative)
+@pytest.mark.parametrize("kw,max_spill,serialized", [
+    ({"pingpong": False, "pv_promote": True}, 128, False),  # the partitions without turns (104 B)
+    # accumulating in the MMA (issue 27 item 3's alternative): its softmax runs while the previous
+    # P~ V is in flight, and the E4M3 words it writes are that product's successor's A registers,
+    # which ptxas serializes (C7513); 24 B
+    ({"pingpong": True, "pv_promote": False}, 32, True),
 ])
-def test_fp8_forward_variants_compile_for_sm90(kw, max_spill):
+def test_fp8_forward_variants_compile_for_sm90(kw, max_spill, serialized):
     r = _compile(causal=True, **kw)
-    assert "QGMMA" in r["sass"] and not r["serialized"], r["ptxas"]
+    assert "QGMMA" in r["sass"] and r["serialized"] == serialized, r["ptxas"]
     assert r["spill_bytes"] <= max_spill, r["ptxas"]
 
 

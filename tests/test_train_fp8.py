@@ -209,10 +209,16 @@ def test_leaky_operands_have_the_kernels_layouts(leak):
     cu = torch.tensor([0, 37, 90], dtype=torch.int32)
     ops = leak.leaky_operands(q, k, v, cu)
     assert ops.granularity == "token"
-    for codes, ex, t, x in ((ops.qc, ops.eq, ops.qt, q), (ops.kc, ops.ek, ops.kt, k), (ops.vc, ops.ev, ops.vt, v)):
+    from flamia_pack.kernels.quantize import from_wgmma_order
+
+    assert ops.vt.shape == (H, D, 112)  # V^T: the whole pitch, in the wgmma order
+    for codes, ex, t, x in ((ops.qc, ops.eq, ops.qt, q), (ops.kc, ops.ek, ops.kt, k),
+                            (ops.vc, ops.ev, from_wgmma_order(ops.vt, T), v)):
         assert codes.shape == (T, H, D) and codes.is_contiguous() and ex.shape == (T, H)
-        assert t.shape == (H, D, T) and t.stride(2) == 1 and t.stride(1) % 16 == 0
+        assert t.shape == (H, D, T) and t.stride(2) == 1
         assert torch.equal(t.view(torch.uint8), codes.view(torch.uint8).permute(1, 2, 0))
+    for t in (ops.qt, ops.kt, ops.vt):
+        assert t.stride(2) == 1 and t.stride(1) % 16 == 0
         c2, e2 = leak.leaky_codes(x, cu)
         assert torch.equal(codes.view(torch.uint8), c2.view(torch.uint8)) and torch.equal(ex, e2)
         assert bool(torch.isfinite(dequantize(codes, ex)).all())  # saturating, no NaN codes

@@ -30,6 +30,7 @@ from flamia_pack.kernels.fp8_emulation import OperandCodes
 from flamia_pack.kernels.fp8_emulation import fp8_attention_forward as emulated_forward
 from flamia_pack.kernels.gluon_fp8_fwd import gluon_fp8_fwd
 from flamia_pack.kernels.reference import packed_attention_reference
+from flamia_pack.kernels.quantize import from_wgmma_order
 
 #: gluon_fp8_fwd keyword arguments of each variant, and the emulation's model of its P~V accumulation
 VARIANTS = {"pp1": dict(pingpong=True, pv_promote=False), "pp0": dict(pingpong=False, pv_promote=False),
@@ -107,7 +108,7 @@ def _cos(a, b):
 
 
 def _emulated(ops, cu, causal, gran, pv_accumulator="fp32"):
-    vc = ops.vt.permute(2, 0, 1).contiguous()
+    vc = from_wgmma_order(ops.vt, ops.qc.shape[0]).permute(2, 0, 1).contiguous()
     quant = tuple(OperandCodes(c.cpu(), e.cpu()) for c, e in ((ops.qc, ops.eq), (ops.kc, ops.ek), (vc, ops.ev)))
     return emulated_forward(None, None, None, cu.cpu(), causal=causal, scale_granularity=gran, quantized=quant,
                             pv_accumulator=pv_accumulator)
@@ -298,19 +299,31 @@ def quant():
     print(f"quant W1 fp8_quantize (as shipped: bf16, V^T in the kernel, integer encoder) {t_ship:.3f} ms")
     # tile sweep of the in-kernel transposed store (integer encoder), V only (the forward) and all three
     # (the backward's operands): the tile sets registers and shared memory, hence programs an SM
-    for flags, label in ((only_v, "V^T"), (True, "Q^T K^T V^T")):
-        ref = quantize_qkv(q, k, v, cu, "block", transposed=flags, validate=False)
-        for rows, warps in ((128, 8), (64, 8), (64, 4), (32, 4)):
+    # (fp8_quantize: V^T in the wgmma order, to_wgmma_order; with backward=True Q^T and K^T in token order)
+    for flags, wg, label in ((only_v, False, "V^T"), (only_v, only_v, "V^T wgmma"), (True, only_v, "QKV^T V wgmma")):
+        ref = quantize_qkv(q, k, v, cu, "block", transposed=flags, validate=False, wgmma_order=wg)
+        for rows, warps in ((128, 8), (64, 8), (64, 4)):
             got = quantize_qkv(q, k, v, cu, "block", transposed=flags, transposed_store="kernel", hw_cvt=False,
-                               validate=False, block_rows=rows, num_warps=warps)
+                               validate=False, block_rows=rows, num_warps=warps, wgmma_order=wg)
             same = all(torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8)) and
                        torch.equal(a.exponents, b.exponents) and
                        (a.codes_t is None or torch.equal(a.codes_t.view(torch.uint8), b.codes_t.view(torch.uint8)))
                        for a, b in zip(got, ref))
             t = triton.testing.do_bench(lambda: quantize_qkv(q, k, v, cu, "block", transposed=flags,
                                                              transposed_store="kernel", hw_cvt=False, validate=False,
-                                                             check_finite=False, block_rows=rows, num_warps=warps))
-            print(f"quant W1 block {label:11s} in-kernel {rows:3d} rows x {warps} warps: {t:.3f} ms  bitwise {same}")
+                                                             check_finite=False, block_rows=rows, num_warps=warps,
+                                                             wgmma_order=wg))
+            print(f"quant W1 block {label:13s} in-kernel {rows:3d} rows x {warps} warps: {t:.3f} ms  bitwise {same}")
+    # the wgmma order at a T off the 16-grid (padding tokens interleave with real ones), both granularities
+    q, k, v, cu = _row([300, 212, 1000, 37], 4, 2)
+    for gran in ("block", "token"):
+        for flags in (only_v, True):
+            ref = quantize_qkv(q, k, v, cu, gran, transposed=flags, validate=False, wgmma_order=only_v)
+            got = quantize_qkv(q, k, v, cu, gran, transposed=flags, transposed_store="kernel", hw_cvt=False,
+                               validate=False, wgmma_order=only_v)
+            same = all(a.codes_t is None or torch.equal(a.codes_t.view(torch.uint8), b.codes_t.view(torch.uint8))
+                       for a, b in zip(got, ref))
+            print(f"quant T=1549 {gran} transposed={flags}: in-kernel wgmma-order V^T bitwise {same}")
 
 
 def main():

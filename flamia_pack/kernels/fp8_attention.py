@@ -34,12 +34,13 @@ class FP8Operands(NamedTuple):
     """What the FP8 forward reads: E4M3 codes and UE8M0 exponent bytes (``e + 127``, dense per token).
 
     Fields: ``qc`` ``(T, H_q, D)``, ``kc`` ``(T, H_kv, D)`` float8_e4m3fn; ``vt`` V's codes feature-major
-    ``(H_kv, D, T)`` (token stride 1, feature stride a multiple of 16); ``eq`` ``(T, H_q)``, ``ek`` /
+    ``(H_kv, D, ceil16(T))`` in the wgmma order (``kernels.quantize.to_wgmma_order``: the kernel's P~ is
+    the A operand straight from the accumulator), zeros at the padding tokens; ``eq`` ``(T, H_q)``, ``ek`` /
     ``ev`` ``(T, H_kv)`` uint8; ``ekt`` / ``evt``: ``ek`` / ``ev`` as the kernel's key-major float32 factor
     tables ``(H_kv, ceil16(T) + TABLE_PAD)``, ``2^(clamp(byte, 1, 254) - 127)`` per token, 1.0 past T
     (``gluon_fp8_fwd.exponent_table``); ``granularity``: ``"block"`` or ``"token"`` (labels the exponents).
     What only the backward reads (``fp8_quantize(backward=True)``, else None): ``qt`` ``(H_q, D, T)``
-    and ``kt`` ``(H_kv, D, T)`` feature-major codes (layout of ``vt``), ``vc`` ``(T, H_kv, D)`` row-major.
+    and ``kt`` ``(H_kv, D, T)`` feature-major codes in token order, ``vc`` ``(T, H_kv, D)`` row-major.
     """
 
     qc: torch.Tensor
@@ -71,7 +72,7 @@ def fp8_kernels_available(device) -> bool:
 def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                  scale_granularity: str = "block", *, check_finite: bool = False,
                  backward: bool = False) -> FP8Operands:
-    """Quantize Q, K, V for the FP8 forward in one launch (V also feature-major).
+    """Quantize Q, K, V for the FP8 forward in one launch (V also feature-major, in the wgmma order).
 
     bf16 inputs: the quantizer writes the transposed copies itself in the same pass
     (``quantize_qkv(transposed=(backward, backward, True), transposed_store="kernel", hw_cvt=False)``:
@@ -99,7 +100,7 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
 
     in_kernel = q.dtype == torch.bfloat16
     qq, kq, vq = quantize_qkv(q, k, v, cu_seqlens, scale_granularity, transposed=(backward, backward, True),
-                              transposed_store="kernel" if in_kernel else "torch",
+                              wgmma_order=(False, False, True), transposed_store="kernel" if in_kernel else "torch",
                               hw_cvt=False if in_kernel else None, check_finite=check_finite, validate=False)
     return FP8Operands(qq.codes, kq.codes, vq.codes_t, qq.exponents, kq.exponents, vq.exponents,
                        exponent_table(kq.exponents), exponent_table(vq.exponents), scale_granularity,

@@ -17,6 +17,12 @@ products)::
     P~_ij = E4M3( p_ij 2^(e_v(j) - r_i + BOOST) )          exactly 0 on masked pairs
     acc_i = acc_i alpha_i 2^(r_prev,i - r_i) + (P~ Vc)_i   FP8 wgmma, P~ the register A operand,
                                                            V^T's tile the K-major B operand
+
+P~ enters the product as it lies in S's accumulator registers: V^T's tokens are stored in the wgmma
+order (``kernels.quantize.to_wgmma_order``), the order of the accumulator's columns in the FP8 A
+operand's k slots, so the fold's E4M3 conversion packs each thread's four codes into its operand
+register (:func:`_e4m3_words`) and nothing moves between the threads (the token-order layout change
+had cost ~230 of the ~980 instructions of a mask-free step: permutes, shuffles, byte inserts).
     O_i   = bf16( acc_i 2^(r_i - BOOST) / l_i ),  LSE_i = (m_i + log2 l_i) ln 2
 
 The exponents enter as float32 factors: K's and V's from the key-major tables ``2^e``
@@ -113,7 +119,7 @@ def _boost_over(r, BOOST: gl.constexpr):
 
 
 @gluon.jit
-def _zero_cols_outside(buf, lo, hi, NW: gl.constexpr):
+def _zero_cols_outside(buf, lo, hi, NW: gl.constexpr, WGMMA_ORDER: gl.constexpr = False):
     """Columns (tokens) outside ``[lo, hi)`` of the consumer's V^T tile ``buf`` (``HEAD_DIM x BLOCK_N``
     E4M3) set to 0: the feature-major twin of ``gluon_common._zero_rows_from``. A document's first
     tile starts at the 16-token boundary before it (TMA) and holds the previous document's codes
@@ -126,6 +132,8 @@ def _zero_cols_outside(buf, lo, hi, NW: gl.constexpr):
     CHUNK: gl.constexpr = 16
     layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // COLS, COLS // 16], [NW, 1], [1, 0])
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    if WGMMA_ORDER:  # column 16 b + 4 q + 2 h + r holds token 16 b + 8 h + 2 q + r (to_wgmma_order)
+        cols = (cols & ~15) | ((cols & 2) << 2) | ((cols & 12) >> 1) | (cols & 1)
     keep = (cols >= lo) & (cols < hi)
     for i in gl.static_range(ROWS // CHUNK):
         part = buf.slice(i * CHUNK, CHUNK, dim=0)
@@ -180,10 +188,41 @@ def _tile_factors(F, stride_e, hk, o_lo, j, BLOCK_N: gl.constexpr, s_layout: gl.
 
 
 @gluon.jit
+def _e4m3_words(x):
+    """fp32 ``x`` ``(M, N)`` as int32 words ``(M, N // 4)``, word ``g`` holding the E4M3 codes of columns
+    ``4 g .. 4 g + 3`` (low byte first; ``cvt.rn.satfinite``, as ``.to(float8e4nv)``). Why words: P~ is
+    carried across the step loop's back edge, and 64 codes a thread as bytes were unpacked and
+    repacked there (~110 PRMT / 64 LOP3 a step on the sm_90a compile); 16 words pass as they are."""
+    M: gl.constexpr = x.type.shape[0]
+    N: gl.constexpr = x.type.shape[1]
+    lo, hi = gl.split(x.reshape([M, N // 4, 2, 2]))
+    a, b = gl.split(lo)
+    c, d = gl.split(hi)
+    return gl.inline_asm_elementwise(
+        asm="{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }",
+        constraints="=r,r,r,r,r", args=[a, c, b, d], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _words_operand(w, op_layout: gl.constexpr):
+    """int32 words :func:`_e4m3_words` as the ``(M, 4 N')`` E4M3 A operand in ``op_layout``: each word
+    broadcast to its 4 columns and passed through as the thread's operand register (no byte moves)."""
+    M: gl.constexpr = w.type.shape[0]
+    N4: gl.constexpr = w.type.shape[1]
+    w2 = gl.join(w, w)
+    x = gl.join(w2, w2).reshape([M, N4 * 4])
+    x = gl.convert_layout(x, op_layout, assert_trivial=True)
+    return gl.inline_asm_elementwise(asm="mov.b32 $0, $1;", constraints="=r,r,r,r,r", args=[x], dtype=gl.int8,
+                                     is_pure=True, pack=4).to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
 def _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED: gl.constexpr, BOOST: gl.constexpr,
                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
     """Walked tile ``j``: scores from the raw FP8 product ``st``, the base-2 online softmax and the
-    P~ fold. Returns ``(P~ as the E4M3 A operand, m, l, alpha, r)``; ``r`` (float32 ``2^r_i`` per row,
+    P~ fold. Returns ``(P~ as E4M3 words, m, l, alpha, r)`` (:func:`_e4m3_words` of P~ in the wgmma
+    order: the columns of each 16-key block permuted as ``to_wgmma_order`` permutes V^T's tokens); ``r`` (float32 ``2^r_i`` per row,
     at least ``2^(BOOST - 126)``) is the fold's reference. ``fk`` / ``fv``: the tile's K / V factors
     ``2^e`` (:func:`_tile_factors`). ``lim``: the row's last visible key relative to the walk's first
     key (as ``gluon_fwd._fwd_softmax``); ``ph``: the document's first key relative to it (tile 0 of a
@@ -224,7 +263,10 @@ def _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED: gl.conste
         r_t = gl.maximum(gl.max(fv, 0), RMIN)
         pt = p * (fv * _boost_over(r_t, BOOST))[None, :]
         r_new = gl.zeros_like(r_i) + r_t
-    return gl.convert_layout(pt.to(gl.float8e4nv), op_layout), m_ij, l_i, alpha, r_new
+    # column 16 b + 8 h + 2 q + r to 16 b + 4 q + 2 h + r: the accumulator layout is then the A operand's
+    BM: gl.constexpr = pt.type.shape[0]
+    pk = pt.reshape([BM, BLOCK_N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([BM, BLOCK_N])
+    return _e4m3_words(gl.convert_layout(pk, op_layout, assert_trivial=True)), m_ij, l_i, alpha, r_new
 
 
 @gluon.jit
@@ -240,14 +282,17 @@ def _rescale(acc, alpha, r_old, r_new, acc_layout: gl.constexpr):
 
 
 @gluon.jit
-def _pv_issue(p, v_buf, acc, PV_PROMOTE: gl.constexpr):
-    """Issue ``P~ V`` (asynchronous FP8 wgmma; ``v_buf`` the ``HEAD_DIM x BLOCK_N`` V^T tile, K-major):
+def _pv_issue(a, v_buf, acc, PV_PROMOTE: gl.constexpr):
+    """Issue ``P~ V`` (asynchronous FP8 wgmma; ``a`` :func:`_words_operand` of P~, formed before any
+    product in flight is issued (ptxas serializes a wgmma whose input registers another instruction
+    defines inside an open pipeline stage), ``v_buf`` the ``HEAD_DIM x BLOCK_N`` V^T tile in the wgmma
+    order, K-major):
     accumulated onto the MMA accumulator ``acc``, or, ``PV_PROMOTE``, into a zero-initialized one (the
     tile's product alone, :func:`_promote`)."""
     if PV_PROMOTE:
-        return warpgroup_mma(p, v_buf.permute((1, 0)), gl.zeros_like(acc), use_acc=False, is_async=True)
+        return warpgroup_mma(a, v_buf.permute((1, 0)), gl.zeros_like(acc), use_acc=False, is_async=True)
     else:
-        return warpgroup_mma(p, v_buf.permute((1, 0)), acc, is_async=True)
+        return warpgroup_mma(a, v_buf.permute((1, 0)), acc, is_async=True)
 
 
 @gluon.jit
@@ -292,7 +337,7 @@ def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, 
         # registers are free again before the softmax
         if not PINGPONG:
             mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
-        pv = _pv_issue(p_prev, v_bufs.index(sp), acc, PV_PROMOTE)
+        pv = _pv_issue(_words_operand(p_prev, op_layout), v_bufs.index(sp), acc, PV_PROMOTE)
         st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
         _turn_pass(turn, WG, PINGPONG)
         pv = warpgroup_mma_wait(1, deps=(pv,))
@@ -305,10 +350,11 @@ def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, 
         p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED, BOOST,
                                                   BLOCK_N, s_layout, op_layout)
     else:
+        a_prev = _words_operand(p_prev, op_layout)
         st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
         if not PINGPONG:
             mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
-        acc = _pv_issue(p_prev, v_bufs.index(sp), acc, PV_PROMOTE)
+        acc = _pv_issue(a_prev, v_bufs.index(sp), acc, PV_PROMOTE)
         # K's factors load under S_j, V's once it retired (their 32 registers would be live across the
         # wait too); passing the turn after the loads keeps ptxas from hoisting the masked tiles'
         # visibility compares into bit-packed registers (sm_90a compile, benchmarks/NOTES.md)
@@ -375,7 +421,7 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
     if (ph > 0) & (n_steps > 1):  # tile 0's leading columns hold the previous document (the last tile: below)
         if _may_be_nonfinite_outside(FV, stride_e, hk, o_lo, 0, ph, BLOCK_N, BLOCK_N, NW):
             mbarrier.wait(ready.index(STAGES + s0), (c // STAGES) & 1)
-            _zero_cols_outside(v_bufs.index(s0), ph, BLOCK_N, NW)
+            _zero_cols_outside(v_bufs.index(s0), ph, BLOCK_N, NW, True)
     for j in range(1, u1):
         acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph,
                                                o_hi, lim, row_f, j, c, acc, p, m_i, l_i, r_i, a_i, turn, k_turn, False,
@@ -386,6 +432,7 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
                                                o_hi, lim, row_f, j, c, acc, p, m_i, l_i, r_i, a_i, turn, k_turn, True,
                                                BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout, acc_layout, WG,
                                                PINGPONG, PV_PROMOTE)
+    a = _words_operand(p, op_layout)
     r = c + n_steps - 1
     sl = r % STAGES
     mbarrier.wait(ready.index(STAGES + sl), (r // STAGES) & 1)
@@ -393,9 +440,9 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
     hi_last = o_hi - o_lo - (n_steps - 1) * BLOCK_N
     if (hi_last < BLOCK_N) | (lo_last > 0):  # the tile the document end cuts (and a one-tile walk's start)
         if _may_be_nonfinite_outside(FV, stride_e, hk, o_lo, n_steps - 1, lo_last, hi_last, BLOCK_N, NW):
-            _zero_cols_outside(v_bufs.index(sl), lo_last, hi_last, NW)
+            _zero_cols_outside(v_bufs.index(sl), lo_last, hi_last, NW, True)
     _turn_wait(turn, k_turn + n_steps, WG, PINGPONG)
-    pv = _pv_issue(p, v_bufs.index(sl), acc, PV_PROMOTE)
+    pv = _pv_issue(a, v_bufs.index(sl), acc, PV_PROMOTE)
     _turn_pass(turn, WG, PINGPONG)
     pv = warpgroup_mma_wait(0, deps=(pv,))
     mbarrier.arrive(empty.index(STAGES + sl), count=1)
@@ -494,7 +541,8 @@ def fp8_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
 
 def fp8_descriptor_t(xt: torch.Tensor, block_cols: int) -> TensorDescriptor:
     """TMA descriptor over the feature-major codes ``xt`` ``(H, D, T)`` (token stride 1, feature stride
-    ``TP``, a multiple of 16: ``quantize(transposed=True)``) viewed as ``(H * D, T)``, boxes of ``D x block_cols``."""
+    ``TP``, a multiple of 16: ``quantize(transposed=True)``; T is ``TP`` for a copy in the wgmma order)
+    viewed as ``(H * D, T)``, boxes of ``D x block_cols``."""
     H, D, T = xt.shape
     return TensorDescriptor(xt, [H * D, T], [xt.stride(1), 1], [D, block_cols], fp8_smem_layout(D, block_cols))
 
@@ -525,10 +573,11 @@ def _check_fp8_inputs(qc, kc, vt, eq, ek, ev) -> None:
     Hkv = kc.shape[1]
     if not (qc.is_contiguous() and kc.is_contiguous()):
         raise ValueError("gluon_fp8_fwd: q / k codes must be contiguous (T, H, D)")
-    if kc.shape != (T, Hkv, D) or vt.shape != (Hkv, D, T) or vt.stride(2) != 1 or vt.stride(1) % 16:
+    tp = -(-T // 16) * 16
+    if kc.shape != (T, Hkv, D) or vt.shape != (Hkv, D, tp) or vt.stride(2) != 1 or vt.stride(1) % 16:
         raise ValueError(f"gluon_fp8_fwd: shapes disagree: q {tuple(qc.shape)}, k {tuple(kc.shape)}, v^T "
-                         f"{tuple(vt.shape)} strides {vt.stride()} (need k (T, H_kv, D), v^T (H_kv, D, T) with "
-                         "token stride 1 and a 16-byte feature stride)")
+                         f"{tuple(vt.shape)} strides {vt.stride()} (need k (T, H_kv, D), v^T (H_kv, D, ceil16(T)) "
+                         "in the wgmma order with token stride 1 and a 16-byte feature stride)")
     if H % Hkv or D != 128:
         raise ValueError(f"gluon_fp8_fwd: need H_q % H_kv == 0 and head_dim 128, got H_q={H}, H_kv={Hkv}, D={D}")
     if eq.dtype != torch.uint8 or eq.shape != (T, H) or not eq.is_contiguous():
@@ -550,7 +599,8 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
 
     Args:
         qc: ``(T, H_q, 128)`` float8_e4m3fn codes; kc: ``(T, H_kv, 128)``; vt: V's feature-major codes
-            ``(H_kv, 128, T)`` (token stride 1, feature stride a multiple of 16).
+            ``(H_kv, 128, ceil16(T))`` in the wgmma order (``quantize(transposed=True, wgmma_order=True)``;
+            token stride 1, feature stride a multiple of 16).
         eq: Q's UE8M0 exponent bytes ``(T, H_q)`` uint8, dense per token; ek, ev: K's and V's as
             :func:`exponent_table` factor tables ``(H_kv, ceil16(T) + TABLE_PAD)`` float32 (``2^e``).
         cu_seqlens, items, num_items: as ``gluon_fwd`` (list built with ``block_m=wl_block_m``; merged

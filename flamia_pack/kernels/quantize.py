@@ -76,12 +76,36 @@ class QuantizedOperand(NamedTuple):
         codes: ``(T, H, D)`` ``torch.float8_e4m3fn``.
         exponents: ``(T, H)`` uint8 UE8M0 (``e + 127``), dense per token; 255 = non-finite group.
         codes_t: ``(H, D, T)`` ``torch.float8_e4m3fn`` feature-major copy of ``codes``
-            (``codes_t[h, d, t] == codes[t, h, d]``), or None unless ``transposed=True``.
+            (``codes_t[h, d, t] == codes[t, h, d]``), or, with ``wgmma_order``, ``(H, D, ceil16(T))``
+            in the order of :func:`to_wgmma_order`; None unless ``transposed=True``.
     """
 
     codes: torch.Tensor
     exponents: torch.Tensor
     codes_t: Optional[torch.Tensor] = None
+
+
+def to_wgmma_order(xt: torch.Tensor) -> torch.Tensor:
+    """Feature-major codes ``(..., TP)`` in token order (``TP`` a multiple of 16) in the *wgmma order*:
+    within every 16-token block, position ``4 q + 2 h + r`` holds token ``8 h + 2 q + r`` (``q < 4``,
+    ``h, r < 2``). Why: an FP8 wgmma accumulator gives the thread of quad lane ``q`` the columns
+    ``8 h + 2 q + r`` of each 16-column block, and the FP8 A operand wants that thread to hold
+    ``k = 4 q .. 4 q + 3``; so ``P`` read straight from the accumulator is the A operand of the
+    product with a B operand (V^T, K-major over tokens) stored in this order, with no byte moves
+    between the two products (``gluon_fp8_fwd``: the P~ V product). A new tensor; any dtype."""
+    *lead, tp = xt.shape
+    if tp % 16:
+        raise FlamiaError(f"to_wgmma_order: the token axis must be a multiple of 16, got {tp}")
+    return xt.reshape(*lead, tp // 16, 2, 4, 2).transpose(-3, -2).reshape(*lead, tp)
+
+
+def from_wgmma_order(xt: torch.Tensor, T: int) -> torch.Tensor:
+    """The inverse of :func:`to_wgmma_order`, cut to the first ``T`` tokens: ``(..., T)`` in token order."""
+    *lead, tp = xt.shape
+    if tp % 16 or not 0 <= T <= tp:
+        raise FlamiaError(f"from_wgmma_order: need a token axis that is a multiple of 16 and >= T, got {tp} "
+                          f"for T={T}")
+    return xt.reshape(*lead, tp // 16, 4, 2, 2).transpose(-3, -2).reshape(*lead, tp)[..., :T]
 
 
 class LaunchConfig(NamedTuple):
@@ -167,6 +191,7 @@ if HAS_TRITON:
         BLOCK_R: tl.constexpr,
         HAS_GS: tl.constexpr,
         TRANSPOSED: tl.constexpr,  # bit i: input i gets its transposed copy (7: all three)
+        WGMMA: tl.constexpr,  # bit i: input i's transposed copy in the wgmma order (to_wgmma_order)
         HW_CVT: tl.constexpr,
         N_ITER: tl.constexpr,
         X_BF16: tl.constexpr,
@@ -184,6 +209,7 @@ if HAS_TRITON:
             H = H0
             sxt = sx0
             t_want = hh * 0 + (TRANSPOSED & 1)
+            w_want = hh * 0 + (WGMMA & 1)
         elif hh < H0 + H1:
             x_ptr = x1
             c_ptr = c1
@@ -193,6 +219,7 @@ if HAS_TRITON:
             H = H1
             sxt = sx1
             t_want = hh * 0 + (TRANSPOSED & 2)
+            w_want = hh * 0 + (WGMMA & 2)
         else:
             x_ptr = x2
             c_ptr = c2
@@ -202,6 +229,7 @@ if HAS_TRITON:
             H = H2
             sxt = sx2
             t_want = hh * 0 + (TRANSPOSED & 4)
+            w_want = hh * 0 + (WGMMA & 4)
 
         start = tile * BLOCK_R
         rows = start + tl.arange(0, BLOCK_R)
@@ -301,14 +329,32 @@ if HAS_TRITON:
         # (bundled with triton <= 3.8 for Hopper) corrupts the transposed output for some
         # tile layouts (triton-lang/triton#11111; reproduced here on the H200, see
         # benchmarks/NOTES.md). Hence the host default transposed_store="torch".
-        if TRANSPOSED == 7:  # every input: no per-program test
-            col = (h * D + offs_d).to(tl.int64) * TP
-            tl.store(t_ptr + col[None, :] + rows64[:, None], code, mask=mask)
-        elif TRANSPOSED != 0:  # only the inputs whose bit is set (the FP8 forward: V)
-            if t_want != 0:
+        if TRANSPOSED != 0:
+            if TRANSPOSED == 7:  # every input
+                t_go = hh * 0 + 1
+            else:  # only the inputs whose bit is set (the FP8 forward: V)
+                t_go = t_want
+            if WGMMA == 7:
+                t_perm = hh * 0 + 1
+            else:
+                t_perm = w_want
+            if t_go != 0:
                 col = (h * D + offs_d).to(tl.int64) * TP
-                tl.store(t_ptr + col[None, :] + rows64[:, None], code, mask=mask)
-
+                if WGMMA == 0:
+                    tl.store(t_ptr + col[None, :] + rows64[:, None], code, mask=mask)
+                else:
+                    if t_perm != 0:
+                        # the wgmma order (to_wgmma_order): the tile permuted in registers, so the store
+                        # stays contiguous; the padding tokens up to TP are written as their zero codes
+                        # (their positions interleave with real ones)
+                        pc = tl.reshape(tl.permute(tl.reshape(code, (BLOCK_R // 16, 2, 4, 2, BLOCK_D)),
+                                                   (0, 2, 1, 3, 4)), (BLOCK_R, BLOCK_D))
+                        pmask = (rows < TP)[:, None]
+                        if BLOCK_D != D:
+                            pmask = pmask & (offs_d < D)[None, :]
+                        tl.store(t_ptr + col[None, :] + rows64[:, None], pc, mask=pmask)
+                    else:
+                        tl.store(t_ptr + col[None, :] + rows64[:, None], code, mask=mask)
 
 
 def _search_steps(n_docs: int) -> int:
@@ -336,15 +382,15 @@ def _check_inputs(xs: list[torch.Tensor]) -> None:
                               f"input 0 has {tuple(x0.shape)}")
 
 
-def _per_tensor_flags(transposed, n: int) -> list[bool]:
-    """``transposed`` as one flag per input: a bool for all, or a sequence of ``n`` bools."""
-    if isinstance(transposed, (tuple, list)):
-        if len(transposed) != n or not all(isinstance(t, bool) for t in transposed):
-            raise FlamiaError(f"transposed must be a bool or {n} bools (one per input), got {transposed!r}")
-        return list(transposed)
-    if not isinstance(transposed, bool):
-        raise FlamiaError(f"transposed must be a bool, got {transposed!r}")
-    return [transposed] * n
+def _per_tensor_flags(flags, n: int, name: str = "transposed") -> list[bool]:
+    """``flags`` as one flag per input: a bool for all, or a sequence of ``n`` bools."""
+    if isinstance(flags, (tuple, list)):
+        if len(flags) != n or not all(isinstance(t, bool) for t in flags):
+            raise FlamiaError(f"{name} must be a bool or {n} bools (one per input), got {flags!r}")
+        return list(flags)
+    if not isinstance(flags, bool):
+        raise FlamiaError(f"{name} must be a bool, got {flags!r}")
+    return [flags] * n
 
 
 def _quantize_many(
@@ -361,9 +407,11 @@ def _quantize_many(
     hw_cvt: bool | None,
     transposed_store: str = "torch",
     group_size: int = GROUP_SIZE,
+    wgmma_order=False,
 ) -> list[QuantizedOperand]:
     _check_inputs(xs)
     want_t = _per_tensor_flags(transposed, len(xs))
+    want_w = [w and t for w, t in zip(_per_tensor_flags(wgmma_order, len(xs), "wgmma_order"), want_t)]
     group = group_size_of(granularity, group_size)
     x0 = xs[0]
     T, _, D = x0.shape
@@ -382,7 +430,11 @@ def _quantize_many(
         for x in xs:
             qz = quantize_token_blocks(x, cu, granularity, group_size=group_size, group_start=group_start,
                                        check_finite=check_finite, validate=False)
-            ct = qz.codes.permute(1, 2, 0).contiguous() if want_t[len(outs)] else None
+            i = len(outs)
+            ct = qz.codes.permute(1, 2, 0).contiguous() if want_t[i] else None
+            if want_w[i]:
+                tp = -(-T // 16) * 16
+                ct = to_wgmma_order(torch.nn.functional.pad(ct.view(torch.uint8), (0, tp - T))).view(ct.dtype)
             outs.append(QuantizedOperand(qz.codes, qz.exponents, ct))
         return outs
 
@@ -419,6 +471,8 @@ def _quantize_many(
     # the padding inputs (no programs: 0 heads) count as transposed when every real one is, so that
     # all-transposed calls compile the kernel without a per-program test
     t_bits = 7 if all(want_t) else sum(1 << i for i, w in enumerate(want_t) if w)
+    w_bits = sum(1 << i for i, w in enumerate(want_w) if w)
+    w_bits = 7 if w_bits == sum(1 << i for i in range(len(xs))) else w_bits  # as t_bits: padding inputs count
     xa = xs + [xs[0]] * pad
     ca = codes + [codes[0]] * pad
     ea = exps + [exps[0]] * pad
@@ -434,23 +488,26 @@ def _quantize_many(
             T, n_docs, tp,
             *hs, *strides,
             D=D, BLOCK_D=triton.next_power_of_2(D), GROUP=group, BLOCK_R=block_r,
-            HAS_GS=group_start is not None, TRANSPOSED=t_bits if in_kernel_t else 0, HW_CVT=bool(hw_cvt),
+            HAS_GS=group_start is not None, TRANSPOSED=t_bits if in_kernel_t else 0,
+            WGMMA=w_bits if in_kernel_t else 0, HW_CVT=bool(hw_cvt),
             N_ITER=_search_steps(n_docs),
             X_BF16=x0.dtype == torch.bfloat16,
             num_warps=warps,
         )
     if transposed and not in_kernel_t:  # one extra pass over the codes (1 B read + 1 B written)
-        for c, ct, w in zip(codes, codes_t, want_t):
+        for c, ct, w, wo in zip(codes, codes_t, want_t, want_w):
             if w:
                 ct[:, :, :T].copy_(c.permute(1, 2, 0))
                 ct[:, :, T:].zero_()
+                if wo:
+                    ct.copy_(to_wgmma_order(ct))
     elif in_kernel_t:
-        for ct, w in zip(codes_t, want_t):
-            if w:
+        for ct, w, wo in zip(codes_t, want_t, want_w):
+            if w and not wo:  # (the wgmma order's kernel store writes the padding's zero codes itself)
                 ct[:, :, T:].zero_()
     outs = []
     for i in range(len(xs)):
-        ct = codes_t[i][:, :, :T].view(torch.float8_e4m3fn) if want_t[i] else None
+        ct = (codes_t[i] if want_w[i] else codes_t[i][:, :, :T]).view(torch.float8_e4m3fn) if want_t[i] else None
         outs.append(QuantizedOperand(codes[i].view(torch.float8_e4m3fn), exps[i], ct))
     if check_finite:
         if len(outs) == 1:
@@ -473,6 +530,7 @@ def quantize(
     num_warps: int | None = None,
     hw_cvt: bool | None = None,
     transposed_store: str = "torch",
+    wgmma_order: bool = False,
 ) -> QuantizedOperand:
     """Fused token-block quantization of one packed tensor (DESIGN.md §4).
 
@@ -502,6 +560,8 @@ def quantize(
             (only the flagged inputs' programs store the copy; the all-transposed variant's SASS is
             unchanged by that): not yet checked on a GPU. Check bitwise on your toolchain before
             other combinations (the GPU tests and ``benchmarks/probes/fp8_fwd_probe.py`` do).
+        wgmma_order: ``codes_t`` as ``(H, D, ceil16(T))`` in the order of :func:`to_wgmma_order` (the
+            FP8 forward's V^T), zeros at the padding tokens' positions; ignored without ``transposed``.
 
     Returns:
         :class:`QuantizedOperand`; bitwise equal to ``quant.quantize_token_blocks``.
@@ -513,7 +573,8 @@ def quantize(
     """
     return _quantize_many([x], cu_seqlens, granularity, transposed=transposed, group_start=group_start,
                           check_finite=check_finite, validate=validate, block_rows=block_rows,
-                          num_warps=num_warps, hw_cvt=hw_cvt, transposed_store=transposed_store)[0]
+                          num_warps=num_warps, hw_cvt=hw_cvt, transposed_store=transposed_store,
+                          wgmma_order=wgmma_order)[0]
 
 
 def quantize_qkv(
@@ -531,6 +592,7 @@ def quantize_qkv(
     num_warps: int | None = None,
     hw_cvt: bool | None = None,
     transposed_store: str = "torch",
+    wgmma_order: bool | tuple[bool, bool, bool] = False,
 ) -> tuple[QuantizedOperand, QuantizedOperand, QuantizedOperand]:
     """Quantize Q, K and V in ONE launch (DESIGN.md §4); arguments as in :func:`quantize`.
 
@@ -538,7 +600,8 @@ def quantize_qkv(
     all three share T, D, dtype and device. ``transposed`` writes the ``(H, D, T)`` copy for all
     three (the FP8 backward needs Q^T and K^T, the forward V^T), or, given as three bools, for the
     inputs that ask for it (the forward: ``(False, False, True)``), with either ``transposed_store``
-    (``"kernel"``: only the flagged inputs' programs write their copy).
+    (``"kernel"``: only the flagged inputs' programs write their copy). ``wgmma_order``, a bool or
+    three: which transposed copies are in the order of :func:`to_wgmma_order` (the forward's V^T).
 
     Returns:
         ``(q_quant, k_quant, v_quant)`` :class:`QuantizedOperand` each.
@@ -551,5 +614,5 @@ def quantize_qkv(
     qq, kq, vq = _quantize_many([q, k, v], cu_seqlens, granularity, transposed=transposed,
                                 group_start=group_start, check_finite=check_finite, validate=validate,
                                 block_rows=block_rows, num_warps=num_warps, hw_cvt=hw_cvt,
-                                transposed_store=transposed_store)
+                                transposed_store=transposed_store, wgmma_order=wgmma_order)
     return qq, kq, vq
