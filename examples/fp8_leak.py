@@ -164,7 +164,7 @@ def leaky_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu32: torc
         (qc, eq), (kc, ek), (vc, ev) = (leaky_codes(x, cu32, mode) for x in (q, k, v))
     return FP8Operands(qc.contiguous(), kc.contiguous(), _feature_major(vc, True), eq.contiguous(), ek.contiguous(),
                        ev.contiguous(), exponent_table(ek), exponent_table(ev), "token",
-                       _feature_major(qc), _feature_major(kc), vc.contiguous())
+                       _feature_major(qc, True), _feature_major(kc), vc.contiguous())
 
 
 class _LeakyEmulated(torch.autograd.Function):

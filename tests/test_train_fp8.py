@@ -211,8 +211,8 @@ def test_leaky_operands_have_the_kernels_layouts(leak):
     assert ops.granularity == "token"
     from flamia_pack.kernels.quantize import from_wgmma_order
 
-    assert ops.vt.shape == (H, D, 112)  # V^T: the whole pitch, in the wgmma order
-    for codes, ex, t, x in ((ops.qc, ops.eq, ops.qt, q), (ops.kc, ops.ek, ops.kt, k),
+    assert ops.vt.shape == ops.qt.shape == (H, D, 112)  # V^T, Q^T: the whole pitch, in the wgmma order
+    for codes, ex, t, x in ((ops.qc, ops.eq, from_wgmma_order(ops.qt, T), q), (ops.kc, ops.ek, ops.kt, k),
                             (ops.vc, ops.ev, from_wgmma_order(ops.vt, T), v)):
         assert codes.shape == (T, H, D) and codes.is_contiguous() and ex.shape == (T, H)
         assert t.shape == (H, D, T) and t.stride(2) == 1

@@ -125,10 +125,9 @@ def _use_module(path):
 
 def quantize_do(do, cu):
     """dO's codes in both layouts, as ``fp8_backward`` quantizes it (block granularity)."""
-    from flamia_pack.kernels.quantize import quantize
+    from flamia_pack.kernels.fp8_backward import quantize_do as _quantize_do
 
-    return quantize(do, cu, "block", transposed=True, transposed_store="kernel", hw_cvt=False, check_finite=False,
-                    validate=False)
+    return _quantize_do(do, cu, "block")
 
 
 def prepared_backward(q, k, v, do, cu, work_list=None):

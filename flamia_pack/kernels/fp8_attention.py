@@ -39,8 +39,9 @@ class FP8Operands(NamedTuple):
     ``ev`` ``(T, H_kv)`` uint8; ``ekt`` / ``evt``: ``ek`` / ``ev`` as the kernel's key-major float32 factor
     tables ``(H_kv, ceil16(T) + TABLE_PAD)``, ``2^(clamp(byte, 1, 254) - 127)`` per token, 1.0 past T
     (``gluon_fp8_fwd.exponent_table``); ``granularity``: ``"block"`` or ``"token"`` (labels the exponents).
-    What only the backward reads (``fp8_quantize(backward=True)``, else None): ``qt`` ``(H_q, D, T)``
-    and ``kt`` ``(H_kv, D, T)`` feature-major codes in token order, ``vc`` ``(T, H_kv, D)`` row-major.
+    What only the backward reads (``fp8_quantize(backward=True)``, else None): ``qt`` ``(H_q, D, ceil16(T))``
+    in the wgmma order (the dK product's B operand) and ``kt`` ``(H_kv, D, T)`` in token order (the dQ
+    partial's, whose A operand goes through shared memory), feature-major codes; ``vc`` ``(T, H_kv, D)`` row-major.
     """
 
     qc: torch.Tensor
@@ -89,8 +90,8 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
         cu_seqlens: ``(n_docs + 1,)`` int32 on that device (validated by the caller).
         scale_granularity: ``"block"`` (document-local 32-token groups) or ``"token"``.
         check_finite: raise on NaN / Inf (one sync); default off, as the BF16 GPU path.
-        backward: also keep what the FP8 backward reads (Q^T and K^T written by the same launch, V's
-            row-major codes).
+        backward: also keep what the FP8 backward reads (Q^T, in the wgmma order, and K^T written by
+            the same launch, V's row-major codes).
 
     Returns:
         :class:`FP8Operands`.
@@ -100,7 +101,7 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
 
     in_kernel = q.dtype == torch.bfloat16
     qq, kq, vq = quantize_qkv(q, k, v, cu_seqlens, scale_granularity, transposed=(backward, backward, True),
-                              wgmma_order=(False, False, True), transposed_store="kernel" if in_kernel else "torch",
+                              wgmma_order=(True, False, True), transposed_store="kernel" if in_kernel else "torch",
                               hw_cvt=False if in_kernel else None, check_finite=check_finite, validate=False)
     return FP8Operands(qq.codes, kq.codes, vq.codes_t, qq.exponents, kq.exponents, vq.exponents,
                        exponent_table(kq.exponents), exponent_table(vq.exponents), scale_granularity,

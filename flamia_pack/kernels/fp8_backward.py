@@ -13,7 +13,17 @@ import torch
 
 from flamia_pack.errors import FlamiaError
 
-__all__ = ["fp8_backward"]
+__all__ = ["fp8_backward", "quantize_do"]
+
+
+def quantize_do(do: torch.Tensor, cu32: torch.Tensor, granularity: str):
+    """dO ``(T, H_q, D)`` bf16 as the FP8 backward reads it: ``kernels.quantize.quantize`` with the
+    forward's granularity, codes and their feature-major copy in the wgmma order (the dV product's
+    B operand: ``to_wgmma_order``) written by one launch (integer encoder, ``hw_cvt=False``)."""
+    from flamia_pack.kernels.quantize import quantize
+
+    return quantize(do, cu32, granularity, transposed=True, wgmma_order=True, transposed_store="kernel",
+                    hw_cvt=False, check_finite=False, validate=False)
 
 
 def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32: torch.Tensor, *, causal: bool,
@@ -35,13 +45,10 @@ def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32
     from flamia_pack.kernels.fp8_bwd_prep import fp8_bwd_delta
     from flamia_pack.kernels.gluon_fp8_bwd import gluon_fp8_bwd
     from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
-    from flamia_pack.kernels.quantize import quantize
-
     if ops.qt is None or ops.kt is None or ops.vc is None:
         raise FlamiaError("the FP8 backward needs the forward's Q^T, K^T and row-major V codes: quantize with "
                           "fp8_quantize(..., backward=True)")
-    dq8 = quantize(do.to(torch.bfloat16).contiguous(), cu32, ops.granularity, transposed=True,
-                   transposed_store="kernel", hw_cvt=False, check_finite=False, validate=False)
+    dq8 = quantize_do(do.to(torch.bfloat16).contiguous(), cu32, ops.granularity)
     delta = fp8_bwd_delta(dq8.codes, dq8.exponents, o, dlse)
     dq_acc, dk, dv = gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, dq8.codes, dq8.codes_t,
                                    exponent_table(ops.eq), ops.ekt, ops.evt, exponent_table(dq8.exponents),

@@ -6,8 +6,10 @@ numerics are the contract of :mod:`flamia_pack.kernels.fp8_emulation_bwd`. One p
 the feature-major TMA boxes must start on a 16-byte boundary) and walks the 64-row query steps on
 the grid ``f + 64 m`` that see it, for every query head of its GQA group. A producer warp loads K,
 V, K^T once and, per step, Q, dO (row-major: the ``S^T`` / ``dP^T`` B operands, K-major along D)
-and Q^T, dO^T (feature-major: the ``dK`` / ``dV`` B operands, K-major along the queries) plus the
-step's per-query vectors; the consumer (8 warps, 16 keys each) runs, per step::
+and Q^T, dO^T (feature-major: the ``dK`` / ``dV`` B operands, K-major along the queries, stored in
+the wgmma order, ``kernels.quantize.to_wgmma_order``, so that the register A operands ``P~v`` and
+``Ck`` are the ``S^T`` / ``dP^T`` accumulators' registers as they lie, ``gluon_fp8_fwd._wgmma_cols``)
+plus the step's per-query vectors; the consumer (8 warps, 16 keys each) runs, per step::
 
     S^T   = Kc Qc^T,  dP^T = Vc dOc^T                  FP8 wgmma (QGMMA), fp32 out
     P     = exp2( S 2^e_k(j) (qk 2^e_q(i)) - LSE_i log2 e )       replicates the forward's scores
@@ -52,7 +54,8 @@ from flamia_pack.kernels.constants import LOG2E, REF_FLOOR_LOG2
 from flamia_pack.kernels.gluon_common import (
     _tma_reduce_add, _slot_barriers, check_stages, descriptor, CONSUMER_WARPS, MAXNREG)
 from flamia_pack.kernels.gluon_fp8_fwd import (
-    BOOST_LOG2, TABLE_PAD, _exp2_const, _qgmma_layout, _zero_cols_outside, fp8_descriptor, fp8_descriptor_t)
+    BOOST_LOG2, TABLE_PAD, _e4m3_words, _exp2_const, _qgmma_layout, _wgmma_cols, _words_operand, _zero_cols_outside,
+    fp8_descriptor, fp8_descriptor_t)
 
 __all__ = ["gluon_fp8_bwd", "fp8_bwd_entries", "BWD_BLOCK_M", "BWD_BLOCK_N"]
 
@@ -174,8 +177,8 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
             q_out = q0 + gl.arange(0, BLOCK_M, layout=vec)
             fac = gl.maximum(ld_bufs.index(5 * s + 3).load(vec), ld_bufs.index(5 * s + 4).load(vec))
             if _nonfinite_outside(fac, q_out, start, end):
-                _zero_cols_outside(qt_bufs.index(s), start - q0, end - q0, NW)
-                _zero_cols_outside(dot_bufs.index(s), start - q0, end - q0, NW)
+                _zero_cols_outside(qt_bufs.index(s), start - q0, end - q0, NW, True)
+                _zero_cols_outside(dot_bufs.index(s), start - q0, end - q0, NW, True)
     # the previous step's dK / dV retire first: their A operands are dead, their B slot is released
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=c > 0)
@@ -215,7 +218,7 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
         rho_new = gl.zeros_like(rho) + rho_s
         pv = p * (fdo * (_inv(rho_s) * (2.0 ** BOOST)))[None, :]
         rho_run = gl.maximum(rho_run, rho_t)
-    pv8 = gl.convert_layout(pv.to(gl.float8e4nv), op_layout)
+    pv8 = _words_operand(_e4m3_words(_wgmma_cols(pv, op_layout)), op_layout)
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
     delta = ld_bufs.index(5 * s + 1).load(col)
     ds = p * ((dpt * vf[:, None]) * fdo[None, :] - delta[None, :])
@@ -226,7 +229,7 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     sk_step = _pow2_of(gl.max(gl.abs(uk), 1))
     sk_new = gl.where(sk_step > 0.0, gl.maximum(sk_step, sk_run * _REF_FLOOR), sk)
     sk_run = gl.where(sk_step > 0.0, gl.maximum(sk_run, sk_new), sk_run)
-    ck8 = gl.convert_layout((uk * _inv(sk_new)[:, None]).to(gl.float8e4nv), op_layout)
+    ck8 = _words_operand(_e4m3_words(_wgmma_cols(uk * _inv(sk_new)[:, None], op_layout)), op_layout)
     # dQ payload: one power of two per query over the tile's keys (8 warps: a cross-warp max)
     uq = ds * kf[:, None]
     tq = _pow2_of(gl.max(gl.abs(uq), 0))
@@ -405,8 +408,9 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
 
     Args:
         qc, dc: ``(T, H_q, 128)`` float8_e4m3fn codes of Q and dO; kc, vc: ``(T, H_kv, 128)``;
-            qt, dct: ``(H_q, 128, TP)`` and kt: ``(H_kv, 128, TP)`` feature-major codes (token stride 1,
-            ``TP`` a multiple of 16).
+            qt, dct: ``(H_q, 128, ceil16(T))`` feature-major codes in the wgmma order (the dK / dV
+            products' B operands, ``kernels.quantize.to_wgmma_order``) and kt: ``(H_kv, 128, T)`` in token
+            order (token stride 1, feature stride a multiple of 16).
         fq, fdo: ``(H_q, ceil16(T) + TABLE_PAD)`` and fk, fv: ``(H_kv, ...)`` float32 factor tables
             (``gluon_fp8_fwd.exponent_table`` of the exponent bytes).
         lse: ``(H_q, T)`` float32 natural-log LSE of the FP8 forward; delta: ``(H_q, T)`` float32
@@ -434,9 +438,10 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
                 or not x.is_contiguous() or not x.is_cuda:
             raise ValueError(f"gluon_fp8_bwd: {name} codes must be contiguous float8_e4m3fn CUDA (T={T}, H, {D}), got "
                              f"{x.dtype} {tuple(x.shape)}")
-    for name, x, hh in (("q^T", qt, H), ("k^T", kt, Hkv), ("do^T", dct, H)):
-        if x.dtype != torch.float8_e4m3fn or x.shape != (hh, D, T) or x.stride(2) != 1 or x.stride(1) % 16:
-            raise ValueError(f"gluon_fp8_bwd: {name} codes must be feature-major float8_e4m3fn ({hh}, {D}, {T}) with "
+    tp = -(-T // 16) * 16
+    for name, x, hh, tt in (("q^T", qt, H, tp), ("k^T", kt, Hkv, T), ("do^T", dct, H, tp)):
+        if x.dtype != torch.float8_e4m3fn or x.shape != (hh, D, tt) or x.stride(2) != 1 or x.stride(1) % 16:
+            raise ValueError(f"gluon_fp8_bwd: {name} codes must be feature-major float8_e4m3fn ({hh}, {D}, {tt}) with "
                              f"token stride 1 and a 16-byte feature stride, got {x.dtype} {tuple(x.shape)} "
                              f"{x.stride()}")
     if D != 128 or H % Hkv or dc.shape[1] != H or vc.shape[1] != Hkv:

@@ -188,6 +188,17 @@ def _tile_factors(F, stride_e, hk, o_lo, j, BLOCK_N: gl.constexpr, s_layout: gl.
 
 
 @gluon.jit
+def _wgmma_cols(x, op_layout: gl.constexpr):
+    """An FP8 wgmma accumulator ``x`` ``(M, N)`` (fp32, :func:`_qgmma_layout`) with its columns in the
+    wgmma order (``kernels.quantize.to_wgmma_order``: column ``16 b + 8 h + 2 q + r`` to ``16 b + 4 q +
+    2 h + r``) in ``op_layout``, the E4M3 A operand's layout: register renaming only (asserted)."""
+    M: gl.constexpr = x.type.shape[0]
+    N: gl.constexpr = x.type.shape[1]
+    xp = x.reshape([M, N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([M, N])
+    return gl.convert_layout(xp, op_layout, assert_trivial=True)
+
+
+@gluon.jit
 def _e4m3_words(x):
     """fp32 ``x`` ``(M, N)`` as int32 words ``(M, N // 4)``, word ``g`` holding the E4M3 codes of columns
     ``4 g .. 4 g + 3`` (low byte first; ``cvt.rn.satfinite``, as ``.to(float8e4nv)``). Why words: P~ is
@@ -263,10 +274,7 @@ def _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED: gl.conste
         r_t = gl.maximum(gl.max(fv, 0), RMIN)
         pt = p * (fv * _boost_over(r_t, BOOST))[None, :]
         r_new = gl.zeros_like(r_i) + r_t
-    # column 16 b + 8 h + 2 q + r to 16 b + 4 q + 2 h + r: the accumulator layout is then the A operand's
-    BM: gl.constexpr = pt.type.shape[0]
-    pk = pt.reshape([BM, BLOCK_N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([BM, BLOCK_N])
-    return _e4m3_words(gl.convert_layout(pk, op_layout, assert_trivial=True)), m_ij, l_i, alpha, r_new
+    return _e4m3_words(_wgmma_cols(pt, op_layout)), m_ij, l_i, alpha, r_new
 
 
 @gluon.jit
