@@ -11,9 +11,11 @@ codes); see that module for the numerics. What this file adds is speed and layou
 * optionally the **feature-major copy** of the codes, ``codes_t`` of shape ``(H, D, T)`` (DESIGN.md
   §4 "Hopper operand layouts": FP8 wgmma needs K-major operands, so ``P @ V``, ``dS^T @ Q`` and
   ``dS @ K`` want the transposed payload; because a scale covers whole token rows the transposed
-  codes are the same codes). The kernel can write it in the same pass, but the toolchain
-  miscompiles that variant on sm_90 (see ``transposed_store``), so by default it is a torch copy
-  of the codes after the kernel.
+  codes are the same codes), in token order or, per input, in the wgmma order
+  (:func:`to_wgmma_order`, ``(H, D, ceil16(T))``: what the FP8 kernels' register A operands
+  contract against). The kernel can write it in the same pass, but the toolchain miscompiles that
+  variant on sm_90 for some inputs (see ``transposed_store``), so by default it is a torch copy of
+  the codes after the kernel; the FP8 path writes it in the kernel with the integer encoder.
 
 Tiling. A program handles one head of one tensor and ``BLOCK_R`` consecutive rows (tokens) starting
 at a multiple of ``BLOCK_R``, so every store (codes, exponents, and the transposed copy) is aligned
