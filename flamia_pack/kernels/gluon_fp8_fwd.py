@@ -17,13 +17,13 @@ products)::
     P~_ij = E4M3( p_ij 2^(e_v(j) - r_i + BOOST) )          exactly 0 on masked pairs
     acc_i = acc_i alpha_i 2^(r_prev,i - r_i) + (P~ Vc)_i   FP8 wgmma, P~ the register A operand,
                                                            V^T's tile the K-major B operand
+    O_i   = bf16( acc_i 2^(r_i - BOOST) / l_i ),  LSE_i = (m_i + log2 l_i) ln 2
 
 P~ enters the product as it lies in S's accumulator registers: V^T's tokens are stored in the wgmma
 order (``kernels.quantize.to_wgmma_order``), the order of the accumulator's columns in the FP8 A
 operand's k slots, so the fold's E4M3 conversion packs each thread's four codes into its operand
-register (:func:`_e4m3_words`) and nothing moves between the threads (the token-order layout change
-had cost ~230 of the ~980 instructions of a mask-free step: permutes, shuffles, byte inserts).
-    O_i   = bf16( acc_i 2^(r_i - BOOST) / l_i ),  LSE_i = (m_i + log2 l_i) ln 2
+register (:func:`_e4m3_words`) and nothing moves between the threads (benchmarks/NOTES.md: what the
+layout change cost).
 
 The exponents enter as float32 factors: K's and V's from the key-major tables ``2^e``
 (:func:`exponent_table`), ``r_i`` carried as ``2^r_i``, so the fold and the rescale are multiplications
@@ -202,8 +202,8 @@ def _wgmma_cols(x, op_layout: gl.constexpr):
 def _e4m3_words(x):
     """fp32 ``x`` ``(M, N)`` as int32 words ``(M, N // 4)``, word ``g`` holding the E4M3 codes of columns
     ``4 g .. 4 g + 3`` (low byte first; ``cvt.rn.satfinite``, as ``.to(float8e4nv)``). Why words: P~ is
-    carried across the step loop's back edge, and 64 codes a thread as bytes were unpacked and
-    repacked there (~110 PRMT / 64 LOP3 a step on the sm_90a compile); 16 words pass as they are."""
+    carried across the step loop's back edge, where 64 codes a thread as bytes are unpacked and
+    repacked (one phi a byte); 16 words pass as they are."""
     M: gl.constexpr = x.type.shape[0]
     N: gl.constexpr = x.type.shape[1]
     lo, hi = gl.split(x.reshape([M, N // 4, 2, 2]))
@@ -232,9 +232,9 @@ def _words_operand(w, op_layout: gl.constexpr):
 def _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED: gl.constexpr, BOOST: gl.constexpr,
                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
     """Walked tile ``j``: scores from the raw FP8 product ``st``, the base-2 online softmax and the
-    P~ fold. Returns ``(P~ as E4M3 words, m, l, alpha, r)`` (:func:`_e4m3_words` of P~ in the wgmma
-    order: the columns of each 16-key block permuted as ``to_wgmma_order`` permutes V^T's tokens); ``r`` (float32 ``2^r_i`` per row,
-    at least ``2^(BOOST - 126)``) is the fold's reference. ``fk`` / ``fv``: the tile's K / V factors
+    P~ fold. Returns ``(P~ as E4M3 words, m, l, alpha, r)`` (:func:`_e4m3_words` of P~ with its
+    columns in the wgmma order, :func:`_wgmma_cols`); ``r`` (float32 ``2^r_i`` per row, at least
+    ``2^(BOOST - 126)``) is the fold's reference. ``fk`` / ``fv``: the tile's K / V factors
     ``2^e`` (:func:`_tile_factors`). ``lim``: the row's last visible key relative to the walk's first
     key (as ``gluon_fwd._fwd_softmax``); ``ph``: the document's first key relative to it (tile 0 of a
     document that starts off the 16-token grid holds ``ph`` keys of the previous one);
@@ -291,10 +291,8 @@ def _rescale(acc, alpha, r_old, r_new, acc_layout: gl.constexpr):
 
 @gluon.jit
 def _pv_issue(a, v_buf, acc, PV_PROMOTE: gl.constexpr):
-    """Issue ``P~ V`` (asynchronous FP8 wgmma; ``a`` :func:`_words_operand` of P~, formed before any
-    product in flight is issued (ptxas serializes a wgmma whose input registers another instruction
-    defines inside an open pipeline stage), ``v_buf`` the ``HEAD_DIM x BLOCK_N`` V^T tile in the wgmma
-    order, K-major):
+    """Issue ``P~ V`` (asynchronous FP8 wgmma; ``a``: :func:`_words_operand` of P~; ``v_buf``: the
+    ``HEAD_DIM x BLOCK_N`` V^T tile in the wgmma order, K-major):
     accumulated onto the MMA accumulator ``acc``, or, ``PV_PROMOTE``, into a zero-initialized one (the
     tile's product alone, :func:`_promote`)."""
     if PV_PROMOTE:
