@@ -256,6 +256,25 @@ def test_wgmma_order_is_the_accumulator_columns_in_operand_order():
         to_wgmma_order(torch.zeros(40))
     with pytest.raises(FlamiaError, match="multiple of 16 and >= T"):
         from_wgmma_order(torch.zeros(48), 49)
+    for bad_t in (40.5, "40", None, True):
+        with pytest.raises(FlamiaError, match="T must be an int"):
+            from_wgmma_order(torch.zeros(48), bad_t)
+    for bad_x in ([1] * 16, torch.tensor(1.0)):
+        with pytest.raises(FlamiaError, match="token axis last"):
+            to_wgmma_order(bad_x)
+        with pytest.raises(FlamiaError, match="token axis last"):
+            from_wgmma_order(bad_x, 1)
+
+
+def test_wgmma_order_needs_the_transposed_copy():
+    q, k, v = _qkv_small()
+    with pytest.raises(FlamiaError, match="wgmma_order orders the transposed copies"):
+        quantize_qkv(q, k, v, QCU, transposed=(True, False, True), wgmma_order=(True, True, False))
+    with pytest.raises(FlamiaError, match="wgmma_order orders the transposed copies"):
+        quantize_qkv(q, k, v, QCU, wgmma_order=True)
+    for bad in ("yes", 1, None):
+        with pytest.raises(FlamiaError, match="backward must be a bool"):
+            fp8_quantize(q, k, v, QCU, "block", backward=bad)
 
 
 @pytest.mark.parametrize("store", ["torch", "kernel"])

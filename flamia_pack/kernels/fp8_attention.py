@@ -99,9 +99,11 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
     from flamia_pack.kernels.quantize import quantize_qkv
 
+    if not isinstance(backward, bool):
+        raise FlamiaError(f"fp8_quantize: backward must be a bool, got {backward!r}")
     in_kernel = q.dtype == torch.bfloat16
     qq, kq, vq = quantize_qkv(q, k, v, cu_seqlens, scale_granularity, transposed=(backward, backward, True),
-                              wgmma_order=(True, False, True), transposed_store="kernel" if in_kernel else "torch",
+                              wgmma_order=(backward, False, True), transposed_store="kernel" if in_kernel else "torch",
                               hw_cvt=False if in_kernel else None, check_finite=check_finite, validate=False)
     return FP8Operands(qq.codes, kq.codes, vq.codes_t, qq.exponents, kq.exponents, vq.exponents,
                        exponent_table(kq.exponents), exponent_table(vq.exponents), scale_granularity,

@@ -87,6 +87,12 @@ class QuantizedOperand(NamedTuple):
     codes_t: Optional[torch.Tensor] = None
 
 
+def _check_token_axis(name: str, xt) -> None:
+    if not isinstance(xt, torch.Tensor) or xt.dim() < 1:
+        raise FlamiaError(f"{name}: needs a tensor with a token axis last (..., TP), got "
+                          f"{type(xt).__name__}{' of 0 dims' if isinstance(xt, torch.Tensor) else ''}")
+
+
 def to_wgmma_order(xt: torch.Tensor) -> torch.Tensor:
     """Feature-major codes ``(..., TP)`` in token order (``TP`` a multiple of 16) in the *wgmma order*:
     within every 16-token block, position ``4 q + 2 h + r`` holds token ``8 h + 2 q + r`` (``q < 4``,
@@ -95,6 +101,7 @@ def to_wgmma_order(xt: torch.Tensor) -> torch.Tensor:
     ``k = 4 q .. 4 q + 3``; so ``P`` read straight from the accumulator is the A operand of the
     product with a B operand (V^T, K-major over tokens) stored in this order, with no byte moves
     between the two products (``gluon_fp8_fwd``: the P~ V product). A new tensor; any dtype."""
+    _check_token_axis("to_wgmma_order", xt)
     *lead, tp = xt.shape
     if tp % 16:
         raise FlamiaError(f"to_wgmma_order: the token axis must be a multiple of 16, got {tp}")
@@ -103,6 +110,9 @@ def to_wgmma_order(xt: torch.Tensor) -> torch.Tensor:
 
 def from_wgmma_order(xt: torch.Tensor, T: int) -> torch.Tensor:
     """The inverse of :func:`to_wgmma_order`, cut to the first ``T`` tokens: ``(..., T)`` in token order."""
+    _check_token_axis("from_wgmma_order", xt)
+    if not isinstance(T, int) or isinstance(T, bool):
+        raise FlamiaError(f"from_wgmma_order: T must be an int, got {T!r}")
     *lead, tp = xt.shape
     if tp % 16 or not 0 <= T <= tp:
         raise FlamiaError(f"from_wgmma_order: need a token axis that is a multiple of 16 and >= T, got {tp} "
@@ -413,7 +423,10 @@ def _quantize_many(
 ) -> list[QuantizedOperand]:
     _check_inputs(xs)
     want_t = _per_tensor_flags(transposed, len(xs))
-    want_w = [w and t for w, t in zip(_per_tensor_flags(wgmma_order, len(xs), "wgmma_order"), want_t)]
+    want_w = _per_tensor_flags(wgmma_order, len(xs), "wgmma_order")
+    if any(w and not t for w, t in zip(want_w, want_t)):
+        raise FlamiaError(f"wgmma_order orders the transposed copies: it needs transposed for the same inputs, "
+                          f"got wgmma_order={wgmma_order!r}, transposed={transposed!r}")
     group = group_size_of(granularity, group_size)
     x0 = xs[0]
     T, _, D = x0.shape
@@ -563,7 +576,7 @@ def quantize(
             unchanged by that): not yet checked on a GPU. Check bitwise on your toolchain before
             other combinations (the GPU tests and ``benchmarks/probes/fp8_fwd_probe.py`` do).
         wgmma_order: ``codes_t`` as ``(H, D, ceil16(T))`` in the order of :func:`to_wgmma_order` (the
-            FP8 forward's V^T), zeros at the padding tokens' positions; ignored without ``transposed``.
+            FP8 forward's V^T), zeros at the padding tokens' positions; needs ``transposed`` (FlamiaError).
 
     Returns:
         :class:`QuantizedOperand`; bitwise equal to ``quant.quantize_token_blocks``.
