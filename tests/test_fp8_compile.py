@@ -68,9 +68,8 @@ def test_fp8_forward_variants_compile_for_sm90(kw, max_spill, serialized):
 def test_fp8_backward_compiles_for_sm90(causal, group):
     """The FP8 backward (``gluon_fp8_bwd.py``): QGMMA for all five products (4 k = 32 instructions
     each of S^T and dP^T per warpgroup, the register-A dV / dK products and the dQ partial), no HGMMA,
-    asynchronous, TMA, and bounded spills (none serializing; 304-452 B since the dV / dK reference
-    floors, RESULTS 2026-12-02 (second); 388 / 312 B here since the zero-skip of Q^T / dO^T / K^T,
-    branch fp8-bwd-zero-skip, 436 -> 536 B on causal group 4)."""
+    asynchronous, TMA, and bounded spills (none serializing; 476-768 B by configuration with the
+    wgmma-order operands on triton 3.6's ptxas: benchmarks/NOTES.md)."""
     try:
         from flamia_pack.kernels.gluon_compile import compile_sm90
 

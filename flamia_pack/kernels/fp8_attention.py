@@ -76,7 +76,8 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     """Quantize Q, K, V for the FP8 forward in one launch (V also feature-major, in the wgmma order).
 
     bf16 inputs: the quantizer writes the transposed copies itself in the same pass
-    (``quantize_qkv(transposed=(backward, backward, True), transposed_store="kernel", hw_cvt=False)``:
+    (``quantize_qkv(transposed=(backward, backward, True), wgmma_order=(backward, False, True),
+    transposed_store="kernel", hw_cvt=False)``:
     the integer E4M3 encoder, the combination whose in-kernel transposed store was measured bitwise on
     the H200 with every input transposed, as ``backward=True`` runs it; the V-only variant of the
     forward alone is checked by ``benchmarks/probes/fp8_fwd_probe.py --parts quant`` and the GPU

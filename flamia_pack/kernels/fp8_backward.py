@@ -45,6 +45,7 @@ def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32
     from flamia_pack.kernels.fp8_bwd_prep import fp8_bwd_delta
     from flamia_pack.kernels.gluon_fp8_bwd import gluon_fp8_bwd
     from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
+
     if ops.qt is None or ops.kt is None or ops.vc is None:
         raise FlamiaError("the FP8 backward needs the forward's Q^T, K^T and row-major V codes: quantize with "
                           "fp8_quantize(..., backward=True)")

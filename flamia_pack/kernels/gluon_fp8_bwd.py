@@ -172,7 +172,7 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
             # (dK / dV contract over the step's queries), only where 2^e_q or 2^e_do marks a group of those
             # rows whose codes may be NaN (both tiles then: one check, less code in the masked loops); here,
             # under the previous step's dK / dV (they read another slot), not under S^T / dP^T: fewer
-            # registers live (ptxas: ~130-190 fewer masked-loop instructions; spills vary with the group)
+            # registers live
             vec: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [NW], [0])  # each warp all the rows
             q_out = q0 + gl.arange(0, BLOCK_M, layout=vec)
             fac = gl.maximum(ld_bufs.index(5 * s + 3).load(vec), ld_bufs.index(5 * s + 4).load(vec))
