@@ -77,7 +77,7 @@ CKPT, LOG, SUMMARY = "ckpt.pt", "log.jsonl", "summary.json"
 # settings that change the trajectory: a resume with any other value is refused
 TRAJECTORY = ("attn", "seed", "data_seed", "steps", "layers", "d_model", "heads", "capacity", "batch_rows", "lr",
               "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "source", "val_every_nth_doc",
-              "val_rows", "buffer_docs", "leak_mode")
+              "val_rows", "buffer_docs", "leak_mode", "row_order")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,14 +158,42 @@ def val_rows(docs: list[np.ndarray], capacity: int, n: int, buffer_docs: int) ->
 
 class Rows:
     """Training rows: the streaming packer over the training split, epoch after epoch, with its
-    exact position as :meth:`state_dict`."""
+    exact position as :meth:`state_dict`.
+
+    ``row_order="shuffle"`` (the default): each epoch's rows are packed first (the packer's own
+    seeded order) and then served in a seeded permutation (``default_rng((data_seed, epoch))``), the
+    map-style sampler of most training loops. Why: the streaming order serves a long document's
+    row-sized pieces back to back (the sample's 757 KB ``pydoc_data/topics.py`` fills 92 consecutive
+    steps) and the short documents' rows at each epoch's end, so the validation loss at any step
+    depends on which of those phases just ran (benchmarks/NOTES.md, "FP8 training protocol").
+    ``"stream"``: the packer's order as it comes (the protocol of the runs before 2026-12-03)."""
 
     def __init__(self, docs, args) -> None:
         self.ds = StreamingPackedDataset(docs, capacity=args.capacity, buffer_docs=args.buffer_docs,
                                          seed=args.data_seed, shuffle=True)
+        self.order = args.row_order
+        self.data_seed = args.data_seed
         self.it = None
+        self.epoch, self.pos, self.rows = 0, 0, None
+
+    def _epoch_rows(self) -> list[dict]:
+        self.ds.set_epoch(self.epoch)
+        rows = list(self.ds)
+        if not rows:
+            raise SystemExit("error: the training split holds no documents (the source is too small, or "
+                             "--val-every-nth-doc sends all of it to validation)")
+        perm = np.random.default_rng((self.data_seed, self.epoch)).permutation(len(rows))
+        return [rows[i] for i in perm]
 
     def next(self) -> dict:
+        if self.order == "shuffle":
+            if self.rows is None:
+                self.rows = self._epoch_rows()
+            if self.pos == len(self.rows):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self.rows = self._epoch_rows()
+            self.pos += 1
+            return self.rows[self.pos - 1]
         if self.it is None:
             self.it = iter(self.ds)
         try:
@@ -179,9 +207,14 @@ class Rows:
                                  "--val-every-nth-doc sends all of it to validation)") from None
 
     def state_dict(self) -> dict:
+        if self.order == "shuffle":
+            return {"row_order": "shuffle", "epoch": self.epoch, "pos": self.pos}
         return self.ds.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        if self.order == "shuffle":
+            self.epoch, self.pos, self.rows = int(state["epoch"]), int(state["pos"]), None
+            return
         self.ds.load_state_dict(state)
         self.it = None
 
@@ -237,6 +270,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--val-every-nth-doc", type=int, default=20, help="hold out every n-th document for validation")
     p.add_argument("--val-rows", type=int, default=32, help="validation rows (of --capacity tokens)")
     p.add_argument("--buffer-docs", type=int, default=256, help="look-ahead buffer of the streaming packer")
+    p.add_argument("--row-order", default="shuffle", choices=("shuffle", "stream"),
+                   help="training rows: each epoch packed, then served in a seeded permutation ('shuffle'), or in "
+                        "the streaming packer's order ('stream': a long document's pieces back to back; the "
+                        "protocol of the runs before 2026-12-03)")
     p.add_argument("--leak-mode", default="next-floor", help=f"fp8-leak only: {', '.join(fp8_leak.LEAK_MODES)}")
     p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cuda' or 'cpu'")
     p.add_argument("--estimate", action="store_true", help="print FLOPs per step and the H200 time estimate, then exit")
