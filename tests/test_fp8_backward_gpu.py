@@ -156,6 +156,23 @@ def test_nan_codes_in_the_neighbours_step_rows_stay_out(which, causal):
 
 
 @needs_hopper
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_nan_code_in_own_k_stays_out_of_the_neighbours_dq(causal):
+    """A NaN code in document 1's own K (token 250 of 200-349) makes its gradients NaN but must not reach
+    documents 0 / 2: document 1's first and last query steps hold their rows (192-199, 350-383), whose
+    dQ partial rows are 0 x K (0 x NaN = NaN without the kernel's row select). Everything of documents 0
+    and 2 stays bitwise the clean run's (their dQ rows get exact zeros from document 1's programs)."""
+    q, k, v, do, cu = _inputs([200, 150, 230], 2, 2, seed=12)
+    clean = _grads(q, k, v, do, cu, causal=causal)
+    k = _poison_codes(k, cu, [250])
+    dirty = _grads(q, k, v, do, cu, causal=causal)
+    assert not torch.isfinite(dirty[0][200:350]).all()  # the poisoned document's own dQ is NaN
+    keep = torch.cat([torch.arange(0, 200), torch.arange(350, 580)]).cuda()
+    for name_g, a, b in zip(("dq", "dk", "dv"), dirty, clean):
+        assert torch.equal(a[keep], b[keep]), name_g
+
+
+@needs_hopper
 def test_token_mode_dq_before_cut_is_causal():
     """"token" mode: changing q, k, v after a cut (dO fixed) leaves dQ before it bitwise unchanged
     (up to the run-to-run order of the fp32 dQ reduce: compared on a one-key-tile prefix)."""

@@ -248,6 +248,12 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     # the dQ partial retires first (groups retire in order), then goes out by one TMA reduce-add
     dqp = warpgroup_mma_wait(2, deps=(dqp,))
     dqp = dqp * fq[:, None]
+    if MASKED:
+        if (q0 < start) | (q0 + BLOCK_M > end):  # the step holds other documents' rows: their dQ partial
+            # rows are 0 x K, and a NaN code in this document's K (a non-finite input of its own) would make
+            # them NaN in the other documents' dQ: selected to 0 before the reduce-add
+            q_row = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+            dqp = gl.where(((q_row >= start) & (q_row < end))[:, None], dqp, 0.0)
     tma.store_wait(0)  # the previous reduce has read the staging tile
     gl.thread_barrier()
     dq_stage.store(dqp)
