@@ -19,8 +19,8 @@ DEFAULTS = {k: p.default for k, p in inspect.signature(gluon_fp8_fwd.gluon_fp8_f
             if k in ("pingpong", "pv_promote")}
 
 #: static instructions of the mask-free step loop (one consumer partition) at or below which the
-#: shipped kernel stays (benchmarks/NOTES.md "FP8 forward": 758 with P~ as E4M3 words in the wgmma
-#: order, 982 before, on triton 3.6.0's ptxas)
+#: shipped kernel stays (benchmarks/NOTES.md: 788 with P~ as E4M3 words in the wgmma order and the
+#: factors copied a step ahead, on triton 3.6.0's ptxas)
 MAX_STEP = 800
 
 
@@ -41,7 +41,7 @@ def test_shipped_fp8_forward_compiles_for_sm90(causal):
     assert r["shared"] <= 228 * 1024
     assert "QGMMA" in r["sass"] and "HGMMA" not in r["sass"] and "UTMALDG" in r["sass"]
     assert not r["serialized"], r["ptxas"]
-    assert r["spill_bytes"] <= 192, r["ptxas"]  # 124-164 B
+    assert r["spill_bytes"] <= 192, r["ptxas"]  # 88 B
     steps = mma_step_loops(r["sass"])
     assert len(steps) == 4, steps  # per consumer partition: the mask-free and the masked step loop
     for lp in steps:

@@ -26,7 +26,9 @@ register (:func:`_e4m3_words`) and nothing moves between the threads (benchmarks
 layout change cost).
 
 The exponents enter as float32 factors: K's and V's from the key-major tables ``2^e``
-(:func:`exponent_table`), ``r_i`` carried as ``2^r_i``, so the fold and the rescale are multiplications
+(:func:`exponent_table`; a walk's first tile read straight from L2, each later tile's copied into the
+partition's shared memory a step ahead by cp.async, :func:`_factors_ready`, so no step waits on an L2
+load), ``r_i`` carried as ``2^r_i``, so the fold and the rescale are multiplications
 by powers of two (exact, range argument in :func:`_fp8_softmax`) and ``r_i`` is at least
 ``2^(BOOST - 126)`` (it binds only on tiles where a row sees nothing but V groups of ``e_v <= -119``).
 
@@ -55,6 +57,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -188,6 +191,31 @@ def _tile_factors(F, stride_e, hk, o_lo, j, BLOCK_N: gl.constexpr, s_layout: gl.
 
 
 @gluon.jit
+def _factors_fetch(f_bufs, FK, FV, stride_e, hk, o_lo, j, BLOCK_N: gl.constexpr, NW: gl.constexpr):
+    """Start copying walked tile ``j``'s K and V factors (``BLOCK_N`` float32 each from the tables
+    ``FK`` / ``FV``, :func:`exponent_table`) into rows ``2 (j % 2)`` and ``2 (j % 2) + 1`` of the
+    partition's shared buffers ``f_bufs`` ``(4, BLOCK_N)`` (cp.async, one 4-byte copy a thread and table,
+    one commit group): issued a step ahead of their use, so their L2 latency runs under the step
+    before (benchmarks/NOTES.md: the factor loads' stall)."""
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // (32 * NW)], [32], [NW], [0])
+    off = hk * stride_e + o_lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
+    async_copy.async_copy_global_to_shared(f_bufs.index(2 * (j % 2)), FK + off)
+    async_copy.async_copy_global_to_shared(f_bufs.index(2 * (j % 2) + 1), FV + off)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _factors_ready(f_bufs, FK, FV, stride_e, hk, o_lo, j, n_steps, BLOCK_N: gl.constexpr, NW: gl.constexpr):
+    """Walked tile ``j``'s factors are in rows ``2 (j % 2)`` (K) and ``2 (j % 2) + 1`` (V) of ``f_bufs`` once this returns (the copies every
+    thread of the partition started a step earlier landed), and tile ``j + 1``'s copy is started into
+    the other buffer, which every thread finished reading in step ``j - 1`` (the barrier)."""
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    if j + 1 < n_steps:
+        _factors_fetch(f_bufs, FK, FV, stride_e, hk, o_lo, j + 1, BLOCK_N, NW)
+
+
+@gluon.jit
 def _wgmma_cols(x, op_layout: gl.constexpr):
     """An FP8 wgmma accumulator ``x`` ``(M, N)`` (fp32, :func:`_qgmma_layout`) with its columns in the
     wgmma order (``kernels.quantize.to_wgmma_order``: column ``16 b + 8 h + 2 q + r`` to ``16 b + 4 q +
@@ -313,8 +341,8 @@ def _promote(acc, pv, alpha, r, BOOST: gl.constexpr, acc_layout: gl.constexpr):
 
 
 @gluon.jit
-def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c, acc,
-              p_prev, m_i, l_i, r_i, a_i, turn, k_turn, MASKED: gl.constexpr, BOOST: gl.constexpr,
+def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c,
+              n_steps, acc, p_prev, m_i, l_i, r_i, a_i, turn, k_turn, MASKED: gl.constexpr, BOOST: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr,
               op_layout: gl.constexpr, acc_layout: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
               PV_PROMOTE: gl.constexpr):
@@ -330,9 +358,11 @@ def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, 
     retired after the softmax, as the accumulating variant does, the kernel spilled ~1.2 KB, 37 local
     loads and stores per step; this order ~80 B, none in the mask-free step: sm_90a compile)."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
+    f_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     r = c + j
     s = r % STAGES
     sp = (r - 1) % STAGES
+    _factors_ready(f_bufs, FK, FV, stride_e, hk, o_lo, j, n_steps, BLOCK_N, NW)
     mbarrier.wait(ready.index(s), (r // STAGES) & 1)
     if PINGPONG:  # a turn is held only while issuing
         mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
@@ -349,10 +379,10 @@ def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, 
         pv = warpgroup_mma_wait(1, deps=(pv,))
         mbarrier.arrive(empty.index(STAGES + sp), count=1)
         acc = _promote(acc, pv, a_i, r_i, BOOST, acc_layout)
-        fk = _tile_factors(FK, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
         st = warpgroup_mma_wait(0, deps=(st,))
         mbarrier.arrive(empty.index(s), count=1)
-        fv = _tile_factors(FV, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
+        fk = f_bufs.index(2 * (j % 2)).load(f_layout)
+        fv = f_bufs.index(2 * (j % 2) + 1).load(f_layout)
         p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED, BOOST,
                                                   BLOCK_N, s_layout, op_layout)
     else:
@@ -364,11 +394,11 @@ def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, 
         # K's factors load under S_j, V's once it retired (their 32 registers would be live across the
         # wait too); passing the turn after the loads keeps ptxas from hoisting the masked tiles'
         # visibility compares into bit-packed registers (sm_90a compile, benchmarks/NOTES.md)
-        fk = _tile_factors(FK, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
+        fk = f_bufs.index(2 * (j % 2)).load(f_layout)
         _turn_pass(turn, WG, PINGPONG)
         st = warpgroup_mma_wait(1, deps=(st,))
         mbarrier.arrive(empty.index(s), count=1)
-        fv = _tile_factors(FV, stride_e, hk, o_lo, j, BLOCK_N, s_layout)
+        fv = f_bufs.index(2 * (j % 2) + 1).load(f_layout)
         p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED, BOOST,
                                                   BLOCK_N, s_layout, op_layout)
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -378,7 +408,7 @@ def _fp8_step(q_smem, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, 
 
 
 @gluon.jit
-def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_phase, q_empty, O, LSE, EQ, FK, FV,
+def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, o_smem, ready, empty, q_bar, q_phase, q_empty, O, LSE, EQ, FK, FV,
                        stride_ot, stride_lh, stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale,
                        c, T, turn, k_turn, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr,
@@ -409,6 +439,8 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
     acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, acc_layout)
     fk = _tile_factors(FK, stride_e, hk, o_lo, 0, BLOCK_N, s_layout)
     fv = _tile_factors(FV, stride_e, hk, o_lo, 0, BLOCK_N, s_layout)
+    if n_steps > 1:  # tile 1's factors (the buffers are free: the last entry's epilogue barrier)
+        _factors_fetch(f_bufs, FK, FV, stride_e, hk, o_lo, 1, BLOCK_N, NW)
     mbarrier.wait(q_bar, q_phase)
     s0 = c % STAGES
     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
@@ -429,13 +461,13 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
             mbarrier.wait(ready.index(STAGES + s0), (c // STAGES) & 1)
             _zero_cols_outside(v_bufs.index(s0), ph, BLOCK_N, NW, True)
     for j in range(1, u1):
-        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph,
-                                               o_hi, lim, row_f, j, c, acc, p, m_i, l_i, r_i, a_i, turn, k_turn, False,
+        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk,
+                                               o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p, m_i, l_i, r_i, a_i, turn, k_turn, False,
                                                BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout, acc_layout, WG,
                                                PINGPONG, PV_PROMOTE)
     for j in range(gl.maximum(u1, 1), n_steps):
-        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph,
-                                               o_hi, lim, row_f, j, c, acc, p, m_i, l_i, r_i, a_i, turn, k_turn, True,
+        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk,
+                                               o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p, m_i, l_i, r_i, a_i, turn, k_turn, True,
                                                BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout, acc_layout, WG,
                                                PINGPONG, PV_PROMOTE)
     a = _words_operand(p, op_layout)
@@ -470,7 +502,7 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, o_smem, ready, empty, q_bar, q_ph
 
 
 @gluon.jit
-def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, o_smem, ready, empty, qo_ready, qo_empty, t_smem, O, LSE, EQ, FK, FV,
+def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, f_smem, o_smem, ready, empty, qo_ready, qo_empty, t_smem, O, LSE, EQ, FK, FV,
                        stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries, total, T, turn,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WL_BM: gl.constexpr,
                        CAUSAL: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr,
@@ -489,7 +521,7 @@ def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, o_smem, ready, empty, qo_ready, q
     while t < n_total:
         slot = n % QO_STAGES
         t, h, hk, rs, re, o_lo, o_hi, u1, n_steps, ph = _handoff_load(t_smem.index(slot), idx_layout)
-        c = _fp8_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, o_part, ready, empty, qo_ready.index(slot),
+        c = _fp8_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, f_smem, o_part, ready, empty, qo_ready.index(slot),
                                (n // QO_STAGES) & 1, qo_empty.index(slot), O, LSE, EQ, FK, FV, stride_ot, stride_lh,
                                stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale, c, T, turn,
                                c + n, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, WG, NW, BOOST, PINGPONG, PV_PROMOTE)
@@ -516,13 +548,17 @@ def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, FK, FV, items_ptr, num_i
     q_ready, q_empty = _slot_barriers(2, True, PARTS)
     ready, empty = _slot_barriers(2 * STAGES, True, PARTS)
     t_smem = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # each partition's K / V factors of its current and next key tile (_factors_ready)
+    f_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    f_smem0 = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], f_layout)
+    f_smem1 = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], f_layout)
     turn = _turn_barriers(q_ready, PINGPONG)
     gl.warp_specialize([
-        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, FK,
+        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem0, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, FK,
                               FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
                               total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 0, 4, BOOST, PINGPONG,
                               PV_PROMOTE)),
-        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, FK,
+        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem1, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, FK,
                               FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
                               total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST, PINGPONG,
                               PV_PROMOTE)),
@@ -612,7 +648,7 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
         cu_seqlens, items, num_items: as ``gluon_fwd`` (list built with ``block_m=wl_block_m``; merged
             items are skipped: build the list without them).
         softmax_scale: scale of ``q . k``; causal: causal mask inside each document.
-        block_m, block_n, stages, o, lse: as ``gluon_fwd``.
+        block_m, stages, o, lse: as ``gluon_fwd``; block_n: 128 (the only key tile).
         skip_len: items of documents of at most this many tokens are skipped (0: none; the list must
             hold no merged items either way).
         pingpong: the two consumer partitions take turns issuing their wgmma products
@@ -633,8 +669,8 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
     """
     check_stages("gluon_fp8_fwd", stages)
     _check_fp8_inputs(qc, kc, vt, eq, ek, ev)
-    if (block_m // 2) % 64 or wl_block_m % block_m or skip_len < 0 or block_n not in (64, 128):
-        raise ValueError(f"gluon_fp8_fwd: need block_m / 2 a multiple of 64 dividing wl_block_m, block_n in (64, 128) "
+    if (block_m // 2) % 64 or wl_block_m % block_m or skip_len < 0 or block_n != 128:
+        raise ValueError(f"gluon_fp8_fwd: need block_m / 2 a multiple of 64 dividing wl_block_m, block_n 128 "
                          f"and skip_len >= 0, got block_m={block_m}, wl_block_m={wl_block_m}, block_n={block_n}, "
                          f"skip_len={skip_len}")
     T, H, D = qc.shape
