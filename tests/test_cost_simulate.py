@@ -321,10 +321,10 @@ def test_predict_error_messages_name_the_real_problem():
         predict([5, 3], capacity=2**31)
 
 
-# The committed benchmark the FP8 entries are fitted to (RESULTS.md "Session of 2026-12-03", commit 30931fd,
+# The committed benchmark the FP8 entries are fitted to (RESULTS.md "Session of 2026-12-03 (second)", commit 4219191,
 # bench_attention.py --fp8): per row the FP8 forward incl. quantization, the training call, and the backward a call pays
 # (training call - forward), ms.
-BENCH_FP8 = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "runs" / "bench-2026-12-03-fp8" / \
+BENCH_FP8 = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "runs" / "bench-2026-12-03b-fp8" / \
     "bench_attention.json"
 
 
@@ -370,7 +370,7 @@ def test_fp8_calibration_is_the_fit_of_the_committed_benchmark(path, geometry):
     a, b = fit_calibration([(workload_lengths(w), WORKLOADS[w]["num_heads"], ms * 1e3) for w, ms in measured.items()],
                            config=cfg)
     assert (round(a, 4), round(b, 4)) == (cal.a_us_per_tile, cal.b_us_per_item)
-    for needle in ("30931fd", "2026-12-03", "bench_attention.py --fp8", "benchmarks/runs/bench-2026-12-03-fp8/"):
+    for needle in ("4219191", "2026-12-03", "bench_attention.py --fp8", "benchmarks/runs/bench-2026-12-03b-fp8/"):
         assert needle in cal.source, needle
     errors = _fp8_errors(cal, measured)
     assert f"In-sample error (dynamic schedule): {', '.join(f'{w} {e:+.1f}%' for w, e in errors.items())}." in cal.source
