@@ -11,6 +11,7 @@ prints a table of the final numbers (markdown with ``--markdown``, then the per-
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import pathlib
@@ -27,9 +28,13 @@ OTHER_SEED = {"bf16": "#17becf", "fp8-block": "#98df8a", "fp8-token": "#c5b0d5",
 def read_run(d: pathlib.Path) -> dict:
     """``{"name", "attn", "seed", "train": [...], "eval": [...], "summary": {...} | None}`` of one run."""
     log = d / "log.jsonl"
-    if not log.is_file():
-        raise SystemExit(f"error: {d}: no log.jsonl (not a train_fp8.py run directory)")
-    recs = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]
+    if log.is_file():
+        text = log.read_text()
+    elif (d / "log.jsonl.gz").is_file():  # as committed under benchmarks/runs/ (gzip -9)
+        text = gzip.decompress((d / "log.jsonl.gz").read_bytes()).decode()
+    else:
+        raise SystemExit(f"error: {d}: no log.jsonl or log.jsonl.gz (not a train_fp8.py run directory)")
+    recs = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
     starts = [r for r in recs if r["type"] == "start"]
     cfg = starts[0]["config"] if starts else {}
     summ = d / "summary.json"
