@@ -351,3 +351,21 @@ def test_parity_table_of_the_plot_script():
     assert math.isnan(got["fp8-token"]["sd"]) and math.isnan(got["fp8-token"]["runs_for_margin"])
     table = mod.parity_markdown(mod.parity(rows))
     assert "| fp8-block | 3 | 1.1500 | 0.1000 | +0.0500 |" in table
+
+
+def test_plot_script_reads_a_gzipped_log_as_the_plain_one(tf, source, tmp_path):
+    """benchmarks/runs/ keeps logs as log.jsonl.gz: read_run gives the same records from either."""
+    import gzip
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("plot_fp8_training", ROOT / "benchmarks" / "plot_fp8_training.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    tf.main(_argv(source, tmp_path / "plain", "bf16", 2))
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "log.jsonl.gz").write_bytes(gzip.compress((tmp_path / "plain" / "log.jsonl").read_bytes()))
+    shutil.copy(tmp_path / "plain" / "summary.json", tmp_path / "gz" / "summary.json")
+    a, b = mod.read_run(tmp_path / "plain"), mod.read_run(tmp_path / "gz")
+    assert a["train"] and {k: v for k, v in a.items() if k != "name"} == {k: v for k, v in b.items() if k != "name"}
+    with pytest.raises(SystemExit, match="no log.jsonl or log.jsonl.gz"):
+        mod.read_run(tmp_path)
