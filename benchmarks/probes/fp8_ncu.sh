@@ -31,17 +31,4 @@ for r in csv.reader(sys.stdin):
         print(r[-4][:60], '|', r[-3][:50], '|', r[-2], r[-1])
 " | grep -iv "^$" | head -90
 "$NCU" -i "$OUT/fp8rep.ncu-rep" --page source --csv --print-source sass 2>/dev/null > "$OUT/fp8src.csv"
-python3 - "$OUT/fp8src.csv" <<'PY'
-import csv, sys
-rows = list(csv.reader(open(sys.argv[1])))
-h = rows[0]
-print(h)
-col = next((i for i, c in enumerate(h) if c.startswith("Warp Stall Sampling (All")), None)
-src = next((i for i, c in enumerate(h) if c == "Source"), 1)
-if col is None:
-    sys.exit()
-body = [r for r in rows[1:] if len(r) > col and r[col].replace(".", "").isdigit()]
-tot = sum(float(r[col]) for r in body) or 1
-for r in sorted(body, key=lambda r: -float(r[col]))[:45]:
-    print(f"{100 * float(r[col]) / tot:5.1f}%  {r[0]:>6}  {r[src][:110]}")
-PY
+python3 benchmarks/probes/ncu_stalls.py "$OUT/fp8src.csv"

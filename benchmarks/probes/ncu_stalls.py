@@ -1,0 +1,69 @@
+"""Warp-stall samples of one kernel from an Nsight Compute source page (``ncu -i REP --page source --csv
+--print-source sass``): the share of each stall reason over the code the consumer warps run, the opcodes
+behind each, and the instructions with the most samples.
+
+    python3 benchmarks/probes/ncu_stalls.py fp8src.csv [--top 25]
+
+The producer warp's samples (its idle ``NOP`` and its code, outside the address ranges of the step
+loops, found as execution counts shared by >= 300 instructions) are left out, so the shares are
+those of the warps that do the math (benchmarks/NOTES.md: subtract the idle producer).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import re
+
+
+def _f(x: str) -> float:
+    try:
+        return float(x.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv")
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args(argv)
+    rows = list(csv.reader(open(a.csv)))
+    hi = next((i for i, r in enumerate(rows) if "Source" in r and "Warp Stall Sampling (All Samples)" in r), None)
+    if hi is None:
+        raise SystemExit(f"error: {a.csv}: no source-page header with 'Warp Stall Sampling (All Samples)'")
+    h, body = rows[hi], [r for r in rows[hi + 1:] if len(r) == len(rows[hi])]
+    src, ci, ce = h.index("Source"), h.index("Warp Stall Sampling (All Samples)"), h.index("Instructions Executed")
+    # the step loops: execution counts shared by >= 300 instructions (a loop body's hundreds of
+    # instructions run equally often); the consumer code = the address ranges around them
+    counts = collections.Counter(_f(r[ce]) for r in body if _f(r[ce]) > 0)
+    steps = {c for c, n in counts.items() if n >= 300}
+    idx = [i for i, r in enumerate(body) if _f(r[ce]) in steps]
+    ranges = []
+    for i in idx:
+        if ranges and i - ranges[-1][1] < 400:
+            ranges[-1][1] = i
+        else:
+            ranges.append([i, i])
+    cons = [r for lo, hi_ in ranges for r in body[lo:hi_ + 1] if "NOP" not in r[src]]
+    tot = sum(_f(r[ci]) for r in cons) or 1.0
+    allt = sum(_f(r[ci]) for r in body) or 1.0
+    print(f"samples: {allt:.0f} in all, {tot:.0f} ({100 * tot / allt:.1f}%) in the consumer code "
+          f"(instruction ranges {[(lo, hi_) for lo, hi_ in ranges]})")
+    reasons = [c for c in h if c.startswith("stall_") and "Not Issued" not in c]
+    agg = {c: sum(_f(r[h.index(c)]) for r in cons) for c in reasons}
+    for c, v in sorted(agg.items(), key=lambda t: -t[1])[:12]:
+        k = h.index(c)
+        op = collections.Counter()
+        for r in cons:
+            m = re.match(r"\s*(@!?U?P\w+\s+)?([A-Z0-9_]+)", r[src])
+            if m:
+                op[m.group(2)] += _f(r[k])
+        print(f"{c:24s} {100 * v / tot:5.1f}%  " + ", ".join(f"{o} {100 * n / tot:.1f}" for o, n in op.most_common(5)))
+    print("top instructions (share of consumer samples, executions):")
+    for r in sorted(cons, key=lambda r: -_f(r[ci]))[:a.top]:
+        print(f"{100 * _f(r[ci]) / tot:5.1f}%  {r[ce]:>9}  {r[src].strip()[:100]}")
+
+
+if __name__ == "__main__":
+    main()
