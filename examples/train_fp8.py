@@ -670,7 +670,8 @@ def train(args: argparse.Namespace) -> dict:
     log.write({"type": "start", "step": step, "resumed": ckpt is not None, "commit": _commit(),
                "argv": sys.argv[1:], "config": _config(args), "device": str(device),
                "params": sum(p.numel() for p in model.parameters()), "val_rows": len(vrows),
-               "val_tokens": int(sum(int(r["num_tokens"]) for r in vrows))})
+               "val_tokens": int(sum(int(r["num_tokens"]) for r in vrows)),
+               "train_docs": len(train_docs), "train_tokens": int(sum(len(d) for d in train_docs))})
 
     def say(msg: str) -> None:
         if not args.quiet:
