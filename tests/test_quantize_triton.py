@@ -128,6 +128,8 @@ def test_interpreter_errors():
         quantize(y, cu, block_rows=16)
     out = quantize(y, cu, block_rows=16, check_finite=False)
     assert (out.exponents[:, 1] == 255).all() and (out.exponents[:, 0] != 255).all()
+    with pytest.raises(FlamiaError, match=r"quantize_qkv \(v\): input contains NaN or Inf .* index \(3, 1, 2\)"):
+        quantize_qkv(x, x, y, cu)  # the tensor that holds it is named
 
 
 def test_launch_helpers():

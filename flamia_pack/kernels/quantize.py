@@ -53,6 +53,7 @@ from flamia_pack.errors import FlamiaError, MetadataError
 from flamia_pack.kernels.interpret import kernel_for
 from flamia_pack.quant import (
     GROUP_SIZE,
+    UE8M0_NAN,
     _as_device_cu,
     _check_finite,
     _maybe_validate,
@@ -527,8 +528,10 @@ def _quantize_many(
     if check_finite:
         if len(outs) == 1:
             _check_finite(outs[0].exponents, "quantize")
-        else:
-            _check_finite(torch.cat([o.exponents.reshape(-1) for o in outs]), "quantize_qkv")
+        elif bool((torch.cat([o.exponents.reshape(-1) for o in outs]) == UE8M0_NAN).any()):  # one sync
+            names = ("q", "k", "v") if len(outs) == 3 else tuple(f"input {i}" for i in range(len(outs)))
+            for name, o, x in zip(names, outs, xs):  # the error path: name the first tensor that holds it
+                _check_finite(o.exponents, f"quantize_qkv ({name})", x)
     return outs
 
 
