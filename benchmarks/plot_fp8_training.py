@@ -31,19 +31,32 @@ def read_run(d: pathlib.Path) -> dict:
     if log.is_file():
         text = log.read_text()
     elif (d / "log.jsonl.gz").is_file():  # as committed under benchmarks/runs/ (gzip -9)
-        text = gzip.decompress((d / "log.jsonl.gz").read_bytes()).decode()
+        try:
+            text = gzip.decompress((d / "log.jsonl.gz").read_bytes()).decode()
+        except (OSError, EOFError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"error: {d}/log.jsonl.gz cannot be read ({exc})") from None
     else:
         raise SystemExit(f"error: {d}: no log.jsonl or log.jsonl.gz (not a train_fp8.py run directory)")
-    recs = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+    try:
+        recs = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+        if not all(isinstance(r, dict) and isinstance(r.get("type"), str) and isinstance(r.get("step", 0), int)
+                   for r in recs):
+            raise ValueError("a record without a string 'type' or an integer 'step'")
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        raise SystemExit(f"error: {d}: its log is not a train_fp8.py log ({exc})") from None
     starts = [r for r in recs if r["type"] == "start"]
     cfg = starts[0]["config"] if starts else {}
     summ = d / "summary.json"
     # a resumed run appends: keep the last record of every step
     train = {r["step"]: r for r in recs if r["type"] == "train"}
     ev = {r["step"]: r for r in recs if r["type"] == "eval"}
+    try:
+        summary = json.loads(summ.read_text()) if summ.is_file() else None
+    except ValueError as exc:
+        raise SystemExit(f"error: {summ} is not JSON ({exc})") from None
     return {"name": d.name, "attn": cfg.get("attn", "?"), "seed": cfg.get("seed"), "config": cfg,
             "train": [train[k] for k in sorted(train)], "eval": [ev[k] for k in sorted(ev)],
-            "summary": json.loads(summ.read_text()) if summ.is_file() else None}
+            "summary": summary if isinstance(summary, dict) else None}
 
 
 def _smooth(xs: list[float], w: int) -> list[float]:
@@ -198,12 +211,25 @@ def plot(runs: list[dict], out: pathlib.Path, smooth: int = 50) -> pathlib.Path:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=pathlib.Path, help="run directories (each with log.jsonl)")
-    p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "fp8_training.png", help="PNG path")
+    p.add_argument("--out", type=pathlib.Path, default=None,
+                   help="PNG path (default: fp8_training.png beside the first run directory; the README's figure is "
+                        "benchmarks/fp8_training.png)")
     p.add_argument("--smooth", type=int, default=50, help="training-loss moving-average window (steps)")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     p.add_argument("--no-plot", action="store_true", help="only print the table")
     a = p.parse_args(argv)
-    runs = [read_run(d) for d in a.runs]
+    if a.smooth < 1:
+        p.error(f"--smooth must be >= 1 step, got {a.smooth}")
+    dirs = [d for d in a.runs if d.is_dir()]
+    for d in a.runs:
+        if not d.is_dir():  # e.g. run_fp8_training.sh's <run>.console files beside the run directories
+            print(f"skipping {d}: not a run directory", file=sys.stderr)
+    if not dirs:
+        p.error("no run directories among the paths given")
+    out = a.out if a.out is not None else dirs[0].resolve().parent / "fp8_training.png"
+    if out.suffix.lower() != ".png":
+        p.error(f"--out {out}: must be a .png path")
+    runs = [read_run(d) for d in dirs]
     rows = table(runs)
     if a.markdown:
         print(markdown(rows))
@@ -213,7 +239,7 @@ def main(argv=None) -> list[dict]:
         json.dump(rows, sys.stdout, indent=1)
         print()
     if not a.no_plot:
-        print(f"wrote {plot(runs, a.out, a.smooth)}")
+        print(f"wrote {plot(runs, out, a.smooth)}")
     return rows
 
 

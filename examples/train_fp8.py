@@ -302,8 +302,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--val-every-nth-doc must be >= 2, got {args.val_every_nth_doc}")
     if args.capacity < 32:
         p.error(f"--capacity must be >= 32, got {args.capacity}")
-    if args.warmup_steps < 0 or not 0 <= args.min_lr_ratio <= 1 or args.lr <= 0 or args.grad_clip <= 0:
-        p.error("--lr and --grad-clip must be > 0, --warmup-steps >= 0 and --min-lr-ratio in [0, 1]")
+    if (args.warmup_steps < 0 or not 0 <= args.min_lr_ratio <= 1 or not 0 < args.lr < math.inf
+            or not 0 < args.grad_clip < math.inf or not 0 <= args.weight_decay < math.inf):
+        p.error("--lr and --grad-clip must be finite and > 0, --weight-decay finite and >= 0, --warmup-steps >= 0 "
+                "and --min-lr-ratio in [0, 1]")
+    if args.seed < 0 or args.data_seed < 0:
+        p.error(f"--seed and --data-seed must be >= 0, got {args.seed} and {args.data_seed}")
     if args.max_minutes is not None and not args.max_minutes > 0:
         p.error(f"--max-minutes must be > 0, got {args.max_minutes}")
     if args.heads < 1 or args.d_model < 1 or args.d_model % args.heads or (args.d_model // args.heads) % 2:
@@ -335,6 +339,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--out {args.out} is a file; it must be a run directory (new or one to resume)")
     if args.out is not None and any(x.exists() and not x.is_dir() for x in args.out.parents):
         p.error(f"--out {args.out}: a parent of it is a file")
+    if (args.out is not None and not args.estimate and args.out.is_dir() and not (args.out / CKPT).exists()
+            and any((args.out / n).exists() for n in (LOG, SUMMARY, LOG + ".gz"))):
+        p.error(f"--out {args.out} holds a run's log or summary but no {CKPT} to resume from; it would be "
+                "overwritten: use another --out (or move the directory away)")
     return args
 
 
@@ -411,10 +419,14 @@ class Log:
         if keep_until is None:
             path.write_text("")
         elif path.exists():
+            lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
             try:
-                kept = [ln for ln in path.read_text().splitlines()
-                        if ln.strip() and json.loads(ln).get("step", 0) <= keep_until]
-            except (json.JSONDecodeError, AttributeError) as exc:
+                json.loads(lines[-1]) if lines else None
+            except json.JSONDecodeError:  # a hard kill mid-write leaves a partial last line: drop it
+                lines = lines[:-1]
+            try:
+                kept = [ln for ln in lines if int(json.loads(ln).get("step", 0)) <= keep_until]
+            except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
                 raise SystemExit(f"error: {path} is not a train_fp8 log ({exc}); move it away to resume "
                                  "(the checkpoint is intact)") from None
             path.write_text("".join(ln + "\n" for ln in kept))
@@ -629,12 +641,16 @@ def train(args: argparse.Namespace) -> dict:
     fp8_gpu = cuda and args.attn != "bf16"
     if args.attn == "fp8-leak":
         fp8_leak.warn_leak(args.leak_mode)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"error: --out {args.out} cannot be created ({exc.strerror or exc})") from None
     ckpt_path = args.out / CKPT
     try:
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.exists() else None
-        if ckpt is not None and not (isinstance(ckpt, dict) and "config" in ckpt):
-            raise ValueError("not a train_fp8 checkpoint")
+        if ckpt is not None and not (isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict)
+                                     and all(k in ckpt for k in ("model", "opt", "sched", "data", "rng", "step"))):
+            raise ValueError("not a train_fp8 checkpoint (a dict with config, model, opt, sched, data, rng, step)")
     except Exception as exc:  # a damaged or foreign file: say so, lose nothing
         raise SystemExit(f"error: {ckpt_path} cannot be read as a checkpoint ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); move it away to start over, "
@@ -730,11 +746,17 @@ def train(args: argparse.Namespace) -> dict:
                                    model.head_dim, fp8_gpu)
         if recorder is not None:
             recorder.calls.clear()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            logits = model(batch)
-        loss = F.cross_entropy(logits.float(), batch["labels"].reshape(-1), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                logits = model(batch)
+            loss = F.cross_entropy(logits.float(), batch["labels"].reshape(-1), ignore_index=-100)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        except FlamiaError as exc:  # the attention refuses NaN / Inf q, k, v or gradients: the run diverged
+            say(f"step {step + 1}: diverged ({str(exc).splitlines()[0][:200]})")
+            log.write({"type": "error", "step": step + 1, "message": str(exc)[:500]})
+            stop_reason = "diverged"
+            break
         probe = None
         if args.grad_probe:
             own = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters() if p.requires_grad]

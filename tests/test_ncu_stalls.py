@@ -43,3 +43,14 @@ def test_a_csv_without_the_source_header_is_a_clear_error(tmp_path):
     path.write_text("a,b\n1,2\n")
     with pytest.raises(SystemExit, match="no source-page header"):
         _mod().main([str(path)])
+
+
+def test_missing_file_and_no_step_loop_are_clear_errors(tmp_path):
+    with pytest.raises(SystemExit, match="cannot be read"):
+        _mod().main([str(tmp_path / "absent.csv")])
+    path = tmp_path / "few.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"],
+                                 ["0x0", "FMUL R1, R2, R3", "5", "7"]])
+    with pytest.raises(SystemExit, match="no step loop found"):
+        _mod().main([str(path)])

@@ -369,3 +369,57 @@ def test_plot_script_reads_a_gzipped_log_as_the_plain_one(tf, source, tmp_path):
     assert a["train"] and {k: v for k, v in a.items() if k != "name"} == {k: v for k, v in b.items() if k != "name"}
     with pytest.raises(SystemExit, match="no log.jsonl or log.jsonl.gz"):
         mod.read_run(tmp_path)
+
+
+def test_a_run_directory_without_a_checkpoint_is_not_overwritten(tf, source, tmp_path):
+    out = tmp_path / "archived"
+    out.mkdir()
+    (out / "summary.json").write_text('{"kept": true}')
+    with pytest.raises(SystemExit):
+        tf.main(_argv(source, out, "bf16", 2))
+    assert (out / "summary.json").read_text() == '{"kept": true}' and not (out / "log.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag,value", [("--data-seed", "-1"), ("--weight-decay", "-1"), ("--lr", "nan"),
+                                        ("--lr", "inf"), ("--grad-clip", "nan")])
+def test_bad_numbers_are_argparse_errors(tf, source, tmp_path, flag, value):
+    with pytest.raises(SystemExit) as e:
+        tf.parse_args(_argv(source, tmp_path / "o", "bf16", 2, flag, value))
+    assert e.value.code == 2
+
+
+def test_a_diverging_run_stops_with_its_records(tf, source, tmp_path):
+    out = tmp_path / "div"
+    s = tf.main(_argv(source, out, "bf16", 30, "--warmup-steps", "0", "--lr", "1e6", "--grad-clip", "1e30",
+                      "--log-every", "5"))
+    assert s["stop_reason"] == "diverged" and not s["complete"]
+    recs = _records(out)
+    assert recs[-1]["type"] == "stop" and recs[-1]["reason"] == "diverged"
+    assert any(r["type"] == "error" for r in recs) or any(r["type"] == "train" and not math.isfinite(r["loss"])
+                                                          for r in recs)
+
+
+def test_a_partial_last_log_line_is_dropped_on_resume(tf, source, tmp_path):
+    out = tmp_path / "cut"
+    tf.main(_argv(source, out, "bf16", 4, "--stop-at", "2"))
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"type": "train", "st')  # what a hard kill mid-write leaves
+    s = tf.main(_argv(source, out, "bf16", 4))
+    assert s["complete"] and all(json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines())
+
+
+def test_plot_script_skips_files_and_refuses_a_broken_log(tf, source, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("plot_fp8_training", ROOT / "benchmarks" / "plot_fp8_training.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    tf.main(_argv(source, tmp_path / "r" / "bf16-s0", "bf16", 2))
+    (tmp_path / "r" / "bf16-s0.console").write_text("console output of run_fp8_training.sh")
+    rows = mod.main([str(tmp_path / "r" / "bf16-s0"), str(tmp_path / "r" / "bf16-s0.console"), "--no-plot"])
+    assert [r["run"] for r in rows] == ["bf16-s0"] and "skipping" in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "log.jsonl").write_text('{"type": "start", "step": 0}\n{"type": "tr')
+    with pytest.raises(SystemExit, match="not a train_fp8.py log"):
+        mod.main([str(bad), "--no-plot"])
+    with pytest.raises(SystemExit):
+        mod.main([str(tmp_path / "r" / "bf16-s0"), "--smooth", "0"])

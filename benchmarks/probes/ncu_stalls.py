@@ -28,10 +28,16 @@ def main(argv=None) -> None:
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args(argv)
-    rows = list(csv.reader(open(a.csv)))
-    hi = next((i for i, r in enumerate(rows) if "Source" in r and "Warp Stall Sampling (All Samples)" in r), None)
+    try:
+        with open(a.csv, newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise SystemExit(f"error: {a.csv} cannot be read as a CSV ({exc})") from None
+    need = ("Source", "Warp Stall Sampling (All Samples)", "Instructions Executed")
+    hi = next((i for i, r in enumerate(rows) if all(c in r for c in need)), None)
     if hi is None:
-        raise SystemExit(f"error: {a.csv}: no source-page header with 'Warp Stall Sampling (All Samples)'")
+        raise SystemExit(f"error: {a.csv}: no source-page header with the columns {', '.join(need)} (ncu -i REP "
+                         "--page source --csv --print-source sass)")
     h, body = rows[hi], [r for r in rows[hi + 1:] if len(r) == len(rows[hi])]
     src, ci, ce = h.index("Source"), h.index("Warp Stall Sampling (All Samples)"), h.index("Instructions Executed")
     # the step loops: execution counts shared by >= 300 instructions (a loop body's hundreds of
@@ -39,6 +45,8 @@ def main(argv=None) -> None:
     counts = collections.Counter(_f(r[ce]) for r in body if _f(r[ce]) > 0)
     steps = {c for c, n in counts.items() if n >= 300}
     idx = [i for i, r in enumerate(body) if _f(r[ce]) in steps]
+    if not idx:
+        raise SystemExit(f"error: {a.csv}: no step loop found (no execution count shared by >= 300 instructions)")
     ranges = []
     for i in idx:
         if ranges and i - ranges[-1][1] < 400:
@@ -46,8 +54,11 @@ def main(argv=None) -> None:
         else:
             ranges.append([i, i])
     cons = [r for lo, hi_ in ranges for r in body[lo:hi_ + 1] if "NOP" not in r[src]]
-    tot = sum(_f(r[ci]) for r in cons) or 1.0
-    allt = sum(_f(r[ci]) for r in body) or 1.0
+    tot = sum(_f(r[ci]) for r in cons)
+    allt = sum(_f(r[ci]) for r in body)
+    if tot == 0:
+        raise SystemExit(f"error: {a.csv}: no stall samples in the step loops' code (was --section SourceCounters "
+                         "collected?)")
     print(f"samples: {allt:.0f} in all, {tot:.0f} ({100 * tot / allt:.1f}%) in the consumer code "
           f"(instruction ranges {[(lo, hi_) for lo, hi_ in ranges]})")
     reasons = [c for c in h if c.startswith("stall_") and "Not Issued" not in c]
