@@ -655,6 +655,8 @@ def train(args: argparse.Namespace) -> dict:
         raise SystemExit(f"error: {ckpt_path} cannot be read as a checkpoint ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); move it away to start over, "
                          "or use another --out") from None
+    if ckpt is not None:  # checkpoints from before --row-order existed were written in the streaming order
+        ckpt["config"].setdefault("row_order", "stream")
     if ckpt is not None and ckpt["config"] != _config(args):
         diff = {k: (ckpt["config"].get(k), v) for k, v in _config(args).items() if ckpt["config"].get(k) != v}
         raise SystemExit(f"error: --out {args.out} holds a run with other settings (checkpoint vs now: {diff}); "

@@ -423,3 +423,14 @@ def test_plot_script_skips_files_and_refuses_a_broken_log(tf, source, tmp_path, 
         mod.main([str(bad), "--no-plot"])
     with pytest.raises(SystemExit):
         mod.main([str(tmp_path / "r" / "bf16-s0"), "--smooth", "0"])
+
+
+def test_a_checkpoint_from_before_row_order_resumes_as_stream(tf, source, tmp_path):
+    out = tmp_path / "old"
+    tf.main(_argv(source, out, "bf16", 3, "--stop-at", "1", "--row-order", "stream"))
+    ck = torch.load(out / "ckpt.pt", weights_only=False)
+    del ck["config"]["row_order"]
+    torch.save(ck, out / "ckpt.pt")
+    with pytest.raises(SystemExit, match="row_order"):
+        tf.main(_argv(source, out, "bf16", 3))  # the default (shuffle) is another order
+    assert tf.main(_argv(source, out, "bf16", 3, "--row-order", "stream"))["complete"]
