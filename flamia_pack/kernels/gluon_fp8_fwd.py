@@ -206,9 +206,10 @@ def _factors_fetch(f_bufs, FK, FV, stride_e, hk, o_lo, j, BLOCK_N: gl.constexpr,
 
 @gluon.jit
 def _factors_ready(f_bufs, FK, FV, stride_e, hk, o_lo, j, n_steps, BLOCK_N: gl.constexpr, NW: gl.constexpr):
-    """Walked tile ``j``'s factors are in rows ``2 (j % 2)`` (K) and ``2 (j % 2) + 1`` (V) of ``f_bufs`` once this returns (the copies every
-    thread of the partition started a step earlier landed), and tile ``j + 1``'s copy is started into
-    the other buffer, which every thread finished reading in step ``j - 1`` (the barrier)."""
+    """Walked tile ``j``'s factors are in rows ``2 (j % 2)`` (K) and ``2 (j % 2) + 1`` (V) of ``f_bufs``
+    once this returns (the copies every thread of the partition started a step earlier landed), and
+    tile ``j + 1``'s copy is started into the other rows, which every thread finished reading in step
+    ``j - 1`` (the barrier)."""
     async_copy.wait_group(0)
     gl.thread_barrier()
     if j + 1 < n_steps:
