@@ -110,10 +110,12 @@ def parity(rows: list[dict], margin: float = PARITY_MARGIN) -> list[dict]:
     standard error ``sqrt(sd^2 / n + sd_bf16^2 / n_bf16)``, and ``runs_for_margin``: the runs per mode
     (at the pooled sd) that put two standard errors of the difference inside ``margin`` -- the number a
     claim "within ``margin`` of BF16" needs (each row carries ``margin``). A mode with one run has no sd
-    (``nan``)."""
+    (``nan``). Only runs of the longest length among ``rows`` are pooled (a shorter or unfinished run
+    ends at another point of the schedule)."""
     by: dict[str, list[float]] = {}
+    full = max((x.get("steps", 0) for x in rows), default=0)
     for x in rows:
-        if x["attn"] != "fp8-leak" and math.isfinite(x["val_exact"]):
+        if x["attn"] != "fp8-leak" and math.isfinite(x["val_exact"]) and x.get("steps", 0) == full:
             by.setdefault(x["attn"], []).append(x["val_exact"])
     stats = {a: (len(v), statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else float("nan"))
              for a, v in by.items()}
@@ -235,6 +237,10 @@ def main(argv=None) -> list[dict]:
         print(markdown(rows))
         print()
         print(parity_markdown(parity(rows)))
+        full = max(x["steps"] for x in rows)
+        short = [x["run"] for x in rows if x["steps"] != full and x["attn"] != "fp8-leak"]
+        if short:
+            print(f"\n(left out of the per-mode table: {', '.join(short)}, shorter than {full} steps)")
     else:
         json.dump(rows, sys.stdout, indent=1)
         print()

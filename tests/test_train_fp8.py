@@ -434,3 +434,13 @@ def test_a_checkpoint_from_before_row_order_resumes_as_stream(tf, source, tmp_pa
     with pytest.raises(SystemExit, match="row_order"):
         tf.main(_argv(source, out, "bf16", 3))  # the default (shuffle) is another order
     assert tf.main(_argv(source, out, "bf16", 3, "--row-order", "stream"))["complete"]
+
+
+def test_parity_pools_only_the_full_length_runs():
+    spec = importlib.util.spec_from_file_location("plot_fp8_training", ROOT / "benchmarks" / "plot_fp8_training.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [{"attn": "bf16", "val_exact": v, "steps": 2000} for v in (1.0, 1.2)]
+    rows += [{"attn": "fp8-token", "val_exact": 1.1, "steps": 2000}, {"attn": "fp8-token", "val_exact": 9.0, "steps": 1000}]
+    got = {x["attn"]: x for x in mod.parity(rows)}
+    assert got["fp8-token"]["n"] == 1 and got["fp8-token"]["mean"] == pytest.approx(1.1)
