@@ -677,6 +677,11 @@ def train(args: argparse.Namespace) -> dict:
     vrows = val_rows(val_docs, args.capacity, args.val_rows, args.buffer_docs)
     kinds = eval_kinds(args.attn)
     step, flops = 0, None
+    split = [len(train_docs), int(sum(len(d) for d in train_docs)), len(val_docs)]
+    if ckpt is not None and ckpt.get("split", split) != split:  # the config names the source file only
+        raise SystemExit(f"error: --source {args.source} is not the data the checkpoint in {args.out} was trained on "
+                         f"(train docs / tokens / val docs: checkpoint {ckpt['split']}, now {split}); use the same "
+                         "source, or another --out")
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
@@ -706,7 +711,7 @@ def train(args: argparse.Namespace) -> dict:
     def checkpoint() -> float:
         return _save(ckpt_path, {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                                  "data": rows.state_dict(), "rng": _rng_state(device), "step": step,
-                                 "config": _config(args), "flops": flops})
+                                 "config": _config(args), "flops": flops, "split": split})
 
     eval_s = run_eval(0) if step == 0 else 3.0
     ckpt_s, step_s = 3.0, None

@@ -444,3 +444,17 @@ def test_parity_pools_only_the_full_length_runs():
     rows += [{"attn": "fp8-token", "val_exact": 1.1, "steps": 2000}, {"attn": "fp8-token", "val_exact": 9.0, "steps": 1000}]
     got = {x["attn"]: x for x in mod.parity(rows)}
     assert got["fp8-token"]["n"] == 1 and got["fp8-token"]["mean"] == pytest.approx(1.1)
+
+
+def test_resume_with_another_source_of_the_same_name_is_refused(tf, source, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "run"
+    tf.main(_argv(source, out, "bf16", 3, "--stop-at", "1"))
+    other = tmp_path / "elsewhere" / source.name
+    other.parent.mkdir()
+    pq.write_table(pa.table({"text": ["another corpus " * 40] * 30}), other)
+    with pytest.raises(SystemExit, match="not the data the checkpoint"):
+        tf.main(_argv(other, out, "bf16", 3))
+    assert tf.main(_argv(source, out, "bf16", 3))["complete"]
