@@ -676,6 +676,11 @@ def train(args: argparse.Namespace) -> dict:
     rows = Rows(train_docs, args)
     vrows = val_rows(val_docs, args.capacity, args.val_rows, args.buffer_docs)
     kinds = eval_kinds(args.attn)
+    if not any(len(d) for d in train_docs) or not vrows:
+        raise SystemExit(f"error: --source {args.source}: the training split holds {len(train_docs)} documents "
+                         f"({sum(len(d) for d in train_docs)} tokens) and the validation split {len(vrows)} rows "
+                         f"(every {args.val_every_nth_doc}-th document); both need tokens (a larger source, or "
+                         "another --val-every-nth-doc)")
     step, flops = 0, None
     split = [len(train_docs), int(sum(len(d) for d in train_docs)), len(val_docs)]
     if ckpt is not None and ckpt.get("split", split) != split:  # the config names the source file only

@@ -458,3 +458,15 @@ def test_resume_with_another_source_of_the_same_name_is_refused(tf, source, tmp_
     with pytest.raises(SystemExit, match="not the data the checkpoint"):
         tf.main(_argv(other, out, "bf16", 3))
     assert tf.main(_argv(source, out, "bf16", 3))["complete"]
+
+
+def test_a_source_too_small_to_split_is_refused_before_any_file_is_written(tf, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    one = tmp_path / "one.parquet"
+    pq.write_table(pa.table({"text": ["a single document " * 20]}), one)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match="the training split holds 0 documents"):
+        tf.main(_argv(one, out, "bf16", 2))
+    assert not (out / "log.jsonl").exists()
