@@ -264,8 +264,9 @@ def _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED: gl.conste
     P~ fold. Returns ``(P~ as E4M3 words, m, l, alpha, r)`` (:func:`_e4m3_words` of P~ with its
     columns in the wgmma order, :func:`_wgmma_cols`); ``r`` (float32 ``2^r_i`` per row, at least
     ``2^(BOOST - 126)``) is the fold's reference. ``fk`` / ``fv``: the tile's K / V factors
-    ``2^e`` (:func:`_tile_factors`). ``lim``: the row's last visible key relative to the walk's first
-    key (as ``gluon_fwd._fwd_softmax``); ``ph``: the document's first key relative to it (tile 0 of a
+    ``2^e`` (:func:`_tile_factors` for a walk's first tile, :func:`_factors_ready`'s shared buffers
+    for the later ones). ``lim``: the row's last visible key relative to the walk's first key (as
+    ``gluon_fwd._fwd_softmax``); ``ph``: the document's first key relative to it (tile 0 of a
     document that starts off the 16-token grid holds ``ph`` keys of the previous one);
     ``row_f = qk 2^e_q(i)``."""
     x = st * fk[None, :]
@@ -392,8 +393,8 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk
         if not PINGPONG:
             mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
         acc = _pv_issue(a_prev, v_bufs.index(sp), acc, PV_PROMOTE)
-        # K's factors load under S_j, V's once it retired (their 32 registers would be live across the
-        # wait too); passing the turn after the loads keeps ptxas from hoisting the masked tiles'
+        # K's factors read from shared memory under S_j, V's once it retired (their 32 registers would be
+        # live across the wait too); passing the turn after the loads keeps ptxas from hoisting the masked tiles'
         # visibility compares into bit-packed registers (sm_90a compile, benchmarks/NOTES.md)
         fk = f_bufs.index(2 * (j % 2)).load(f_layout)
         _turn_pass(turn, WG, PINGPONG)
@@ -409,11 +410,11 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk
 
 
 @gluon.jit
-def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, o_smem, ready, empty, q_bar, q_phase, q_empty, O, LSE, EQ, FK, FV,
-                       stride_ot, stride_lh, stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale,
-                       c, T, turn, k_turn, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr,
-                       PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
+def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, o_smem, ready, empty, q_bar, q_phase, q_empty, O, LSE, EQ, FK,
+                       FV, stride_ot, stride_lh, stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1,
+                       qk_scale, c, T, turn, k_turn, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr,
+                       BOOST: gl.constexpr, PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
     """One entry's FP8 forward from ring position ``c`` (returned advanced) by consumer partition ``WG``
     (rows ``WG * BLOCK_M / 2`` on): ``gluon_fwd._fwd_consume_entry`` with the FP8 softmax / fold, O
     through the partition's own bf16 staging rows ``o_smem``. ``PINGPONG``: the entry's products are
@@ -463,14 +464,14 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, o_smem, ready, empty, q_b
             _zero_cols_outside(v_bufs.index(s0), ph, BLOCK_N, NW, True)
     for j in range(1, u1):
         acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk,
-                                               o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p, m_i, l_i, r_i, a_i, turn, k_turn, False,
-                                               BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout, acc_layout, WG,
-                                               PINGPONG, PV_PROMOTE)
+                                               o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p, m_i, l_i, r_i, a_i,
+                                               turn, k_turn, False, BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout,
+                                               acc_layout, WG, PINGPONG, PV_PROMOTE)
     for j in range(gl.maximum(u1, 1), n_steps):
         acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk,
-                                               o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p, m_i, l_i, r_i, a_i, turn, k_turn, True,
-                                               BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout, acc_layout, WG,
-                                               PINGPONG, PV_PROMOTE)
+                                               o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p, m_i, l_i, r_i, a_i,
+                                               turn, k_turn, True, BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout,
+                                               acc_layout, WG, PINGPONG, PV_PROMOTE)
     a = _words_operand(p, op_layout)
     r = c + n_steps - 1
     sl = r % STAGES
@@ -503,11 +504,11 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, o_smem, ready, empty, q_b
 
 
 @gluon.jit
-def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, f_smem, o_smem, ready, empty, qo_ready, qo_empty, t_smem, O, LSE, EQ, FK, FV,
-                       stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries, total, T, turn,
-                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WL_BM: gl.constexpr,
-                       CAUSAL: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr, BOOST: gl.constexpr,
-                       PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
+def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, f_smem, o_smem, ready, empty, qo_ready, qo_empty, t_smem, O, LSE, EQ,
+                       FK, FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries, total,
+                       T, turn, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       WL_BM: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr,
+                       BOOST: gl.constexpr, PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
     """Consumer partition ``WG`` of the persistent FP8 forward: the entries the producer hands over
     (both partitions run every entry, so with ``PINGPONG`` their turns stay paired: entry ``n`` from
     ring position ``c`` takes turns ``c + n, ..., c + n + n_steps``)."""
@@ -555,14 +556,14 @@ def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, FK, FV, items_ptr, num_i
     f_smem1 = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], f_layout)
     turn = _turn_barriers(q_ready, PINGPONG)
     gl.warp_specialize([
-        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem0, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, FK,
-                              FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
-                              total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 0, 4, BOOST, PINGPONG,
-                              PV_PROMOTE)),
-        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem1, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE, EQ, FK,
-                              FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
-                              total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST, PINGPONG,
-                              PV_PROMOTE)),
+        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem0, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE,
+                              EQ, FK, FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr,
+                              max_entries, total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 0, 4, BOOST,
+                              PINGPONG, PV_PROMOTE)),
+        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem1, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE,
+                              EQ, FK, FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr,
+                              max_entries, total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST,
+                              PINGPONG, PV_PROMOTE)),
         (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
                                q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
                                max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
