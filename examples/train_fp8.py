@@ -178,10 +178,7 @@ class Rows:
 
     def _epoch_rows(self) -> list[dict]:
         self.ds.set_epoch(self.epoch)
-        rows = list(self.ds)
-        if not rows:
-            raise SystemExit("error: the training split holds no documents (the source is too small, or "
-                             "--val-every-nth-doc sends all of it to validation)")
+        rows = list(self.ds)  # not empty: train() refuses a training split without tokens
         perm = np.random.default_rng((self.data_seed, self.epoch)).permutation(len(rows))
         return [rows[i] for i in perm]
 
@@ -676,13 +673,13 @@ def train(args: argparse.Namespace) -> dict:
     rows = Rows(train_docs, args)
     vrows = val_rows(val_docs, args.capacity, args.val_rows, args.buffer_docs)
     kinds = eval_kinds(args.attn)
-    if not any(len(d) for d in train_docs) or not vrows:
-        raise SystemExit(f"error: --source {args.source}: the training split holds {len(train_docs)} documents "
-                         f"({sum(len(d) for d in train_docs)} tokens) and the validation split {len(vrows)} rows "
+    split = [len(train_docs), int(sum(len(d) for d in train_docs)), len(val_docs)]  # docs, tokens, val docs
+    if split[1] == 0 or not vrows:
+        raise SystemExit(f"error: --source {args.source}: the training split holds {split[0]} documents "
+                         f"({split[1]} tokens) and the validation split {len(vrows)} rows "
                          f"(every {args.val_every_nth_doc}-th document); both need tokens (a larger source, or "
                          "another --val-every-nth-doc)")
     step, flops = 0, None
-    split = [len(train_docs), int(sum(len(d) for d in train_docs)), len(val_docs)]
     if ckpt is not None and ckpt.get("split", split) != split:  # the config names the source file only
         raise SystemExit(f"error: --source {args.source} is not the data the checkpoint in {args.out} was trained on "
                          f"(train docs / tokens / val docs: checkpoint {ckpt['split']}, now {split}); use the same "
@@ -699,7 +696,7 @@ def train(args: argparse.Namespace) -> dict:
                "argv": sys.argv[1:], "config": _config(args), "device": str(device),
                "params": sum(p.numel() for p in model.parameters()), "val_rows": len(vrows),
                "val_tokens": int(sum(int(r["num_tokens"]) for r in vrows)),
-               "train_docs": len(train_docs), "train_tokens": int(sum(len(d) for d in train_docs))})
+               "train_docs": split[0], "train_tokens": split[1]})
 
     def say(msg: str) -> None:
         if not args.quiet:
