@@ -104,18 +104,27 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _pooled(x: dict, full: int) -> bool:
+    """Whether :func:`parity` pools ``table`` row ``x``: not the leak, and as long as the longest run
+    (``full`` steps: a shorter or unfinished run ends at another point of the schedule)."""
+    return x["attn"] != "fp8-leak" and x.get("steps", 0) == full
+
+
+def _full_steps(rows: list[dict]) -> int:
+    return max((x.get("steps", 0) for x in rows), default=0)
+
+
 def parity(rows: list[dict], margin: float = PARITY_MARGIN) -> list[dict]:
     """Issue 29's parity test on the exact-evaluated validation loss, per attention mode over its runs
     (``table`` rows; the leak left out): ``n``, mean, sample sd, the mean's difference to BF16's with its
     standard error ``sqrt(sd^2 / n + sd_bf16^2 / n_bf16)``, and ``runs_for_margin``: the runs per mode
     (at the pooled sd) that put two standard errors of the difference inside ``margin`` -- the number a
     claim "within ``margin`` of BF16" needs (each row carries ``margin``). A mode with one run has no sd
-    (``nan``). Only runs of the longest length among ``rows`` are pooled (a shorter or unfinished run
-    ends at another point of the schedule)."""
+    (``nan``). Only the runs :func:`_pooled` accepts."""
     by: dict[str, list[float]] = {}
-    full = max((x.get("steps", 0) for x in rows), default=0)
+    full = _full_steps(rows)
     for x in rows:
-        if x["attn"] != "fp8-leak" and math.isfinite(x["val_exact"]) and x.get("steps", 0) == full:
+        if _pooled(x, full) and math.isfinite(x["val_exact"]):
             by.setdefault(x["attn"], []).append(x["val_exact"])
     stats = {a: (len(v), statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else float("nan"))
              for a, v in by.items()}
@@ -237,8 +246,8 @@ def main(argv=None) -> list[dict]:
         print(markdown(rows))
         print()
         print(parity_markdown(parity(rows)))
-        full = max(x["steps"] for x in rows)
-        short = [x["run"] for x in rows if x["steps"] != full and x["attn"] != "fp8-leak"]
+        full = _full_steps(rows)
+        short = [x["run"] for x in rows if x["attn"] != "fp8-leak" and not _pooled(x, full)]
         if short:
             print(f"\n(left out of the per-mode table: {', '.join(short)}, shorter than {full} steps)")
     else:
