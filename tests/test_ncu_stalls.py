@@ -34,7 +34,7 @@ def test_consumer_shares(tmp_path, capsys):
         csv.writer(f).writerows(rows)
     _mod().main([str(path), "--top", "1"])
     out = capsys.readouterr().out
-    assert "samples: 11200 in all, 1200 (10.7%) in the consumer code (instruction ranges [(0, 299)])" in out
+    assert "samples: 11200 in all, 1200 (10.7%) in the step loops' code (instruction ranges [(0, 299)])" in out
     assert "stall_wait                75.0%  FMUL 75.0" in out and "stall_long_sb             25.0%" in out
 
 

@@ -1,12 +1,13 @@
 """Warp-stall samples of one kernel from an Nsight Compute source page (``ncu -i REP --page source --csv
---print-source sass``): the share of each stall reason over the code the consumer warps run, the opcodes
-behind each, and the instructions with the most samples.
+--print-source sass``): the share of each stall reason over the step loops' code, the opcodes behind
+each, and the instructions with the most samples.
 
     python3 benchmarks/probes/ncu_stalls.py fp8src.csv [--top 25]
 
-The producer warp's samples (its idle ``NOP`` and its code, outside the address ranges of the step
-loops, found as execution counts shared by >= 300 instructions) are left out, so the shares are
-those of the warps that do the math (benchmarks/NOTES.md: subtract the idle producer).
+The step loops are found as execution counts shared by >= 300 instructions; the address ranges
+around them are kept (gaps under 400 instructions merged) and every ``NOP`` is dropped (the idle
+producer's, benchmarks/NOTES.md). A producer loop inside those ranges stays in: in the FP8 forward
+its mbarrier spin is most of the long-scoreboard share, so read that line with the top instructions.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def main(argv=None) -> None:
     h, body = rows[hi], [r for r in rows[hi + 1:] if len(r) == len(rows[hi])]
     src, ci, ce = h.index("Source"), h.index("Warp Stall Sampling (All Samples)"), h.index("Instructions Executed")
     # the step loops: execution counts shared by >= 300 instructions (a loop body's hundreds of
-    # instructions run equally often); the consumer code = the address ranges around them
+    # instructions run equally often); the address ranges around them are what is summed
     counts = collections.Counter(_f(r[ce]) for r in body if _f(r[ce]) > 0)
     steps = {c for c, n in counts.items() if n >= 300}
     idx = [i for i, r in enumerate(body) if _f(r[ce]) in steps]
@@ -59,7 +60,7 @@ def main(argv=None) -> None:
     if tot == 0:
         raise SystemExit(f"error: {a.csv}: no stall samples in the step loops' code (was --section SourceCounters "
                          "collected?)")
-    print(f"samples: {allt:.0f} in all, {tot:.0f} ({100 * tot / allt:.1f}%) in the consumer code "
+    print(f"samples: {allt:.0f} in all, {tot:.0f} ({100 * tot / allt:.1f}%) in the step loops' code "
           f"(instruction ranges {[(lo, hi_) for lo, hi_ in ranges]})")
     reasons = [c for c in h if c.startswith("stall_") and "Not Issued" not in c]
     agg = {c: sum(_f(r[h.index(c)]) for r in cons) for c in reasons}
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
             if m:
                 op[m.group(2)] += _f(r[k])
         print(f"{c:24s} {100 * v / tot:5.1f}%  " + ", ".join(f"{o} {100 * n / tot:.1f}" for o, n in op.most_common(5)))
-    print("top instructions (share of consumer samples, executions):")
+    print("top instructions (share of the step loops' samples, executions):")
     for r in sorted(cons, key=lambda r: -_f(r[ci]))[:a.top]:
         print(f"{100 * _f(r[ci]) / tot:5.1f}%  {r[ce]:>9}  {r[src].strip()[:100]}")
 
