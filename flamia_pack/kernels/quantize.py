@@ -144,9 +144,9 @@ def launch_config(group: int, head_dim: int, transposed: bool = False) -> Launch
     128 rows x 8 warps 1.20 (aligned documents) / 1.36 (unaligned), 256 rows x 8 warps 1.05 / 1.26
     -- the halo of a straddling group is amortised over twice the rows; 128 registers, no spills.
     "token" needs no halo: 128 x 8 (66 registers) is at 1.02. The in-kernel transposed copy holds a
-    second layout of the tile in shared memory: with 32-token groups 64 x 4 (V^T 0.62 ms against
-    128 x 8's 0.96 at W1, Q^T K^T V^T 0.74 against 0.86: three programs an SM instead of one);
-    "token" keeps 128 x 8 (0.38 ms, V^T).
+    second layout of the tile in shared memory: with 32-token groups 64 x 4, the fastest tile for
+    V^T and for Q^T K^T V^T (three programs an SM instead of one; times: RESULTS.md "Session of
+    2026-12-03", run 1, and benchmarks/NOTES.md item 14); "token" keeps 128 x 8.
     """
     if head_dim > 128:
         return LaunchConfig(64, 8)
