@@ -41,10 +41,11 @@ through E4M3's subnormal boundary, seed 001 §4); masked scores are ``-inf`` bef
 Why each tile's ``P~ V`` is promoted into an fp32 register accumulator by default (``PV_PROMOTE``,
 ``acc_i = acc_i alpha_i + (P~ Vc)_i 2^(r_i - BOOST)``, the emulation's ``pv_accumulator="fp32"``
 up to the MMA's accumulation inside one tile): accumulating across tiles in the MMA accumulator,
-rescaled by ``2^(r_old - r_new)`` (``pv_promote=False``), is a little faster and as accurate, but
-its accumulator lives in units of ``2^(r - BOOST)``: a key tile whose V is all zero drops ``r`` ~110
-binades and the rescale overflows, so it is kept only as the alternative issue 27 item 3 compares
-(numbers: benchmarks/NOTES.md "FP8 forward").
+rescaled by ``2^(r_old - r_new)`` (``pv_promote=False``), is as accurate, but its accumulator
+lives in units of ``2^(r - BOOST)``: a key tile whose V is all zero drops ``r`` ~110 binades and the
+rescale overflows; and with P~ carried as E4M3 words ptxas serializes its wgmma products (C7513),
+so it is kept only as the alternative issue 27 item 3 compares (numbers: benchmarks/NOTES.md "FP8
+forward").
 
 Merged items are not supported: ``fp8_attention.py`` builds lists without them (``merge_short``
 off), so every item holds one document, 1-token documents included. Inputs: codes and exponents from ``kernels.quantize.quantize_qkv`` (V with
@@ -659,7 +660,8 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
             speed: benchmarks/NOTES.md "FP8 forward").
         pv_promote: each key tile's ``P~ V`` goes into a zero-initialized MMA accumulator and is
             promoted into a separate fp32 register accumulator (default; module docs: why). False:
-            accumulate across tiles in the MMA accumulator (faster, overflows on an all-zero V tile).
+            accumulate across tiles in the MMA accumulator (overflows on an all-zero V tile; its products
+            compile serialized, C7513).
 
     Returns:
         ``(o, lse)``: ``(T, H_q, 128)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
