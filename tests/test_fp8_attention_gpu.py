@@ -85,7 +85,8 @@ def test_kernel_matches_emulation_and_reference(name, gran, causal):
 @pytest.mark.parametrize("name", ["W6-like unaligned", "MQA + padding", "S3 random 1"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_kernel_variants(name, causal):
-    """Ping-pong only reorders the partitions' issue: ``pingpong=False`` gives the same bits. Per-tile
+    """Ping-pong only reorders the partitions' issue: ``pingpong=False`` gives the same bits, and so does
+    ``masked_tile0`` either way (the launcher picks it by the mean document length). Per-tile
     promotion of P~V (the default ``pv_promote=True``) is the emulation's fp32 accumulation up to the
     MMA's inside a tile: within the tolerance above (its distance to the emulation against the
     accumulating kernel's is the probe's measurement, fp8_fwd_probe.py --variants pp1,promote)."""
@@ -98,6 +99,9 @@ def test_kernel_variants(name, causal):
     assert torch.equal(o0, o1) and torch.equal(lse0, lse1)
     op, lsep = _poisoned_kernel(ops, cu, causal)  # the launcher's defaults (pv_promote=True)
     assert not op.isnan().any() and bool((op[n:] == 0).all())
+    for masked in (False, True):  # tile 0 masked or not: the same bits (the mask-free form is exact there)
+        om, lsem = _poisoned_kernel(ops, cu, causal, masked_tile0=masked)
+        assert torch.equal(om, op) and torch.equal(lsem, lsep), masked
     assert float((lsep[:, :n] - lse1[:, :n]).abs().max()) < 1e-5  # the same softmax: P~V only moves O
     vc = from_wgmma_order(ops.vt, ops.qc.shape[0]).permute(2, 0, 1).contiguous()
     quant = tuple(OperandCodes(c.cpu(), e.cpu()) for c, e in ((ops.qc, ops.eq), (ops.kc, ops.ek), (vc, ops.ev)))

@@ -55,7 +55,8 @@ def mma_step_loops(sass: str) -> list[dict]:
 def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None = None, block_n: int | None = None,
                  stages: int | None = None, group: int = 1, causal: bool = True, dq_reduce: bool = False,
                  persistent: bool = False, pingpong: bool = False, items_whole: bool = False,
-                 wl_block_m: int = 128, part_skip: bool = False, pv_promote: bool = False) -> dict:
+                 wl_block_m: int = 128, part_skip: bool = False, pv_promote: bool = False,
+                 masked_tile0: bool = False) -> dict:
     """Compile one Gluon attention kernel for sm_90a and report (no GPU needed).
 
     Pointer and stride arguments are marked divisible by 16 as the launcher's specialization does at
@@ -72,6 +73,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
             items_whole=, wl_block_m=, part_skip=)`` (the forward is always persistent); ``pingpong``
             also ``gluon_fp8_fwd(pingpong=)`` (its launcher's default is on, this function's off).
         pv_promote: ``gluon_fp8_fwd(pv_promote=)``.
+        masked_tile0: ``gluon_fp8_fwd(masked_tile0=)``.
 
     Returns:
         dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
@@ -136,7 +138,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=wl_block_m, STAGES=st,
                   CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce), PERSISTENT=bool(persistent),
                   PINGPONG=bool(pingpong), ITEMS=bool(items_whole), PART_SKIP=bool(part_skip), BOOST=BOOST_LOG2,
-                  PV_PROMOTE=bool(pv_promote))
+                  PV_PROMOTE=bool(pv_promote), MASKED_TILE0=bool(masked_tile0))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

@@ -70,10 +70,13 @@ from flamia_pack.kernels.gluon_common import (
     _store_rows, _slot_barriers, check_stages, CONSUMER_WARPS, MAXNREG)
 from flamia_pack.kernels.gluon_fwd import _turn_barriers, _turn_pass, _turn_wait
 
-__all__ = ["gluon_fp8_fwd", "BOOST_LOG2"]
+__all__ = ["gluon_fp8_fwd", "BOOST_LOG2", "MASKED_TILE0_MAX_MEAN"]
 
 #: Probability boost of the P~ fold (fp8_emulation.DEFAULT_BOOST_LOG2: the largest with no saturation).
 BOOST_LOG2 = 8
+#: ``gluon_fp8_fwd(masked_tile0=None)``: rows whose mean document length is at most this many tokens run
+#: every entry's first key tile masked (W2 291, W6 1,040, W7 256 tokens gained 1-10%; W1 4,096 lost 3%).
+MASKED_TILE0_MAX_MEAN = 1536
 
 
 @constexpr_function
@@ -192,29 +195,31 @@ def _tile_factors(F, stride_e, hk, o_lo, j, BLOCK_N: gl.constexpr, s_layout: gl.
 
 
 @gluon.jit
-def _factors_fetch(f_bufs, FK, FV, stride_e, hk, o_lo, j, BLOCK_N: gl.constexpr, NW: gl.constexpr):
+def _factors_fetch(f_bufs, v_fbufs, FK, FV, stride_e, hk, o_lo, j, BLOCK_N: gl.constexpr, NW: gl.constexpr):
     """Start copying walked tile ``j``'s K and V factors (``BLOCK_N`` float32 each from the tables
-    ``FK`` / ``FV``, :func:`exponent_table`) into rows ``2 (j % 2)`` and ``2 (j % 2) + 1`` of the
-    partition's shared buffers ``f_bufs`` ``(4, BLOCK_N)`` (cp.async, one 4-byte copy a thread and table,
-    one commit group): issued a step ahead of their use, so their L2 latency runs under the step
-    before (benchmarks/NOTES.md: the factor loads' stall)."""
+    ``FK`` / ``FV``, :func:`exponent_table`) into row ``j % 2`` of the partition's shared buffers
+    ``f_bufs`` (K) and ``v_fbufs`` (V), ``(2, BLOCK_N)`` each (cp.async, one 4-byte copy a thread and
+    table, one commit group): issued a step ahead of their use, so their L2 latency runs under the step
+    before (benchmarks/NOTES.md: the factor loads' stall). Two allocations, not one: triton's membar
+    pass puts a barrier between two copies into one allocation."""
     layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // (32 * NW)], [32], [NW], [0])
     off = hk * stride_e + o_lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
-    async_copy.async_copy_global_to_shared(f_bufs.index(2 * (j % 2)), FK + off)
-    async_copy.async_copy_global_to_shared(f_bufs.index(2 * (j % 2) + 1), FV + off)
+    async_copy.async_copy_global_to_shared(f_bufs.index(j % 2), FK + off)
+    async_copy.async_copy_global_to_shared(v_fbufs.index(j % 2), FV + off)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _factors_ready(f_bufs, FK, FV, stride_e, hk, o_lo, j, n_steps, BLOCK_N: gl.constexpr, NW: gl.constexpr):
-    """Walked tile ``j``'s factors are in rows ``2 (j % 2)`` (K) and ``2 (j % 2) + 1`` (V) of ``f_bufs``
-    once this returns (the copies every thread of the partition started a step earlier landed), and
-    tile ``j + 1``'s copy is started into the other rows, which every thread finished reading in step
+def _factors_ready(f_bufs, v_fbufs, FK, FV, stride_e, hk, o_lo, j, n_steps, BLOCK_N: gl.constexpr,
+                   NW: gl.constexpr):
+    """Walked tile ``j``'s factors are in row ``j % 2`` of ``f_bufs`` (K) and ``v_fbufs`` (V) once this
+    returns (the copies every thread of the partition started a step earlier landed), and tile
+    ``j + 1``'s copy is started into the other row, which every thread finished reading in step
     ``j - 1`` (the barrier)."""
     async_copy.wait_group(0)
     gl.thread_barrier()
     if j + 1 < n_steps:
-        _factors_fetch(f_bufs, FK, FV, stride_e, hk, o_lo, j + 1, BLOCK_N, NW)
+        _factors_fetch(f_bufs, v_fbufs, FK, FV, stride_e, hk, o_lo, j + 1, BLOCK_N, NW)
 
 
 @gluon.jit
@@ -344,8 +349,8 @@ def _promote(acc, pv, alpha, r, BOOST: gl.constexpr, acc_layout: gl.constexpr):
 
 
 @gluon.jit
-def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c,
-              n_steps, acc, p_prev, m_i, l_i, r_i, a_i, turn, k_turn, MASKED: gl.constexpr, BOOST: gl.constexpr,
+def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi, lim, row_f,
+              j, c, n_steps, acc, p_prev, m_i, l_i, r_i, a_i, turn, k_turn, MASKED: gl.constexpr, BOOST: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr,
               op_layout: gl.constexpr, acc_layout: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
               PV_PROMOTE: gl.constexpr):
@@ -365,7 +370,7 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk
     r = c + j
     s = r % STAGES
     sp = (r - 1) % STAGES
-    _factors_ready(f_bufs, FK, FV, stride_e, hk, o_lo, j, n_steps, BLOCK_N, NW)
+    _factors_ready(f_bufs, v_fbufs, FK, FV, stride_e, hk, o_lo, j, n_steps, BLOCK_N, NW)
     mbarrier.wait(ready.index(s), (r // STAGES) & 1)
     if PINGPONG:  # a turn is held only while issuing
         mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
@@ -384,8 +389,8 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk
         acc = _promote(acc, pv, a_i, r_i, BOOST, acc_layout)
         st = warpgroup_mma_wait(0, deps=(st,))
         mbarrier.arrive(empty.index(s), count=1)
-        fk = f_bufs.index(2 * (j % 2)).load(f_layout)
-        fv = f_bufs.index(2 * (j % 2) + 1).load(f_layout)
+        fk = f_bufs.index(j % 2).load(f_layout)
+        fv = v_fbufs.index(j % 2).load(f_layout)
         p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED, BOOST,
                                                   BLOCK_N, s_layout, op_layout)
     else:
@@ -397,11 +402,11 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk
         # K's factors read from shared memory under S_j, V's once it retired (their 32 registers would be
         # live across the wait too); passing the turn after the loads keeps ptxas from hoisting the masked tiles'
         # visibility compares into bit-packed registers (sm_90a compile, benchmarks/NOTES.md)
-        fk = f_bufs.index(2 * (j % 2)).load(f_layout)
+        fk = f_bufs.index(j % 2).load(f_layout)
         _turn_pass(turn, WG, PINGPONG)
         st = warpgroup_mma_wait(1, deps=(st,))
         mbarrier.arrive(empty.index(s), count=1)
-        fv = f_bufs.index(2 * (j % 2) + 1).load(f_layout)
+        fv = v_fbufs.index(j % 2).load(f_layout)
         p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED, BOOST,
                                                   BLOCK_N, s_layout, op_layout)
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -411,11 +416,12 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk
 
 
 @gluon.jit
-def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, o_smem, ready, empty, q_bar, q_phase, q_empty, O, LSE, EQ, FK,
-                       FV, stride_ot, stride_lh, stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1,
-                       qk_scale, c, T, turn, k_turn, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, o_smem, ready, empty, q_bar, q_phase, q_empty, O, LSE,
+                       EQ, FK, FV, stride_ot, stride_lh, stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps,
+                       u1, qk_scale, c, T, turn, k_turn, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr,
-                       BOOST: gl.constexpr, PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
+                       BOOST: gl.constexpr, PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr,
+                       MASKED_TILE0: gl.constexpr):
     """One entry's FP8 forward from ring position ``c`` (returned advanced) by consumer partition ``WG``
     (rows ``WG * BLOCK_M / 2`` on): ``gluon_fwd._fwd_consume_entry`` with the FP8 softmax / fold, O
     through the partition's own bf16 staging rows ``o_smem``. ``PINGPONG``: the entry's products are
@@ -443,7 +449,7 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, o_smem, ready, empty, q_b
     fk = _tile_factors(FK, stride_e, hk, o_lo, 0, BLOCK_N, s_layout)
     fv = _tile_factors(FV, stride_e, hk, o_lo, 0, BLOCK_N, s_layout)
     if n_steps > 1:  # tile 1's factors (the buffers are free: the last entry's epilogue barrier)
-        _factors_fetch(f_bufs, FK, FV, stride_e, hk, o_lo, 1, BLOCK_N, NW)
+        _factors_fetch(f_bufs, v_fbufs, FK, FV, stride_e, hk, o_lo, 1, BLOCK_N, NW)
     mbarrier.wait(q_bar, q_phase)
     s0 = c % STAGES
     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
@@ -453,7 +459,10 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, o_smem, ready, empty, q_b
     _turn_pass(turn, WG, PINGPONG)
     st = warpgroup_mma_wait(0, deps=(st,))
     mbarrier.arrive(empty.index(s0), count=1)
-    if (u1 > 0) & (ph == 0):
+    if MASKED_TILE0:  # one copy of the softmax in the prologue: what short documents' entries are bound by
+        p, m_i, l_i, a_i, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, fk, fv, True, BOOST, BLOCK_N,
+                                             s_layout, op_layout)
+    elif (u1 > 0) & (ph == 0):
         p, m_i, l_i, a_i, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, fk, fv, False, BOOST, BLOCK_N,
                                                 s_layout, op_layout)
     else:
@@ -464,14 +473,14 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, o_smem, ready, empty, q_b
             mbarrier.wait(ready.index(STAGES + s0), (c // STAGES) & 1)
             _zero_cols_outside(v_bufs.index(s0), ph, BLOCK_N, NW, True)
     for j in range(1, u1):
-        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk,
-                                               o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p, m_i, l_i, r_i, a_i,
-                                               turn, k_turn, False, BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout,
-                                               acc_layout, WG, PINGPONG, PV_PROMOTE)
+        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, stride_e,
+                                               hk, o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p, m_i, l_i, r_i,
+                                               a_i, turn, k_turn, False, BOOST, PART_M, BLOCK_N, NW, s_layout,
+                                               op_layout, acc_layout, WG, PINGPONG, PV_PROMOTE)
     for j in range(gl.maximum(u1, 1), n_steps):
-        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, ready, empty, FK, FV, stride_e, hk,
-                                               o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p, m_i, l_i, r_i, a_i,
-                                               turn, k_turn, True, BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout,
+        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, stride_e,
+                                               hk, o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p, m_i, l_i, r_i,
+                                               a_i, turn, k_turn, True, BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout,
                                                acc_layout, WG, PINGPONG, PV_PROMOTE)
     a = _words_operand(p, op_layout)
     r = c + n_steps - 1
@@ -505,11 +514,12 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, o_smem, ready, empty, q_b
 
 
 @gluon.jit
-def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, f_smem, o_smem, ready, empty, qo_ready, qo_empty, t_smem, O, LSE, EQ,
-                       FK, FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries, total,
-                       T, turn, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, f_smem, v_fsmem, o_smem, ready, empty, qo_ready, qo_empty, t_smem, O,
+                       LSE, EQ, FK, FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr, max_entries,
+                       total, T, turn, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        WL_BM: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr,
-                       BOOST: gl.constexpr, PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
+                       BOOST: gl.constexpr, PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr,
+                       MASKED_TILE0: gl.constexpr):
     """Consumer partition ``WG`` of the persistent FP8 forward: the entries the producer hands over
     (both partitions run every entry, so with ``PINGPONG`` their turns stay paired: entry ``n`` from
     ring position ``c`` takes turns ``c + n, ..., c + n + n_steps``)."""
@@ -524,10 +534,11 @@ def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, f_smem, o_smem, ready, empty, qo_
     while t < n_total:
         slot = n % QO_STAGES
         t, h, hk, rs, re, o_lo, o_hi, u1, n_steps, ph = _handoff_load(t_smem.index(slot), idx_layout)
-        c = _fp8_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, f_smem, o_part, ready, empty, qo_ready.index(slot),
-                               (n // QO_STAGES) & 1, qo_empty.index(slot), O, LSE, EQ, FK, FV, stride_ot, stride_lh,
-                               stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1, qk_scale, c, T, turn,
-                               c + n, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, WG, NW, BOOST, PINGPONG, PV_PROMOTE)
+        c = _fp8_consume_entry(q_bufs.index(slot), k_bufs, v_bufs, f_smem, v_fsmem, o_part, ready, empty,
+                               qo_ready.index(slot), (n // QO_STAGES) & 1, qo_empty.index(slot), O, LSE, EQ, FK, FV,
+                               stride_ot, stride_lh, stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1,
+                               qk_scale, c, T, turn, c + n, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, WG, NW, BOOST, PINGPONG,
+                               PV_PROMOTE, MASKED_TILE0)
         n += 1
         t = _next_entry(qo_ready, t_smem, n, idx_layout)
 
@@ -537,7 +548,7 @@ def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, FK, FV, items_ptr, num_i
                     skip_len, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, total, T, counter_ptr,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr,
-                    PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
+                    PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr, MASKED_TILE0: gl.constexpr):
     # one program per SM; two Q slots; the K / V^T ring (split barriers, as the BF16 forward); two 4-warp
     # consumer partitions (PINGPONG: taking turns to issue their products) and the producer warp
     # (gluon_common._rows_producer_loop, V^T boxes on the 16-token grid)
@@ -553,18 +564,20 @@ def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, FK, FV, items_ptr, num_i
     t_smem = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     # each partition's K / V factors of its current and next key tile (_factors_ready)
     f_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    f_smem0 = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], f_layout)
-    f_smem1 = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], f_layout)
+    f_smem0 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], f_layout)
+    v_fsmem0 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], f_layout)
+    f_smem1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], f_layout)
+    v_fsmem1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], f_layout)
     turn = _turn_barriers(q_ready, PINGPONG)
     gl.warp_specialize([
-        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem0, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE,
-                              EQ, FK, FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr,
+        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem0, v_fsmem0, o_smem, ready, empty, q_ready, q_empty, t_smem,
+                              O, LSE, EQ, FK, FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr,
                               max_entries, total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 0, 4, BOOST,
-                              PINGPONG, PV_PROMOTE)),
-        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem1, o_smem, ready, empty, q_ready, q_empty, t_smem, O, LSE,
-                              EQ, FK, FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr,
+                              PINGPONG, PV_PROMOTE, MASKED_TILE0)),
+        (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem1, v_fsmem1, o_smem, ready, empty, q_ready, q_empty, t_smem,
+                              O, LSE, EQ, FK, FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr,
                               max_entries, total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST,
-                              PINGPONG, PV_PROMOTE)),
+                              PINGPONG, PV_PROMOTE, MASKED_TILE0)),
         (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
                                q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
                                max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
@@ -638,8 +651,8 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
                   ev: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
                   softmax_scale: float, *, causal: bool = True, block_m: int = 128, block_n: int = 128,
                   wl_block_m: int = 128, stages: int = 2, skip_len: int = 1, o: torch.Tensor | None = None,
-                  lse: torch.Tensor | None = None, pingpong: bool = True,
-                  pv_promote: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  lse: torch.Tensor | None = None, pingpong: bool = True, pv_promote: bool = True,
+                  masked_tile0: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed FP8 attention forward, warp-specialized Gluon, sm_90 (module docs: the numerics).
 
     Args:
@@ -662,6 +675,11 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
             promoted into a separate fp32 register accumulator (default; module docs: why). False:
             accumulate across tiles in the MMA accumulator (overflows on an all-zero V tile; its products
             compile serialized, C7513).
+        masked_tile0: every entry's first key tile takes the masked softmax (one copy of the softmax in
+            the entry's prologue instead of two; bitwise the same output). Short documents' entries walk
+            2-3 tiles and are bound by instruction fetch, long ones pay a masked step an entry. Default:
+            on where the mean document length ``T / n_docs`` is at most :data:`MASKED_TILE0_MAX_MEAN`
+            tokens (known on the host: no sync). Measured: benchmarks/RESULTS.md, 2026-12-03 (third).
 
     Returns:
         ``(o, lse)``: ``(T, H_q, 128)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
@@ -685,6 +703,8 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
     if T == 0 or max_entries == 0:
         return o, lse
     total = max_entries * H
+    if masked_tile0 is None:
+        masked_tile0 = T <= MASKED_TILE0_MAX_MEAN * max(cu_seqlens.numel() - 1, 1)
     grid = min(total, torch.cuda.get_device_properties(qc.device).multi_processor_count)
     _fp8_fwd_kernel[(grid,)](
         fp8_descriptor(qc, block_m), fp8_descriptor(kc, block_n), fp8_descriptor_t(vt, block_n), o, lse, eq, ek, ev,
@@ -692,5 +712,5 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
         ek.stride(0), float(softmax_scale) * LOG2E, total, T, torch.zeros(1, dtype=torch.int32, device=qc.device),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
         CAUSAL=bool(causal), BOOST=BOOST_LOG2, PINGPONG=bool(pingpong), PV_PROMOTE=bool(pv_promote),
-        num_warps=CONSUMER_WARPS.value // 2, maxnreg=MAXNREG)
+        MASKED_TILE0=bool(masked_tile0), num_warps=CONSUMER_WARPS.value // 2, maxnreg=MAXNREG)
     return o, lse
