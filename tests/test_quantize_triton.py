@@ -63,6 +63,8 @@ def assert_same(out, x, cu, granularity, transposed):
         (torch.bfloat16, "token", True, 32, "kernel"),
         (torch.bfloat16, "block", True, 32, "torch"),
         (torch.float16, "block", False, 16, "torch"),  # tile smaller than a group: halo on both sides
+        (torch.bfloat16, "block", True, 32, "triton"),
+        (torch.float32, "token", True, 64, "triton"),
     ],
 )
 def test_interpreter_bitwise(dtype, granularity, transposed, block_rows, store):
@@ -189,8 +191,8 @@ def test_gpu_qkv_tiles_metadata_and_encoder(block_rows, num_warps):
 
 @pytest.mark.parametrize("granularity", ["block", "token"])
 def test_interpreter_qkv_kernel_store_of_v_only(granularity):
-    """``transposed=(False, False, True), transposed_store="kernel"`` (what ``fp8_quantize`` runs for
-    bf16): only V gets its copy, written by its own programs; the codes are the reference's."""
+    """``transposed=(False, False, True), transposed_store="kernel"``: only V gets its copy, written by
+    its own programs; the codes are the reference's."""
     gen = torch.Generator().manual_seed(31)
     q, cu = packed(gen, [1, 17, 30, 11], 5, 2, 16, torch.bfloat16)
     k, _ = packed(gen, [1, 17, 30, 11], 5, 1, 16, torch.bfloat16)
@@ -204,9 +206,8 @@ def test_interpreter_qkv_kernel_store_of_v_only(granularity):
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", ["block", "token"])
 def test_gpu_qkv_kernel_store_of_v_only(granularity):
-    """V's transposed copy written in the kernel with the integer encoder, Q and K without one
-    (``fp8_quantize``'s bf16 call; the hardware cvt variant is timed and checked by
-    ``benchmarks/probes/fp8_fwd_probe.py --parts quant``)."""
+    """V's transposed copy written in the kernel with the integer encoder, Q and K without one (the
+    hardware cvt variant is timed and checked by ``benchmarks/probes/fp8_fwd_probe.py --parts quant``)."""
     hw_cvt = False
     gen = torch.Generator().manual_seed(7)
     lens = torch.randint(1, 2000, (13,), generator=gen).tolist() + [1, 2, 31, 33]
@@ -253,3 +254,49 @@ def test_gpu_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert_same(out, x, cu, "block", False)
+
+
+def _triton_store_matches_torch(q, k, v, cu, granularity, flags, order):
+    ref = quantize_qkv(q, k, v, cu, granularity, transposed=flags, wgmma_order=order, transposed_store="torch")
+    got = quantize_qkv(q, k, v, cu, granularity, transposed=flags, wgmma_order=order, transposed_store="triton")
+    for a, b in zip(ref, got):
+        assert torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
+        assert torch.equal(a.exponents, b.exponents)
+        assert (a.codes_t is None) == (b.codes_t is None)
+        if a.codes_t is not None:
+            assert a.codes_t.shape == b.codes_t.shape and a.codes_t.stride() == b.codes_t.stride()
+            # the whole pitch, the padding's zero codes included
+            full = [t.view(torch.uint8).as_strided((t.shape[0], t.shape[1], t.stride(1)), (t.stride(0), t.stride(1), 1))
+                    for t in (a.codes_t, b.codes_t)]
+            assert torch.equal(full[0], full[1])
+
+
+@pytest.mark.parametrize("flags,order", [((False, False, True), (False, False, True)),
+                                         ((True, True, True), (True, False, True))])
+def test_interpreter_triton_transposed_store(flags, order):
+    """``transposed_store="triton"`` (what ``fp8_quantize`` / ``quantize_do`` run): the transposing launch
+    gives the torch copy's bits, token order and wgmma order, with T off the 16-grid and D not a power
+    of two."""
+    gen = torch.Generator().manual_seed(41)
+    for D in (16, 24):
+        q, cu = packed(gen, [1, 17, 30, 11], 5, 2, D, torch.bfloat16)
+        k, _ = packed(gen, [1, 17, 30, 11], 5, 1, D, torch.bfloat16)
+        v, _ = packed(gen, [1, 17, 30, 11], 5, 1, D, torch.bfloat16)
+        _triton_store_matches_torch(q, k, v, cu, "block", flags, order)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("granularity", ["block", "token"])
+def test_gpu_triton_transposed_store(dtype, granularity):
+    """The FP8 path's quantization (hardware convert, then the transposing launch) against the torch copy,
+    V only (the forward) and all three (the backward), on random unaligned documents."""
+    gen = torch.Generator().manual_seed(19)
+    lens = torch.randint(1, 2000, (13,), generator=gen).tolist() + [1, 2, 31, 33]
+    q, cu = packed(gen, lens, 9, 8, 128, dtype, spread=20)
+    k, _ = packed(gen, lens, 9, 2, 128, dtype, spread=20)
+    v, _ = packed(gen, lens, 9, 2, 128, dtype, spread=20)
+    _poison_allocator(16 * q.numel())
+    for flags, order in (((False, False, True), (False, False, True)), ((True, True, True), (True, False, True))):
+        _triton_store_matches_torch(q.cuda(), k.cuda(), v.cuda(), cu.cuda(), granularity, flags, order)
+    torch.cuda.synchronize()

@@ -75,16 +75,12 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
                  backward: bool = False) -> FP8Operands:
     """Quantize Q, K, V for the FP8 forward in one launch (V also feature-major, in the wgmma order).
 
-    bf16 inputs: the quantizer writes the transposed copies itself in the same pass
-    (``quantize_qkv(transposed=(backward, backward, True), wgmma_order=(backward, False, True),
-    transposed_store="kernel", hw_cvt=False)``:
-    the integer E4M3 encoder, the combination whose in-kernel transposed store was measured bitwise on
-    the H200 with every input transposed, as ``backward=True`` runs it; the V-only variant of the
-    forward alone is checked by ``benchmarks/probes/fp8_fwd_probe.py --parts quant`` and the GPU
-    tests). fp16 / fp32 inputs: the copies are torch copies after the kernel
-    (``transposed_store="torch"``: ptxas miscompiles the in-kernel store for float32 inputs,
-    ``kernels.quantize.quantize``). The codes are the same bits either way
-    (``quant.quantize_token_blocks``').
+    ``quantize_qkv(transposed=(backward, backward, True), wgmma_order=(backward, False, True),
+    transposed_store="triton")``: the quantizer writes the row-major codes with the hardware E4M3
+    convert, and one transposing launch per copy writes V^T (and, ``backward``, Q^T and K^T) from those
+    codes (the in-kernel transposed store needed the integer encoder, which doubled the quantizer's
+    time: benchmarks/NOTES.md). The codes are ``quant.quantize_token_blocks``' bits for finite inputs;
+    a NaN input gets the NaN code (as BF16, it propagates within its document).
 
     Args:
         q: ``(T, H_q, D)``, k, v: ``(T, H_kv, D)`` bf16 / fp16 / fp32 on one device.
@@ -102,10 +98,9 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
 
     if not isinstance(backward, bool):
         raise FlamiaError(f"fp8_quantize: backward must be a bool, got {backward!r}")
-    in_kernel = q.dtype == torch.bfloat16
     qq, kq, vq = quantize_qkv(q, k, v, cu_seqlens, scale_granularity, transposed=(backward, backward, True),
-                              wgmma_order=(backward, False, True), transposed_store="kernel" if in_kernel else "torch",
-                              hw_cvt=False if in_kernel else None, check_finite=check_finite, validate=False)
+                              wgmma_order=(backward, False, True), transposed_store="triton",
+                              check_finite=check_finite, validate=False)
     return FP8Operands(qq.codes, kq.codes, vq.codes_t, qq.exponents, kq.exponents, vq.exponents,
                        exponent_table(kq.exponents), exponent_table(vq.exponents), scale_granularity,
                        qq.codes_t if backward else None, kq.codes_t if backward else None,

@@ -19,11 +19,12 @@ __all__ = ["fp8_backward", "quantize_do"]
 def quantize_do(do: torch.Tensor, cu32: torch.Tensor, granularity: str):
     """dO ``(T, H_q, D)`` bf16 as the FP8 backward reads it: ``kernels.quantize.quantize`` with the
     forward's granularity, codes and their feature-major copy in the wgmma order (the dV product's
-    B operand: ``to_wgmma_order``) written by one launch (integer encoder, ``hw_cvt=False``)."""
+    B operand: ``to_wgmma_order``): the quantizer's launch (hardware E4M3 convert) and one transposing
+    launch (``transposed_store="triton"``, as ``fp8_attention.fp8_quantize``)."""
     from flamia_pack.kernels.quantize import quantize
 
-    return quantize(do, cu32, granularity, transposed=True, wgmma_order=True, transposed_store="kernel",
-                    hw_cvt=False, check_finite=False, validate=False)
+    return quantize(do, cu32, granularity, transposed=True, wgmma_order=True, transposed_store="triton",
+                    check_finite=False, validate=False)
 
 
 def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32: torch.Tensor, *, causal: bool,

@@ -15,7 +15,8 @@ codes); see that module for the numerics. What this file adds is speed and layou
   (:func:`to_wgmma_order`, ``(H, D, ceil16(T))``: what the FP8 kernels' register A operands
   contract against). The kernel can write it in the same pass, but the toolchain miscompiles that
   variant on sm_90 for some inputs (see ``transposed_store``), so by default it is a torch copy of
-  the codes after the kernel; the FP8 path writes it in the kernel with the integer encoder.
+  the codes after the kernel; the FP8 path has a second Triton kernel transpose the codes
+  (``transposed_store="triton"``), which lets the quantizer keep the hardware convert.
 
 Tiling. A program handles one head of one tensor and ``BLOCK_R`` consecutive rows (tokens) starting
 at a multiple of ``BLOCK_R``, so every store (codes, exponents, and the transposed copy) is aligned
@@ -119,6 +120,12 @@ def from_wgmma_order(xt: torch.Tensor, T: int) -> torch.Tensor:
         raise FlamiaError(f"from_wgmma_order: need a token axis that is a multiple of 16 and >= T, got {tp} "
                           f"for T={T}")
     return xt.reshape(*lead, tp // 16, 4, 2, 2).transpose(-3, -2).reshape(*lead, tp)[..., :T]
+
+
+TRANSPOSED_STORES = ("torch", "kernel", "triton")
+"""How ``codes_t`` is written (``quantize(transposed_store=)``)."""
+TRANSPOSE_BLOCK_T = 128
+"""Tokens per program of the ``"triton"`` transposed store (128-byte runs per feature row)."""
 
 
 class LaunchConfig(NamedTuple):
@@ -370,6 +377,26 @@ if HAS_TRITON:
                         tl.store(t_ptr + col[None, :] + rows64[:, None], code, mask=mask)
 
 
+    @triton.jit
+    def _transpose_codes_kernel(c_ptr, t_ptr, T, TP, H, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                                BLOCK_T: tl.constexpr, WGMMA: tl.constexpr):
+        # codes (T, H, D) uint8 -> (H, D, TP) uint8, token order or the wgmma order (to_wgmma_order);
+        # the padding tokens T..TP as zero codes. One program: BLOCK_T tokens of one head, read as D-byte
+        # rows, stored as BLOCK_T-byte runs per feature (the layout change goes through shared memory).
+        tile = tl.program_id(0)
+        h = tl.program_id(1)
+        rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_d = tl.arange(0, BLOCK_D)
+        x = tl.load(c_ptr + (rows.to(tl.int64)[:, None] * H + h) * D + offs_d[None, :],
+                    mask=(rows < T)[:, None] & (offs_d < D)[None, :], other=0)
+        if WGMMA:
+            x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_T // 16, 2, 4, 2, BLOCK_D)), (0, 2, 1, 3, 4)),
+                           (BLOCK_T, BLOCK_D))
+        xt = tl.trans(x)
+        tl.store(t_ptr + (h * D + offs_d).to(tl.int64)[:, None] * TP + rows[None, :], xt,
+                 mask=(offs_d < D)[:, None] & (rows < TP)[None, :])
+
+
 def _search_steps(n_docs: int) -> int:
     """Binary-search steps over ``n_docs + 1`` boundaries, rounded up to a multiple of 8 so that
     only a handful of kernel variants get compiled (extra steps are no-ops once lo == hi; each is
@@ -458,8 +485,9 @@ def _quantize_many(
     # row stride a multiple of D (true for contiguous tensors and for views into a fused QKV
     # projection); with D a compile-time constant the compiler can prove 16-byte alignment.
     xs = [x if (x.stride(2) == 1 and x.stride(1) == D and x.stride(0) % D == 0) else x.contiguous() for x in xs]
-    if transposed_store not in ("torch", "kernel"):
-        raise FlamiaError(f"transposed_store must be 'torch' or 'kernel', got {transposed_store!r}")
+    if transposed_store not in TRANSPOSED_STORES:
+        raise FlamiaError(f"transposed_store must be one of {', '.join(map(repr, TRANSPOSED_STORES))}, got "
+                          f"{transposed_store!r}")
     transposed = any(want_t)
     in_kernel_t = transposed and transposed_store == "kernel"
     cfg = launch_config(group, D, in_kernel_t)
@@ -510,7 +538,13 @@ def _quantize_many(
             X_BF16=x0.dtype == torch.bfloat16,
             num_warps=warps,
         )
-    if transposed and not in_kernel_t:  # one extra pass over the codes (1 B read + 1 B written)
+    if transposed and transposed_store == "triton":  # one launch a tensor: 1 B read + 1 B written an element
+        for c, ct, w, wo in zip(codes, codes_t, want_t, want_w):
+            if w and tp:
+                kernel_for(_transpose_codes_kernel, dev)[(triton.cdiv(tp, TRANSPOSE_BLOCK_T), c.shape[1])](
+                    c, ct, T, tp, c.shape[1], D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=TRANSPOSE_BLOCK_T,
+                    WGMMA=bool(wo), num_warps=4)
+    elif transposed and not in_kernel_t:  # one extra pass over the codes (1 B read + 1 B written)
         for c, ct, w, wo in zip(codes, codes_t, want_t, want_w):
             if w:
                 ct[:, :, :T].copy_(c.permute(1, 2, 0))
@@ -578,6 +612,10 @@ def quantize(
             (only the flagged inputs' programs store the copy; the all-transposed variant's SASS is
             unchanged by that): not yet checked on a GPU. Check bitwise on your toolchain before
             other combinations (the GPU tests and ``benchmarks/probes/fp8_fwd_probe.py`` do).
+            ``"triton"``: the kernel writes the row-major codes (with the hardware convert on CUDA) and a
+            second Triton launch per tensor transposes them (1 B read + 1 B written an element, the
+            padding's zero codes included); what the FP8 path uses (no convert in the transposing
+            kernel, so no miscompile to avoid).
         wgmma_order: ``codes_t`` as ``(H, D, ceil16(T))`` in the order of :func:`to_wgmma_order` (the
             FP8 forward's V^T), zeros at the padding tokens' positions; needs ``transposed`` (FlamiaError).
 
