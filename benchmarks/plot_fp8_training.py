@@ -154,6 +154,46 @@ def parity_markdown(prows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def paired(rows: list[dict], margin: float = PARITY_MARGIN) -> list[dict]:
+    """The parity test on seed-paired runs: a seed is the model's initialisation and every run reads the
+    same data order (``train_fp8.py --data-seed``), so a mode's run and BF16's run of one seed differ only
+    in the attention. Per FP8 mode (the leak left out), over the seeds it shares with BF16 (runs
+    :func:`_pooled` accepts): ``n``, the mean of ``val_exact(mode, s) - val_exact(bf16, s)``, its sample
+    sd and standard error ``sd / sqrt(n)``, and ``upper``: mean + 2 SE, the one-sided bound that "no worse
+    than BF16 by more than ``margin``" needs below ``margin``. ``nan`` where ``n < 2``."""
+    full = _full_steps(rows)
+    by: dict[str, dict[int, float]] = {}
+    for x in rows:
+        if _pooled(x, full) and math.isfinite(x["val_exact"]) and x.get("seed") is not None:
+            by.setdefault(x["attn"], {})[x["seed"]] = x["val_exact"]
+    base = by.get("bf16", {})
+    out = []
+    for a, vals in by.items():
+        if a == "bf16":
+            continue
+        d = [vals[s] - base[s] for s in sorted(vals) if s in base]
+        n = len(d)
+        mean = statistics.fmean(d) if d else float("nan")
+        sd = statistics.stdev(d) if n > 1 else float("nan")
+        se = sd / math.sqrt(n) if n > 1 else float("nan")
+        out.append({"attn": a, "n": n, "mean_diff": mean, "sd": sd, "se": se, "upper": mean + 2 * se,
+                    "margin": margin})
+    return out
+
+
+def paired_markdown(prows: list[dict]) -> str:
+    margin = prows[0]["margin"] if prows else PARITY_MARGIN
+    out = [f"| attn | seed pairs | mean (mode - BF16) | sd | standard error | mean + 2 SE | no worse than +{margin} |",
+           "|" + "---|" * 7]
+    for x in prows:
+        def f(v, fmt):
+            return "-" if v != v else format(v, fmt)
+        ok = "-" if x["upper"] != x["upper"] else ("yes" if x["upper"] <= margin else "no")
+        out.append(f"| {x['attn']} | {x['n']} | {f(x['mean_diff'], '+.4f')} | {f(x['sd'], '.4f')} | "
+                   f"{f(x['se'], '.4f')} | {f(x['upper'], '+.4f')} | {ok} |")
+    return "\n".join(out)
+
+
 def plot(runs: list[dict], out: pathlib.Path, smooth: int = 50) -> pathlib.Path:
     try:
         import matplotlib
@@ -246,6 +286,8 @@ def main(argv=None) -> list[dict]:
         print(markdown(rows))
         print()
         print(parity_markdown(parity(rows)))
+        print()
+        print(paired_markdown(paired(rows)))
         full = _full_steps(rows)
         short = [x["run"] for x in rows if x["attn"] != "fp8-leak" and not _pooled(x, full)]
         if short:

@@ -353,6 +353,28 @@ def test_parity_table_of_the_plot_script():
     assert "| fp8-block | 3 | 1.1500 | 0.1000 | +0.0500 |" in table
 
 
+def test_paired_parity_of_the_plot_script():
+    """benchmarks/plot_fp8_training.paired: differences of one seed's runs (same initialisation and data),
+    their mean, sd, standard error and the one-sided bound mean + 2 SE against the margin; seeds without a
+    BF16 run and the leak are left out."""
+    spec = importlib.util.spec_from_file_location("plot_fp8_training", ROOT / "benchmarks" / "plot_fp8_training.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [{"attn": "bf16", "seed": s, "val_exact": v} for s, v in ((0, 1.0), (1, 1.2), (2, 1.1))]
+    rows += [{"attn": "fp8-block", "seed": s, "val_exact": v} for s, v in ((0, 1.02), (1, 1.18), (2, 1.13), (9, 5.0))]
+    rows += [{"attn": "fp8-leak", "seed": 0, "val_exact": 9.0}, {"attn": "fp8-token", "seed": 1, "val_exact": 1.3}]
+    got = {x["attn"]: x for x in mod.paired(rows)}
+    assert set(got) == {"fp8-block", "fp8-token"}
+    b = got["fp8-block"]
+    assert b["n"] == 3 and b["mean_diff"] == pytest.approx(0.01)  # +0.02, -0.02, +0.03
+    assert b["sd"] == pytest.approx(math.sqrt((0.01 ** 2 + 0.03 ** 2 + 0.02 ** 2) / 2))
+    assert b["se"] == pytest.approx(b["sd"] / math.sqrt(3)) and b["upper"] == pytest.approx(0.01 + 2 * b["se"])
+    t = got["fp8-token"]
+    assert t["n"] == 1 and t["mean_diff"] == pytest.approx(0.1) and math.isnan(t["upper"])
+    table = mod.paired_markdown(mod.paired(rows))
+    assert "| fp8-block | 3 | +0.0100 |" in table and "| no |" in table and "| fp8-token | 1 | +0.1000 | - |" in table
+
+
 def test_plot_script_reads_a_gzipped_log_as_the_plain_one(tf, source, tmp_path):
     """benchmarks/runs/ keeps logs as log.jsonl.gz: read_run gives the same records from either."""
     import gzip
