@@ -4,7 +4,8 @@ Reads each run directory's ``log.jsonl`` (CPU only, no torch) and writes one PNG
 training loss (smoothed), validation loss through the run's own attention (solid) and through
 exact BF16 attention (dashed; the leak's causal control dotted), and the gradient norm. Also
 prints a table of the final numbers (markdown with ``--markdown``, then the per-mode parity table of
-:func:`parity`: mean, sd and difference to BF16 over each mode's runs).
+:func:`parity`: mean, sd and difference to BF16 over each mode's runs; the seed-paired one of :func:`paired`;
+the spike comparison of :func:`spike_overlap`).
 
     python benchmarks/plot_fp8_training.py out/fp8-train/* --out benchmarks/fp8_training.png
 """
@@ -194,6 +195,47 @@ def paired_markdown(prows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def spike_overlap(rows: list[dict]) -> list[dict]:
+    """Issue 29's "no gradient-norm spikes the BF16 run does not have", against BF16's own seed noise.
+    Spikes are ``train_fp8.py``'s (a step's norm > 3x the median of the previous 100). Per FP8 mode (the
+    leak left out): the fraction of its runs' spikes on steps where none of ``k`` BF16 runs spikes, averaged
+    over every choice of ``k`` BF16 runs; for BF16: each run's spikes against the other ``k`` BF16 runs
+    (leave-one-out). ``k`` = the number of BF16 runs - 1, so both fractions count against as many runs.
+    Rows: ``{"attn", "runs", "spikes", "fraction_unshared", "k"}``; ``[]`` with fewer than 2 BF16 runs."""
+    import itertools
+
+    full = _full_steps(rows)
+    by: dict[str, list[set]] = {}
+    for x in rows:
+        if _pooled(x, full) and x.get("spikes") is not None:
+            by.setdefault(x["attn"], []).append(set(x["spikes"]))
+    bf = by.get("bf16", [])
+    if len(bf) < 2:
+        return []
+    k = len(bf) - 1
+    out = []
+    for a, runs in by.items():
+        total = sum(len(v) for v in runs)
+        if a == "bf16":
+            unshared = sum(len(v - set().union(*(w for j, w in enumerate(bf) if j != i))) for i, v in enumerate(bf))
+            frac = unshared / total if total else float("nan")
+        else:
+            fr = [sum(len(v - set().union(*sub)) for v in runs) / total
+                  for sub in itertools.combinations(bf, k)] if total else [float("nan")]
+            frac = statistics.fmean(fr)
+        out.append({"attn": a, "runs": len(runs), "spikes": total, "fraction_unshared": frac, "k": k})
+    return out
+
+
+def spike_markdown(srows: list[dict]) -> str:
+    k = srows[0]["k"] if srows else 0
+    out = [f"| attn | runs | spikes | on steps where none of {k} BF16 runs spikes |", "|" + "---|" * 4]
+    for x in srows:
+        f = "-" if x["fraction_unshared"] != x["fraction_unshared"] else f"{100 * x['fraction_unshared']:.0f}%"
+        out.append(f"| {x['attn']} | {x['runs']} | {x['spikes']} | {f} |")
+    return "\n".join(out)
+
+
 def plot(runs: list[dict], out: pathlib.Path, smooth: int = 50) -> pathlib.Path:
     try:
         import matplotlib
@@ -288,6 +330,10 @@ def main(argv=None) -> list[dict]:
         print(parity_markdown(parity(rows)))
         print()
         print(paired_markdown(paired(rows)))
+        srows = spike_overlap(rows)
+        if srows:
+            print()
+            print(spike_markdown(srows))
         full = _full_steps(rows)
         short = [x["run"] for x in rows if x["attn"] != "fp8-leak" and not _pooled(x, full)]
         if short:

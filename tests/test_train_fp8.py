@@ -375,6 +375,29 @@ def test_paired_parity_of_the_plot_script():
     assert "| fp8-block | 3 | +0.0100 |" in table and "| no |" in table and "| fp8-token | 1 | +0.1000 | - |" in table
 
 
+def test_spike_overlap_of_the_plot_script():
+    """benchmarks/plot_fp8_training.spike_overlap: an FP8 run's spikes count as unshared only on steps where
+    none of k BF16 runs spikes (averaged over the choices of k), BF16's against its other k seeds."""
+    spec = importlib.util.spec_from_file_location("plot_fp8_training", ROOT / "benchmarks" / "plot_fp8_training.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [{"attn": "bf16", "seed": 0, "steps": 9, "spikes": [10, 20]},
+            {"attn": "bf16", "seed": 1, "steps": 9, "spikes": [20, 30]},
+            {"attn": "bf16", "seed": 2, "steps": 9, "spikes": [40]},
+            {"attn": "fp8-block", "seed": 0, "steps": 9, "spikes": [10, 50]},
+            {"attn": "fp8-leak", "seed": 0, "steps": 9, "spikes": [1, 2, 3]},
+            {"attn": "fp8-token", "seed": 0, "steps": 5, "spikes": [99]}]  # shorter: left out
+    got = {x["attn"]: x for x in mod.spike_overlap(rows)}
+    assert set(got) == {"bf16", "fp8-block"} and got["bf16"]["k"] == 2
+    # BF16: 10 (only s0), 30 (only s1), 40 (only s2) unshared; 20 shared: 3 of 5
+    assert got["bf16"]["spikes"] == 5 and got["bf16"]["fraction_unshared"] == pytest.approx(3 / 5)
+    # fp8-block: 50 never shared; 10 unshared against {s1, s2} only: (1 + 1 + 2) / 3 choices / 2 spikes
+    assert got["fp8-block"]["fraction_unshared"] == pytest.approx((1 / 2 + 1 / 2 + 2 / 2) / 3)
+    table = mod.spike_markdown(mod.spike_overlap(rows))
+    assert "| bf16 | 3 | 5 | 60% |" in table and "none of 2 BF16 runs" in table
+    assert mod.spike_overlap(rows[:1]) == []
+
+
 def test_plot_script_reads_a_gzipped_log_as_the_plain_one(tf, source, tmp_path):
     """benchmarks/runs/ keeps logs as log.jsonl.gz: read_run gives the same records from either."""
     import gzip
