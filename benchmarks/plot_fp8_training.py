@@ -38,15 +38,24 @@ def read_run(d: pathlib.Path) -> dict:
             raise SystemExit(f"error: {d}/log.jsonl.gz cannot be read ({exc})") from None
     else:
         raise SystemExit(f"error: {d}: no log.jsonl or log.jsonl.gz (not a train_fp8.py run directory)")
-    try:
-        recs = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
-        if not all(isinstance(r, dict) and isinstance(r.get("type"), str) and isinstance(r.get("step", 0), int)
-                   for r in recs):
-            raise ValueError("a record without a string 'type' or an integer 'step'")
-    except ValueError as exc:  # json.JSONDecodeError is a ValueError
-        raise SystemExit(f"error: {d}: its log is not a train_fp8.py log ({exc})") from None
+    recs = []
+    for no, ln in enumerate(text.splitlines(), 1):
+        if not ln.strip():
+            continue
+        try:
+            r = json.loads(ln)
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            raise SystemExit(f"error: {d}: line {no} of its log is not JSON ({exc.__class__.__name__}: "
+                             f"{str(exc).split(':')[0]}; a run cut off mid-write? the last line may be partial)") from None
+        if not (isinstance(r, dict) and isinstance(r.get("type"), str) and isinstance(r.get("step", 0), int)):
+            raise SystemExit(f"error: {d}: line {no} of its log is not a train_fp8.py record (a string 'type' and "
+                             "an integer 'step')")
+        recs.append(r)
+    if not recs:
+        raise SystemExit(f"error: {d}: its log is empty (no records: the run has not started)")
     starts = [r for r in recs if r["type"] == "start"]
-    cfg = starts[0]["config"] if starts else {}
+    cfg = starts[0].get("config") if starts else None
+    cfg = cfg if isinstance(cfg, dict) else {}
     summ = d / "summary.json"
     # a resumed run appends: keep the last record of every step
     train = {r["step"]: r for r in recs if r["type"] == "train"}
@@ -322,7 +331,15 @@ def main(argv=None) -> list[dict]:
     out = a.out if a.out is not None else dirs[0].resolve().parent / "fp8_training.png"
     if out.suffix.lower() != ".png":
         p.error(f"--out {out}: must be a .png path")
-    runs = [read_run(d) for d in dirs]
+    runs = []
+    for d in dirs:
+        r = read_run(d)
+        if r["train"]:
+            runs.append(r)
+        else:
+            print(f"skipping {d}: no training step logged yet", file=sys.stderr)
+    if not runs:
+        p.error("no run among the directories given has a logged training step")
     rows = table(runs)
     if a.markdown:
         print(markdown(rows))

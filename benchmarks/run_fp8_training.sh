@@ -23,9 +23,14 @@ DIR=${2:-out/fp8-train}
 PY=${PYTHON:-python}
 PARALLEL=${PARALLEL:-1}
 export PYTHONPATH=${PYTHONPATH:-.}
+case "$BUDGET" in ''|*[!0-9]*) echo "error: BUDGET_SECONDS must be a positive integer (seconds), got '$BUDGET'" >&2; exit 2;; esac
+[ "$BUDGET" -ge 1 ] || { echo "error: BUDGET_SECONDS must be >= 1, got '$BUDGET'" >&2; exit 2; }
 END=$((SECONDS + BUDGET))
 case "$PARALLEL" in ''|*[!0-9]*|0) echo "error: PARALLEL must be a positive integer, got '$PARALLEL'" >&2; exit 2;; esac
-mkdir -p "$DIR"
+if [ -e "$DIR" ] && [ ! -d "$DIR" ]; then
+  echo "error: RUNS_DIR $DIR exists and is not a directory (the runs' checkpoints and logs go in it)" >&2; exit 2
+fi
+mkdir -p "$DIR" || { echo "error: cannot create RUNS_DIR $DIR" >&2; exit 2; }
 RUNS=("bf16-s0|--attn bf16 --seed 0" "fp8-leak|--attn fp8-leak" "fp8-block|--attn fp8-block"
       "fp8-token|--attn fp8-token" "bf16-s1|--attn bf16 --seed 1" "fp8-block-s1|--attn fp8-block --seed 1"
       "fp8-token-s1|--attn fp8-token --seed 1")

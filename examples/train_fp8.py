@@ -74,6 +74,8 @@ SAMPLE = tiny.SAMPLE
 VOCAB = tiny.VOCAB
 H200_BF16_PEAK = 989e12  # dense BF16 tensor-core FLOP/s of an H200 SXM (no sparsity)
 CKPT, LOG, SUMMARY = "ckpt.pt", "log.jsonl", "summary.json"
+#: the longest packed row and the most tokens a step this example takes (the model is small: more is a typo)
+MAX_CAPACITY, MAX_STEP_TOKENS = 1 << 20, 1 << 24
 # settings that change the trajectory: a resume with any other value is refused
 TRAJECTORY = ("attn", "seed", "data_seed", "steps", "layers", "d_model", "heads", "capacity", "batch_rows", "lr",
               "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "source", "val_every_nth_doc",
@@ -271,7 +273,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="training rows: each epoch packed, then served in a seeded permutation ('shuffle'), or in "
                         "the streaming packer's order ('stream': a long document's pieces back to back; the "
                         "protocol of the runs before 2026-12-03)")
-    p.add_argument("--leak-mode", default="next-floor", help=f"fp8-leak only: {', '.join(fp8_leak.LEAK_MODES)}")
+    p.add_argument("--leak-mode", default=None,
+                   help=f"fp8-leak only: {', '.join(fp8_leak.LEAK_MODES)} (default next-floor)")
     p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cuda' or 'cpu'")
     p.add_argument("--estimate", action="store_true", help="print FLOPs per step and the H200 time estimate, then exit")
     p.add_argument("--quiet", action="store_true", help="print nothing while training (the log has it all)")
@@ -287,6 +290,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.attn not in ATTNS:
         p.error(f"--attn must be one of {', '.join(ATTNS)}, got {args.attn!r}")
+    if args.leak_mode is not None and args.attn != "fp8-leak":
+        p.error(f"--leak-mode applies to --attn fp8-leak only (got --attn {args.attn}); leave it out")
+    args.leak_mode = "next-floor" if args.leak_mode is None else args.leak_mode  # recorded for every run
     if args.leak_mode not in fp8_leak.LEAK_MODES:
         p.error(f"--leak-mode must be one of {', '.join(fp8_leak.LEAK_MODES)}, got {args.leak_mode!r}")
     if args.stop_at is not None and args.stop_at < 1:
@@ -297,8 +303,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.val_every_nth_doc < 2:
         p.error(f"--val-every-nth-doc must be >= 2, got {args.val_every_nth_doc}")
-    if args.capacity < 32:
-        p.error(f"--capacity must be >= 32, got {args.capacity}")
+    if not 32 <= args.capacity <= MAX_CAPACITY:
+        p.error(f"--capacity must be in [32, {MAX_CAPACITY:,}] tokens per row, got {args.capacity:,}")
+    if args.capacity * args.batch_rows > MAX_STEP_TOKENS:
+        p.error(f"--capacity x --batch-rows must be at most {MAX_STEP_TOKENS:,} tokens a step, got "
+                f"{args.capacity:,} x {args.batch_rows:,}")
     if (args.warmup_steps < 0 or not 0 <= args.min_lr_ratio <= 1 or not 0 < args.lr < math.inf
             or not 0 < args.grad_clip < math.inf or not 0 <= args.weight_decay < math.inf):
         p.error("--lr and --grad-clip must be finite and > 0, --weight-decay finite and >= 0, --warmup-steps >= 0 "

@@ -9,8 +9,8 @@ def _plan_read_lengths_file(path: str):
     """Document lengths from a text file: one positive integer per line ('#' comments, blanks ok).
 
     Raises:
-        SourceError: not UTF-8 text (e.g. a parquet file), a line that is not an integer, a length < 1,
-            or no lengths at all.
+        SourceError: not UTF-8 text (e.g. a parquet file), a line that is not an integer, a length < 1
+            or >= 2**31, or no lengths at all.
         OSError: the file cannot be opened.
     """
     import numpy as np
@@ -30,6 +30,9 @@ def _plan_read_lengths_file(path: str):
                     raise SourceError(f"{path}:{no}: expected one document length (integer) per line, got {s[:40]!r}") from None
                 if v < 1:
                     raise SourceError(f"{path}:{no}: document lengths must be >= 1, got {v}")
+                if v > 2 ** 31 - 1:
+                    raise SourceError(f"{path}:{no}: document lengths must fit int32 offsets (at most 2**31 - 1 = "
+                                      f"{2 ** 31 - 1:,} tokens), got {v:,}")
                 out.append(v)
         except UnicodeDecodeError:
             raise SourceError(f"{path}: not a UTF-8 text file; SOURCE must be a text file with one document "

@@ -360,8 +360,12 @@ def plan_cmd(
             fail("give exactly one of SOURCE (lengths file or packed directory) and --lognormal MU SIGMA TOTAL_TOKENS")
         if rows_limit is not None and rows_limit < 1:
             fail(f"--rows must be >= 1, got {rows_limit}")
-        if num_sms is not None and num_sms < 1:
-            fail(f"--num-sms must be >= 1 (SMs / persistent CTAs), got {num_sms}")
+        from flamia_pack.scheduler.simulate import MAX_SMS
+
+        if num_sms is not None and not 1 <= num_sms <= MAX_SMS:
+            fail(f"--num-sms must be in [1, {MAX_SMS:,}] (SMs / persistent CTAs of one GPU), got {num_sms}")
+        if seed < 0:
+            fail(f"--seed must be >= 0 (numpy default_rng), got {seed}")
         if block_m is not None and not (16 <= block_m <= 256 and block_m & (block_m - 1) == 0):
             fail(f"--block-m must be a power of two in [16, 256] (16, 32, 64, 128 or 256), got {block_m}")
         if block_n is not None and not (block_n >= 16 and block_n & (block_n - 1) == 0):
@@ -518,8 +522,10 @@ def plan_cmd(
 
 @app.command("probe-leak", cls=_Command)
 def probe_leak_cmd(
-    path: str = typer.Option("block", "--path", metavar="reference|token|block|tensor|mx",
-                             help="Built-in attention path to probe (ignored with --all)."),
+    path: str = typer.Option("block", "--path", metavar="PATH",
+                             help="Built-in attention path to probe (ignored with --all): reference, token, block, "
+                                  "tensor, mx (quantize -> dequantize models) or fp8-emu-token, fp8-emu-block (the "
+                                  "FP8 kernels' CPU emulation)."),
     all_paths: bool = typer.Option(False, "--all", metavar="", help="Probe every built-in path, one column each."),
     device: str = typer.Option("cpu", "--device", metavar="cpu|cuda", help="Where to run."),
     json_out: bool = typer.Option(False, "--json", metavar="", help="Print the reports as JSON on stdout (no table)."),

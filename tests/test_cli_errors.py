@@ -50,6 +50,11 @@ def _cases(tmp_path):
         "plan unknown option": (["plan", f"{t}/lens.txt", "--bogus"], "No such option"),
         "probe-leak bad numbers": (["probe-leak", "--cu-seqlens", "0,a"], "comma-separated integers"),
         "probe-leak bad number": (["probe-leak", "--num-heads", "two"], "--num-heads"),
+        # a new user's report, 2026-12-04: an allocator traceback, a message about the CLI's missing
+        # check_finite option, one naming num_kv_heads the user never set
+        "probe-leak huge row": (["probe-leak", "--cu-seqlens", "0,99999999999"], "the probe's row is too large"),
+        "probe-leak huge magnitude": (["probe-leak", "--magnitude", "1e300"], "magnitude must be a finite number in"),
+        "probe-leak no heads": (["probe-leak", "--num-heads", "0"], "num_heads must be >= 1, got 0"),
         "bench bad number": (["bench", "--rep", "x"], "--rep"),
         "serve bad port": (["serve", "--port", "99999"], "--port"),
         "serve bad calibration": (["serve", "--calibration", f"{t}/bad.json"], "not valid JSON"),
@@ -62,6 +67,7 @@ NAMES = ["pack missing file", "pack directory", "pack bad json", "pack bad numbe
          "pack tokenizer bad json", "pack bad utf8 option", "pack missing option", "plan missing file",
          "plan empty file", "plan directory", "plan bad json", "plan bad number", "plan bad calibration",
          "plan calibration directory", "plan unknown option", "probe-leak bad numbers", "probe-leak bad number",
+         "probe-leak huge row", "probe-leak huge magnitude", "probe-leak no heads",
          "bench bad number", "serve bad port", "serve bad calibration", "serve db directory", "unknown command"]
 
 

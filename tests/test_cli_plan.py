@@ -128,8 +128,13 @@ def test_packed_directory_reason_counts_rows_per_policy(tmp_path):
         (("MISSING",), "source not found: "),  # names what was not found, as `flamia pack` does
         (("EMPTYDIR",), "manifest.json"),
         # --num-sms < 1 crashed in the simulator (ZeroDivisionError / "negative dimensions")
-        (("LENS", "--num-sms", 0), "--num-sms must be >= 1"),
-        (("LENS", "--num-sms", -3), "--num-sms must be >= 1"),
+        (("LENS", "--num-sms", 0), "--num-sms must be in [1, 65,536]"),
+        (("LENS", "--num-sms", -3), "--num-sms must be in [1, 65,536]"),
+        # a new user's report, 2026-12-04: a huge --num-sms was a MemoryError traceback, --seed -1 numpy's
+        # ValueError, a length beyond int64 an OverflowError
+        (("LENS", "--num-sms", 99999999999), "--num-sms must be in [1, 65,536]"),
+        (("--lognormal", 6.5, 1.0, 65536, "--seed", -1), "--seed must be >= 0"),
+        (("HUGE",), "document lengths must fit int32 offsets"),
         # --block-m/--block-n 0 silently fell back to the calibrated defaults
         (("LENS", "--block-m", 0), "--block-m must be a power of two in [16, 256]"),
         (("LENS", "--block-m", 512), "--block-m must be a power of two in [16, 256]"),
@@ -143,10 +148,12 @@ def test_bad_input_one_red_line_exit_2(tmp_path, args, needle):
     (tmp_path / "lens.txt").write_text("100\n200\n")
     (tmp_path / "bad.txt").write_text("100\nabc\n")
     (tmp_path / "neg.txt").write_text("100\n0\n")
+    (tmp_path / "huge.txt").write_text("100\n99999999999999999999\n")
     (tmp_path / "empty").mkdir()
     (tmp_path / "some.parquet").write_bytes(b"PAR1\x15\x04\x15\xcc\xff\x00" * 64 + b"PAR1")
     sub = {"LENS": tmp_path / "lens.txt", "BAD": tmp_path / "bad.txt", "NEG": tmp_path / "neg.txt",
-           "MISSING": tmp_path / "nope.txt", "EMPTYDIR": tmp_path / "empty", "BINARY": tmp_path / "some.parquet"}
+           "MISSING": tmp_path / "nope.txt", "EMPTYDIR": tmp_path / "empty", "BINARY": tmp_path / "some.parquet",
+           "HUGE": tmp_path / "huge.txt"}
     r = _run(*[sub.get(a, a) if isinstance(a, str) else a for a in args])
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.output.splitlines() if ln.strip()]

@@ -252,11 +252,12 @@ def test_predict_options_and_errors():
 
 
 @pytest.mark.parametrize("max_intervals", [0, 1, 1_000_000])
-@pytest.mark.parametrize("num_sms", [0, -3, 2.5, True])
+@pytest.mark.parametrize("num_sms", [0, -3, 2.5, True, 99_999_999_999])
 def test_predict_rejects_num_sms_below_one_on_every_path(num_sms, max_intervals):
     """num_sms was validated only on the interval path: the item path (max_intervals=0, what
-    `flamia plan` uses) raised ZeroDivisionError for 0 and "negative dimensions" for -3."""
-    with pytest.raises(FlamiaError, match="num_sms must be an integer >= 1"):
+    `flamia plan` uses) raised ZeroDivisionError for 0 and "negative dimensions" for -3, and a huge
+    value allocated per-SM state until MemoryError."""
+    with pytest.raises(FlamiaError, match=r"num_sms must be an integer in \[1, 65,536\]"):
         predict([100, 200], num_sms=num_sms, max_intervals=max_intervals)
     assert predict([100, 200], num_sms=1, max_intervals=max_intervals).num_sms == 1
 

@@ -182,6 +182,9 @@ def test_resume_with_other_settings_is_refused(tf, source, tmp_path):
     (["--d-model", "100", "--heads", "3"], "multiple of --heads"),
     (["--attn", "fp8-block", "--device", "cpu", "--d-model", "96", "--heads", "3"], "head_dim 64 or 128"),
     (["--max-minutes", "0"], "--max-minutes must be > 0"),
+    (["--capacity", "99999999999"], "--capacity must be in [32, 1,048,576]"),
+    (["--capacity", "65536", "--batch-rows", "1024"], "--capacity x --batch-rows must be at most"),
+    (["--attn", "bf16", "--leak-mode", "next"], "--leak-mode applies to --attn fp8-leak only"),
     (["--source", "no/such.parquet"], "not found"),
     ([], "--out DIR is required"),
 ])
@@ -464,8 +467,19 @@ def test_plot_script_skips_files_and_refuses_a_broken_log(tf, source, tmp_path, 
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "log.jsonl").write_text('{"type": "start", "step": 0}\n{"type": "tr')
-    with pytest.raises(SystemExit, match="not a train_fp8.py log"):
+    with pytest.raises(SystemExit, match="line 2 of its log is not JSON"):
         mod.main([str(bad), "--no-plot"])
+    (bad / "log.jsonl").write_text('{"type": "start", "step": 0}\n["not a record"]\n')
+    with pytest.raises(SystemExit, match="line 2 of its log is not a train_fp8.py record"):
+        mod.main([str(bad), "--no-plot"])
+    (bad / "log.jsonl").write_text("\n")
+    with pytest.raises(SystemExit, match="its log is empty"):
+        mod.main([str(bad), "--no-plot"])
+    (bad / "log.jsonl").write_text('{"type": "start", "step": 0}\n')  # started, no step yet: skipped
+    rows = mod.main([str(tmp_path / "r" / "bf16-s0"), str(bad), "--no-plot"])
+    assert [r["run"] for r in rows] == ["bf16-s0"] and "no training step logged yet" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mod.main([str(bad), "--no-plot"])  # nothing left to plot
     with pytest.raises(SystemExit):
         mod.main([str(tmp_path / "r" / "bf16-s0"), "--smooth", "0"])
 

@@ -59,6 +59,10 @@ AttnFn = Callable[..., torch.Tensor]
 DEFAULT_CU_SEQLENS = (0, 77, 300, 333, 512)
 
 VERDICTS = ("exact", "within-group", "prefix-leak", "cross-document", "nondeterministic")
+#: ``probe_leak``'s largest perturbation scale: N(0, 1) inputs times it keep every path's scores finite
+MAX_MAGNITUDE = 65536.0
+#: ``probe_leak``'s largest row, ``T * num_heads * head_dim`` elements per tensor (256 MiB in float32)
+MAX_PROBE_ELEMENTS = 1 << 26
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,9 +410,9 @@ def probe_leak(
     if head_dim < 1:
         raise FlamiaError(f"head_dim must be >= 1, got {head_dim}")
     if isinstance(magnitude, bool) or not isinstance(magnitude, numbers.Real) or not (
-            math.isfinite(magnitude) and magnitude > 0):
-        raise FlamiaError(f"magnitude must be a finite number > 0 (the positive control needs a real "
-                          f"perturbation), got {magnitude!r}")
+            math.isfinite(magnitude) and 0 < magnitude <= MAX_MAGNITUDE):
+        raise FlamiaError(f"magnitude must be a finite number in (0, {MAX_MAGNITUDE:g}] (the positive control needs "
+                          f"a real perturbation of N(0, 1) inputs whose scores stay finite), got {magnitude!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise FlamiaError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -439,7 +443,13 @@ def probe_leak(
     elif not (0 <= neg_doc < n_docs and neg_doc != doc and lens[neg_doc] > 0):
         raise FlamiaError(f"neg_doc must be another non-empty document than doc={doc}, got {neg_doc}")
     hq = int(num_heads)
+    if hq < 1:
+        raise FlamiaError(f"num_heads must be >= 1, got {hq}")
     hkv = hq if num_kv_heads is None else int(num_kv_heads)
+    if T * hq * head_dim > MAX_PROBE_ELEMENTS:
+        raise FlamiaError(f"the probe's row is too large: T * num_heads * head_dim = {T:,} * {hq} * {head_dim} "
+                          f"elements, at most {MAX_PROBE_ELEMENTS:,} (a probe is a small experiment: fewer tokens, "
+                          "heads or a smaller head_dim)")
     if hq < 1 or hkv < 1 or hq % hkv:
         raise FlamiaError(f"num_heads ({hq}) must be a positive multiple of num_kv_heads ({hkv})")
     try:

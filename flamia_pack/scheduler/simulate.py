@@ -32,6 +32,10 @@ from flamia_pack.scheduler.cost import PASS_FACTORS, attention_flops, lengths_fr
 from flamia_pack.scheduler.policy import POLICIES, choose_policy
 from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba, walked_tiles
 
+#: the most SMs (persistent CTAs) a simulated GPU may have: far above any GPU's (H200: 132), low enough
+#: that a typo does not allocate per-SM state for billions
+MAX_SMS = 65_536
+
 __all__ = [
     "Calibration",
     "CalibrationTable",
@@ -444,13 +448,13 @@ def simulate_schedule(
         P = 1 both policies give ``sum(t)``.
 
     Raises:
-        FlamiaError: unknown policy, P < 1, negative costs or a/b.
+        FlamiaError: unknown policy, P outside ``[1, MAX_SMS]``, negative costs or a/b.
     """
     if policy not in POLICIES:
         raise FlamiaError(f"policy must be one of {POLICIES}, got {policy!r}")
     p = int(num_sms)
-    if p < 1:
-        raise FlamiaError(f"num_sms must be >= 1, got {num_sms}")
+    if not 1 <= p <= MAX_SMS:
+        raise FlamiaError(f"num_sms must be in [1, {MAX_SMS:,}] (SMs / persistent CTAs of one GPU), got {num_sms}")
     if a < 0 or b < 0:
         raise FlamiaError(f"a and b must be >= 0, got {a}, {b}")
     c = np.asarray(costs, dtype=np.float64).reshape(-1)
@@ -603,7 +607,7 @@ def predict(
         causal: causal attention (overrides ``config.causal``).
         precision: ``"bf16"`` or ``"fp8"``.
         capacity: row length T the buffers are sized for (default: the tokens); must be >= tokens.
-        gpu: calibration key (``"H200"``); num_sms: persistent CTAs, an integer >= 1 (default
+        gpu: calibration key (``"H200"``); num_sms: persistent CTAs, an integer in ``[1, MAX_SMS]`` (default
             from the GPU: 132 on H200).
         config: tile geometry (block_m/block_n/merge_short); default: the calibration entry's
             geometry, i.e. the work lists the calibrated kernel really builds.
@@ -619,8 +623,9 @@ def predict(
             not an integer >= 1, missing calibration entry.
     """
     if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer))
-                                or num_sms < 1):
-        raise FlamiaError(f"num_sms must be an integer >= 1 (persistent CTAs, one per SM), got {num_sms!r}")
+                                or not 1 <= num_sms <= MAX_SMS):
+        raise FlamiaError(f"num_sms must be an integer in [1, {MAX_SMS:,}] (persistent CTAs, one per SM), got "
+                          f"{num_sms!r}")
     if cu_seqlens is not None and seqlens is not None:
         raise FlamiaError("give seqlens or cu_seqlens, not both")
     if cu_seqlens is None and seqlens is None:
