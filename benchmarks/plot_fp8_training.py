@@ -152,13 +152,17 @@ def parity(rows: list[dict], margin: float = PARITY_MARGIN) -> list[dict]:
     return out
 
 
+def _num(v: float, fmt: str) -> str:
+    """``v`` formatted, ``-`` for NaN (a statistic with too few runs)."""
+    return "-" if v != v else format(v, fmt)
+
+
 def parity_markdown(prows: list[dict]) -> str:
     margin = prows[0]["margin"] if prows else PARITY_MARGIN
     out = [f"| attn | runs | val exact: mean | sd | - BF16 | standard error | runs for +-{margin} at 2 SE |",
            "|" + "---|" * 7]
+    f = _num
     for x in prows:
-        def f(v, fmt):
-            return "-" if v != v else format(v, fmt)
         out.append(f"| {x['attn']} | {x['n']} | {x['mean']:.4f} | {f(x['sd'], '.4f')} | {f(x['diff_vs_bf16'], '+.4f')} | "
                    f"{f(x['se'], '.4f')} | {f(x['runs_for_margin'], '.0f')} |")
     return "\n".join(out)
@@ -195,9 +199,8 @@ def paired_markdown(prows: list[dict]) -> str:
     margin = prows[0]["margin"] if prows else PARITY_MARGIN
     out = [f"| attn | seed pairs | mean (mode - BF16) | sd | standard error | mean + 2 SE | no worse than +{margin} |",
            "|" + "---|" * 7]
+    f = _num
     for x in prows:
-        def f(v, fmt):
-            return "-" if v != v else format(v, fmt)
         ok = "-" if x["upper"] != x["upper"] else ("yes" if x["upper"] <= margin else "no")
         out.append(f"| {x['attn']} | {x['n']} | {f(x['mean_diff'], '+.4f')} | {f(x['sd'], '.4f')} | "
                    f"{f(x['se'], '.4f')} | {f(x['upper'], '+.4f')} | {ok} |")
