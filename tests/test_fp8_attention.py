@@ -183,16 +183,6 @@ def test_bad_fp8_arguments(kw, msg):
         varlen_attention(q, k, v, cu, 40, precision="fp8", **kw)
 
 
-def test_token_granularity_with_bf16_is_an_error():
-    """``scale_granularity="token"`` with ``precision="bf16"`` did nothing, silently (a new user's report,
-    2026-12-04); the default ``"block"`` stays accepted with bf16 (callers pass it through)."""
-    q, k, v, _ = _inputs(64, seed=13, T=40)
-    cu = torch.tensor([0, 40], dtype=torch.int32)
-    with pytest.raises(FlamiaError, match="applies to precision='fp8' only"):
-        varlen_attention(q, k, v, cu, 40, scale_granularity="token")
-    assert varlen_attention(q, k, v, cu, 40, scale_granularity="block").shape == q.shape
-
-
 def test_bad_head_dim_for_fp8():
     q, k, v, _ = _inputs(32, seed=14, T=40)
     with pytest.raises(FlamiaError, match="head_dim"):

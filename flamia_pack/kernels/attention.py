@@ -629,7 +629,7 @@ def varlen_attention(
             0 x NaN is NaN in the P V product): a known defect.
         scale_granularity: FP8 only: ``"block"`` (one exponent per document-local 32-token group,
             the default) or ``"token"`` (one per token: strict causal mode, O_i reads nothing from
-            tokens after i, bitwise); ``"token"`` with ``precision="bf16"`` is an error (it would do nothing).
+            tokens after i, bitwise).
         causal_dq_scale: FP8 only: the backward's dQ uses no data-dependent scale that reads later
             keys (paper §3.4). Always satisfied: the dQ payload's scale of query i reads only the keys
             i sees and dQ accumulates in fp32 without a data-dependent scale
@@ -646,9 +646,6 @@ def varlen_attention(
         raise FlamiaError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
     if scale_granularity not in ("block", "token"):
         raise FlamiaError(f"scale_granularity must be 'block' or 'token', got {scale_granularity!r}")
-    if precision == "bf16" and scale_granularity != "block":
-        raise FlamiaError(f"scale_granularity={scale_granularity!r} applies to precision='fp8' only (BF16 attention has "
-                          "no scales): pass precision='fp8' or leave scale_granularity out")
     if not isinstance(causal_dq_scale, bool):
         raise FlamiaError(f"causal_dq_scale must be a bool, got {causal_dq_scale!r}")
     # numpy bools (e.g. from a config array) are bools too
