@@ -629,7 +629,9 @@ def varlen_attention(
             0 x NaN is NaN in the P V product): a known defect.
         scale_granularity: FP8 only: ``"block"`` (one exponent per document-local 32-token group,
             the default) or ``"token"`` (one per token: strict causal mode, O_i reads nothing from
-            tokens after i, bitwise).
+            tokens after i, bitwise). With ``precision="bf16"`` both are accepted and change nothing
+            (no scales: BF16 attention already reads nothing after i), so code that switches
+            ``precision`` can keep one setting.
         causal_dq_scale: FP8 only: the backward's dQ uses no data-dependent scale that reads later
             keys (paper §3.4). Always satisfied: the dQ payload's scale of query i reads only the keys
             i sees and dQ accumulates in fp32 without a data-dependent scale
