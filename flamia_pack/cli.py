@@ -460,7 +460,8 @@ def plan_cmd(
             "causal": p0.causal, "precision": p0.precision, "pass": p0.pass_, "capacity": cap,
             "block_m": p0.block_m, "block_n": p0.block_n, "merge_short": p0.merge_short, "gpu": p0.gpu,
             "num_sms": p0.num_sms, "kernel_path": p0.kernel_path, "a_us_per_tile": p0.a_us_per_tile,
-            "b_us_per_item": p0.b_us_per_item, "calibration_version": p0.calibration_version,
+            "b_us_per_item": p0.b_us_per_item, "c_us_per_masked_tile": p0.c_us_per_masked_tile,
+            "calibration_version": p0.calibration_version,
             "calibration_measured": p0.calibration_measured,
         },
     }
@@ -506,8 +507,9 @@ def plan_cmd(
     ratio = f" ({pd / pk:.2f}x)" if pk else ""
     t.add_row("memory", f"packed {_plan_fmt_bytes(pk)}, padded-to-longest {_plan_fmt_bytes(pd)}{ratio}"
                         f"{' (largest row)' if len(preds) > 1 else ''}")
+    c_txt = f", c={s['c_us_per_masked_tile']:.3g} us/masked tile" if s["c_us_per_masked_tile"] else ""
     t.add_row("calibration", f"{s['kernel_path']} a={s['a_us_per_tile']:.3g} us/tile, b={s['b_us_per_item']:.3g} "
-                             f"us/item, {s['calibration_version']}"
+                             f"us/item{c_txt}, {s['calibration_version']}"
                              f"{'' if s['calibration_measured'] else ' (estimate, not measured on this kernel)'}")
     if s["precision"] == "fp8" and s["head_dim"] != 128:
         t.add_row("note", f"the GPU FP8 kernels run head_dim 128 only: varlen_attention(precision='fp8') refuses "

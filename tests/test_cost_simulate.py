@@ -368,9 +368,13 @@ def test_fp8_calibration_is_the_fit_of_the_committed_benchmark(path, geometry):
     cal = load_calibration().lookup(path, 128, "H200")
     assert cal.measured and (cal.block_m, cal.block_n, cal.merge_short) == geometry
     cfg = TileConfig(block_m=cal.block_m, block_n=cal.block_n, merge_short=cal.merge_short)
-    a, b = fit_calibration([(workload_lengths(w), WORKLOADS[w]["num_heads"], ms * 1e3) for w, ms in measured.items()],
-                           config=cfg)
-    assert (round(a, 4), round(b, 4)) == (cal.a_us_per_tile, cal.b_us_per_item)
+    # the forward's entry carries the masked-tile term (fit with its masked_tile0 rule); the others have none
+    mt0 = cal.masked_tile0_max_mean if path == "fp8_fwd" else None
+    fit = fit_calibration([(workload_lengths(w), WORKLOADS[w]["num_heads"], ms * 1e3) for w, ms in measured.items()],
+                          config=cfg, masked_tile0_max_mean=mt0)
+    assert tuple(round(x, 4) for x in fit) == ((cal.a_us_per_tile, cal.b_us_per_item, cal.c_us_per_masked_tile)
+                                               if mt0 is not None else (cal.a_us_per_tile, cal.b_us_per_item))
+    assert (cal.c_us_per_masked_tile > 0) == (path == "fp8_fwd")
     for needle in ("8553d5b", "2026-12-03", "bench_attention.py --fp8", "benchmarks/runs/bench-2026-12-03c-fp8/"):
         assert needle in cal.source, needle
     errors = _fp8_errors(cal, measured)
@@ -418,3 +422,76 @@ def test_fp8_backward_units_mirror_the_kernel_programs():
             assert (model.size, int(model.sum())) == (542, 8795) and (steps.size, int(steps.sum())) == (544, 8618)
         else:
             assert np.array_equal(model, steps), w
+
+
+def _fp8_fwd_masked_brute(lens, causal, masked_tile0, block_n=128):
+    """The FP8 forward's masked steps, item by item, as its loops run them (gluon_fp8_fwd._fp8_consume_entry:
+    tile 0 masked unless u1 > 0 and the document starts on the 16-token grid and not masked_tile0; then
+    tiles 1 .. u1 - 1 mask-free, the rest masked), from the kernel's geometry formulas."""
+    out, s = [], 0
+    for n in lens:
+        ds, de = s, s + n
+        for rs in range(ds, de, 128):
+            re_ = min(rs + 128, de)
+            ph = ds % 16
+            lo = ds - ph
+            hi = re_ if causal else de
+            steps = -(-(hi - lo) // block_n)
+            u1 = (rs - lo + 1) // block_n if causal else (hi - lo) // block_n
+            t0_free = u1 > 0 and ph == 0 and not masked_tile0
+            out.append((0 if t0_free else 1) + sum(1 for j in range(max(u1, 1), steps)) )
+        s = de
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 700), min_size=1, max_size=30), causal=st.booleans(), mt0=st.booleans())
+def test_fp8_fwd_masked_tiles_follow_the_kernels_loops(lens, causal, mt0):
+    """cost.fp8_fwd_masked_tiles counts, per 128-row FP8 item, the key tiles the kernel's loops run through
+    the masked softmax (unaligned starts, the diagonal, the masked_tile0 variant); causal: at least one (the
+    diagonal)."""
+    from flamia_pack.scheduler.cost import fp8_fwd_masked_tiles
+
+    cfg = TileConfig(block_m=128, block_n=128, merge_short=False, causal=causal)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    items = build_work_list_host(cu, cfg)
+    order = np.lexsort((items[:, 1], items[:, 0]))  # document order, rows ascending (the brute force's)
+    got = fp8_fwd_masked_tiles(items, cu, cfg, masked_tile0=mt0)[order]
+    assert got.tolist() == _fp8_fwd_masked_brute(lens, causal, mt0)
+    assert got.min() >= (1 if causal else 0)
+
+
+def test_fp8_fwd_masked_tile0_rule_matches_the_kernel():
+    """The calibration's masked_tile0_max_mean is the launcher's MASKED_TILE0_MAX_MEAN (the rule the entry
+    was fitted with), and predict applies it by the row's mean document length."""
+    gluon_fp8_fwd = pytest.importorskip("flamia_pack.kernels.gluon_fp8_fwd")
+    cal = load_calibration().lookup("fp8_fwd", 128, "H200")
+    assert cal.masked_tile0_max_mean == gluon_fp8_fwd.MASKED_TILE0_MAX_MEAN
+    short = predict([256] * 64, num_heads=16, precision="fp8", pass_="fwd")
+    long = predict([4096] * 4, num_heads=16, precision="fp8", pass_="fwd")
+    assert short.masked_tile0 and not long.masked_tile0
+    assert short.c_us_per_masked_tile == cal.c_us_per_masked_tile > 0
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("c_us_per_masked_tile", -1.0, "c_us_per_masked_tile >= 0"),
+    ("c_us_per_masked_tile", float("inf"), "finite c_us_per_masked_tile"),
+    ("masked_tile0_max_mean", -5, "masked_tile0_max_mean >= 0"),
+    ("masked_tile0_max_mean", 1.5, "integer masked_tile0_max_mean"),
+])
+def test_calibration_masked_term_is_validated(field, value, needle):
+    with pytest.raises(FlamiaError, match=needle):
+        Calibration(kernel_path="fp8_fwd", head_dim=128, gpu="H200", a_us_per_tile=1.0, b_us_per_item=1.0,
+                    **{field: value})
+
+
+def test_service_unit_costs_carry_the_masked_term():
+    """engine.unit_costs (the refit's critical load) weighs units as predict does: with the fp8_fwd entry's
+    masked-tile term, the busiest SM's time a * tiles + b * units is the predicted makespan."""
+    from flamia_pack.service.engine import critical_load
+
+    lens = np.array([300, 77, 1500, 31, 600, 2048])
+    p = predict(lens, num_heads=2, precision="fp8", pass_="fwd", max_intervals=10 ** 6)
+    assert p.c_us_per_masked_tile > 0
+    tiles, units = critical_load(lens, p)
+    assert p.a_us_per_tile * tiles + p.b_us_per_item * units == pytest.approx(p.schedules[p.policy].makespan_us)

@@ -19,7 +19,7 @@ import numpy as np
 from flamia_pack.errors import FlamiaError
 from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba
 
-__all__ = ["PASS_FACTORS", "attention_flops", "lengths_from", "tile_count", "visible_pairs"]
+__all__ = ["PASS_FACTORS", "attention_flops", "fp8_fwd_masked_tiles", "lengths_from", "tile_count", "visible_pairs"]
 
 PASS_FACTORS = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 """FLOPs of each pass relative to the forward (WORKLOADS.md)."""
@@ -125,3 +125,36 @@ def tile_count(cu_seqlens, config: TileConfig = TileConfig()) -> int:
     """
     items = build_work_list_numba(np.asarray(cu_seqlens if not hasattr(cu_seqlens, "detach") else cu_seqlens.detach().cpu().numpy()), config)
     return int(items[:, 3].astype(np.int64).sum())
+
+
+def fp8_fwd_masked_tiles(items: np.ndarray, cu_seqlens, config: TileConfig, *, masked_tile0: bool) -> np.ndarray:
+    """Key tiles the FP8 forward runs through its masked softmax, per work-list item (the cost model's
+    third term, ``Calibration.c_us_per_masked_tile``).
+
+    The kernel's rule (``gluon_common._rows_producer_loop`` with V^T, ``gluon_fp8_fwd._fp8_consume_entry``): an
+    item's rows ``[q_start, q_end)`` of document ``[ds, de)`` walk ``n = ceil((hi - lo) / BLOCK_N)`` key
+    tiles from ``lo = floor16(ds)`` (``hi = q_end`` causal, ``de`` not); the first ``u1`` are mask-free
+    (``(q_start - lo + 1) // BLOCK_N`` causal: wholly at or before the first row; ``(hi - lo) // BLOCK_N``
+    not), except tile 0, which is masked when the document starts off the 16-token grid (it holds the
+    previous document's keys) or with ``masked_tile0``. Merged items do not occur in the FP8 lists.
+
+    Args:
+        items: ``(n_items, 4)`` ints ``(doc, q_start, q_end, cost)``; cu_seqlens: ``(n_docs + 1,)`` ints;
+        config: ``block_n`` and ``causal`` of the list; masked_tile0: the launch's ``masked_tile0``.
+
+    Returns:
+        int64 ``(n_items,)``: causal at least 1 (the diagonal); non-causal 0 for an aligned item whose
+        document ends on the tile grid.
+    """
+    it = np.asarray(items, dtype=np.int64).reshape(-1, 4)
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    doc, qs, qe = it[:, 0], it[:, 1], it[:, 2]
+    ds, de = cu[doc], cu[doc + 1]
+    ph = ds % 16
+    lo = ds - ph
+    bn = int(config.block_n)
+    hi = qe if config.causal else de
+    n = (hi - lo + bn - 1) // bn
+    u1 = np.maximum(qs - lo + 1, 0) // bn if config.causal else (hi - lo) // bn
+    tile0_masked = (ph > 0) | bool(masked_tile0)
+    return n - u1 + ((u1 > 0) & tile0_masked)

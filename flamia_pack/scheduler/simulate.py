@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from flamia_pack.errors import FlamiaError
-from flamia_pack.scheduler.cost import PASS_FACTORS, attention_flops, lengths_from, visible_pairs
+from flamia_pack.scheduler.cost import PASS_FACTORS, attention_flops, fp8_fwd_masked_tiles, lengths_from, visible_pairs
 from flamia_pack.scheduler.policy import POLICIES, choose_policy
 from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba, walked_tiles
 
@@ -74,7 +74,8 @@ def kernel_path(precision: str = "bf16", pass_: str = "fwd_bwd") -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Calibration:
-    """Per-unit time model ``t_us = a_us_per_tile * tiles + b_us_per_item`` for one kernel path."""
+    """Per-unit time model ``t_us = a_us_per_tile * tiles + b_us_per_item (+ c_us_per_masked_tile *
+    masked tiles)`` for one kernel path."""
 
     kernel_path: str
     """e.g. ``"bf16_fwd_bwd"`` (see :func:`kernel_path`)."""
@@ -94,10 +95,23 @@ class Calibration:
     """how the numbers were obtained (estimate from peers, or measured runs)."""
     measured: bool = False
     """True when fitted to runs of our own kernel on this GPU."""
+    c_us_per_masked_tile: float = 0.0
+    """microseconds more per key tile the kernel runs through its masked step (the FP8 forward only:
+    :func:`~flamia_pack.scheduler.cost.fp8_fwd_masked_tiles`); 0 where the entry does not model it."""
+    masked_tile0_max_mean: int = 0
+    """with ``c_us_per_masked_tile``: the FP8 forward's ``masked_tile0`` rule the entry was fitted with
+    (``gluon_fp8_fwd.MASKED_TILE0_MAX_MEAN``: rows whose mean document length, capacity / documents, is
+    at most it run every item's tile 0 masked); 0: never."""
 
     def __post_init__(self) -> None:
         if not (self.a_us_per_tile > 0 and self.b_us_per_item >= 0):
             raise FlamiaError(f"calibration needs a > 0 and b >= 0, got a={self.a_us_per_tile}, b={self.b_us_per_item}")
+        if not (isinstance(self.c_us_per_masked_tile, (int, float)) and 0 <= self.c_us_per_masked_tile < float("inf")):
+            raise FlamiaError(f"calibration needs a finite c_us_per_masked_tile >= 0, got {self.c_us_per_masked_tile!r}")
+        if isinstance(self.masked_tile0_max_mean, bool) or not isinstance(self.masked_tile0_max_mean, int) \
+                or self.masked_tile0_max_mean < 0:
+            raise FlamiaError(f"calibration needs an integer masked_tile0_max_mean >= 0, got "
+                              f"{self.masked_tile0_max_mean!r}")
 
     def scaled_to(self, config: TileConfig) -> tuple[float, float]:
         """(a, b) for another tile shape: a scales with BLOCK_M * BLOCK_N (an approximation)."""
@@ -567,12 +581,28 @@ class Prediction:
     calibration_source: str
     calibration_measured: bool
     schedules: dict[str, Schedule] = field(default_factory=dict, repr=False)
+    c_us_per_masked_tile: float = 0.0
+    """the entry's masked-tile term, scaled to the prediction's tiles (0: none)."""
+    masked_tile0: bool = False
+    """with ``c_us_per_masked_tile``: whether the FP8 forward's ``masked_tile0`` rule applies to this row."""
 
     def to_dict(self, with_intervals: bool = False, limit: int = 20000) -> dict:
         """JSON-ready dict (schedules summarised; intervals only if asked)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "schedules"}
         d["schedules"] = {k: s.to_dict(with_intervals, limit) for k, s in self.schedules.items()}
         return d
+
+
+def cost_tiles(items: np.ndarray, cu: np.ndarray, cfg: TileConfig, a: float, c: float = 0.0,
+               masked_tile0: bool = False) -> np.ndarray:
+    """Each item's time in tile units, the simulator's cost: the walked tiles
+    (:func:`~flamia_pack.scheduler.worklist.walked_tiles`), plus ``c / a`` per tile the FP8 forward runs
+    masked (:func:`~flamia_pack.scheduler.cost.fp8_fwd_masked_tiles`) where the entry has ``c > 0``.
+    int64 walked tiles without a masked term, else float64."""
+    walk = walked_tiles(items, cu, cfg)
+    if c > 0:
+        walk = walk + (c / a) * fp8_fwd_masked_tiles(items, cu, cfg, masked_tile0=masked_tile0)
+    return walk
 
 
 def predict(
@@ -667,6 +697,9 @@ def predict(
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     items = build_work_list_numba(cu, cfg)
     walk = walked_tiles(items, cu, cfg)  # time unit: the tiles the kernels walk (queue order: the list's)
+    c = cal.c_us_per_masked_tile * (cfg.block_m * cfg.block_n) / (cal.block_m * cal.block_n)
+    mt0 = c > 0 and 0 < cap <= cal.masked_tile0_max_mean * lens.size
+    walk = cost_tiles(items, cu, cfg, a, c, mt0)
     if items.shape[0] * h > max_intervals:  # no intervals wanted: item-level fast path, same numbers
         scheds = {pol: _simulate_items(walk, h, p, a, b, pol) for pol in POLICIES}
     else:
@@ -713,6 +746,8 @@ def predict(
         calibration_source=cal.source,
         calibration_measured=cal.measured,
         schedules=scheds,
+        c_us_per_masked_tile=c,
+        masked_tile0=mt0,
     )
 
 
@@ -739,15 +774,37 @@ def nnls2(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     return min(cands, key=lambda v: float(((A @ v - y) ** 2).sum()))
 
 
-def fit_calibration(samples, *, num_sms: int = 132, config: TileConfig = TileConfig()) -> tuple[float, float]:
-    """Fit (a, b) to measured call times.
+def _nnls_small(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``argmin ||A x - y||^2`` over ``x >= 0`` for a few columns: the best non-negative least-squares
+    solution over every subset of columns (exact; 2^k solves, k = 3 here)."""
+    k = A.shape[1]
+    best, best_r = np.zeros(k), float((y ** 2).sum())
+    for mask in range(1, 1 << k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        sol, *_ = np.linalg.lstsq(A[:, cols], y, rcond=None)
+        if sol.min() < 0:
+            continue
+        v = np.zeros(k)
+        v[cols] = sol
+        r = float(((A @ v - y) ** 2).sum())
+        if r < best_r:
+            best, best_r = v, r
+    return best
+
+
+def fit_calibration(samples, *, num_sms: int = 132, config: TileConfig = TileConfig(),
+                    masked_tile0_max_mean: int | None = None) -> tuple[float, ...]:
+    """Fit (a, b), or with ``masked_tile0_max_mean`` (a, b, c), to measured call times.
 
     Each sample is ``(seqlens, num_heads, measured_us)`` (causal/tiles per ``config``). Uses the
-    balanced-load approximation ``t ~= (a * tiles * H + b * items * H) / P`` (good when there are
-    many more units than SMs) and minimises the squared RELATIVE error with a >= 0, b >= 0.
+    balanced-load approximation ``t ~= (a * tiles * H + b * items * H [+ c * masked * H]) / P`` (good
+    when there are many more units than SMs) and minimises the squared RELATIVE error with a, b, c >= 0.
+    ``masked_tile0_max_mean`` (an int >= 0): count the FP8 forward's masked tiles
+    (:func:`~flamia_pack.scheduler.cost.fp8_fwd_masked_tiles`, tile 0 masked on rows whose mean
+    document length is at most it) as a third term.
 
     Returns:
-        ``(a_us_per_tile, b_us_per_item)``.
+        ``(a_us_per_tile, b_us_per_item)``, or ``(a, b, c_us_per_masked_tile)``.
 
     Raises:
         FlamiaError: fewer than one sample.
@@ -759,9 +816,16 @@ def fit_calibration(samples, *, num_sms: int = 132, config: TileConfig = TileCon
         it = build_work_list_numba(cu, config)
         tiles = float(walked_tiles(it, cu, config).sum()) * h / num_sms
         units = float(it.shape[0]) * h / num_sms
-        rows.append([tiles / t_us, units / t_us])
+        row = [tiles / t_us, units / t_us]
+        if masked_tile0_max_mean is not None:
+            mt0 = int(lens.sum()) <= int(masked_tile0_max_mean) * lens.size
+            masked = float(fp8_fwd_masked_tiles(it, cu, config, masked_tile0=mt0).sum()) * h / num_sms
+            row.append(masked / t_us)
+        rows.append(row)
         rhs.append(1.0)
     if not rows:
         raise FlamiaError("fit_calibration needs at least one sample")
-    a, b = nnls2(np.asarray(rows), np.asarray(rhs))
-    return float(a), float(b)
+    if masked_tile0_max_mean is None:
+        a, b = nnls2(np.asarray(rows), np.asarray(rhs))
+        return float(a), float(b)
+    return tuple(float(x) for x in _nnls_small(np.asarray(rows), np.asarray(rhs)))

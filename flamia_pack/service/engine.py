@@ -30,9 +30,10 @@ from flamia_pack.scheduler.mix import MixPrediction, predict_packed_mix
 from flamia_pack.scheduler.simulate import (
     CalibrationTable,
     Prediction,
+    cost_tiles,
     kernel_path,
 )
-from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba, walked_tiles
+from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba
 
 __all__ = ["MixParams", "MixPrediction", "critical_load", "fwd_bwd_path", "predict_mix", "unit_costs"]
 
@@ -125,7 +126,8 @@ def predict_mix(
 
 def unit_costs(seqlens: np.ndarray, pred: Prediction) -> np.ndarray:
     """Walked key tiles of every (item, head) unit in queue order (what the simulator schedules:
-    :func:`flamia_pack.scheduler.worklist.walked_tiles`).
+    :func:`flamia_pack.scheduler.simulate.cost_tiles`: walked tiles, plus the FP8 forward's masked-tile
+    term in tile units where the prediction's entry has one).
 
     Rebuilds the work list with the prediction's tile geometry
     (:func:`flamia_pack.scheduler.worklist.build_work_list_numba`, the builder ``predict`` uses).
@@ -137,7 +139,8 @@ def unit_costs(seqlens: np.ndarray, pred: Prediction) -> np.ndarray:
     np.cumsum(seqlens, out=cu[1:])
     cfg = TileConfig(block_m=pred.block_m, block_n=pred.block_n, causal=pred.causal, merge_short=pred.merge_short)
     items = build_work_list_numba(cu, cfg)
-    return np.repeat(walked_tiles(items, cu, cfg).astype(np.float64), pred.num_heads)
+    walk = cost_tiles(items, cu, cfg, pred.a_us_per_tile, pred.c_us_per_masked_tile, pred.masked_tile0)
+    return np.repeat(walk.astype(np.float64), pred.num_heads)
 
 
 def critical_load(seqlens: np.ndarray, pred: Prediction) -> tuple[float, float]:
