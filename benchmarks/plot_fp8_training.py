@@ -302,11 +302,11 @@ def plot(runs: list[dict], out: pathlib.Path, smooth: int = 50) -> pathlib.Path:
         ax[3].axvspan(-noise, noise, color="gray", alpha=0.2, label=f"BF16 seed spread ({noise:.4f})")
     ax[3].axvline(0, color="k", lw=0.8)
     ax[3].set(title="final val: own - exact", xlabel="nats / byte")
-    ax[3].legend(fontsize=7)
     for a in ax:
         a.grid(alpha=0.3)
-    ax[0].legend(fontsize=8)
-    ax[1].legend(fontsize=7, ncol=2)
+    for a, kw in ((ax[0], dict(fontsize=8)), (ax[1], dict(fontsize=7, ncol=2)), (ax[3], dict(fontsize=7))):
+        if a.get_legend_handles_labels()[0]:  # a panel with nothing labelled (one BF16 run) gets no legend
+            a.legend(**kw)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

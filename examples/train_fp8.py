@@ -349,6 +349,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             and any((args.out / n).exists() for n in (LOG, SUMMARY, LOG + ".gz"))):
         p.error(f"--out {args.out} holds a run's log or summary but no {CKPT} to resume from; it would be "
                 "overwritten: use another --out (or move the directory away)")
+    if args.out is not None and not args.estimate and args.out.is_dir() and not (args.out / CKPT).exists():
+        other = [x.name for x in args.out.iterdir() if not (x.name.startswith("spike-step") or x.name == pathlib.Path(CKPT).with_suffix(".tmp").name)]
+        if other:
+            p.error(f"--out {args.out} is a directory of other files ({', '.join(sorted(other)[:3])}"
+                    f"{', ...' if len(other) > 3 else ''}), not a run to resume: give a new or empty directory")
     return args
 
 

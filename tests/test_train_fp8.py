@@ -175,6 +175,19 @@ def test_resume_with_other_settings_is_refused(tf, source, tmp_path):
         tf.main(_argv(source, tmp_path / "r", "bf16", 3, "--lr", "5e-3"))
 
 
+def test_out_of_other_files_is_refused(tf, source, tmp_path, capsys):
+    """--out naming a directory of unrelated files (no checkpoint) was written into (a new user's report,
+    2026-12-04); an empty directory is a new run."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(SystemExit) as e:
+        tf.main(_argv(source, tmp_path / "mine", "bf16", 2))
+    assert e.value.code == 2 and "a directory of other files (notes.txt)" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    (tmp_path / "empty").mkdir()
+    assert tf.main(_argv(source, tmp_path / "empty", "bf16", 2))["complete"]
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--attn", "fp8"], "--attn must be one of"),
     (["--attn", "fp8-leak", "--leak-mode", "prev-floor"], "--leak-mode must be one of"),
