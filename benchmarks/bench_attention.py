@@ -511,10 +511,51 @@ def markdown(rows) -> str:
                        f"{_fmt_ms(a, 'train_ms')} | {rat(bt, a.get('train_ms'))} | {f'{bt:.2f}' if bt else '-'} | "
                        f"{rat(ours_t, a.get('train_ms'))} | {_fmt_ms(tk, 'train_ms')} | {rat(tk.get('train_ms'), a.get('train_ms'))} | "
                        f"{_fmt_ms(cd, 'fwd_ms')} / {_fmt_ms(cd, 'train_ms')} | {rat(cd.get('train_ms'), a.get('train_ms'))} |")
+    if f8:
+        out.append(fp8_hbm_table(f8))
     wlb = [r for r in rows if "worklist_ms" in r]
     if wlb:
         out.append("\nwork-list build (GPU, validate=False, per row): " +
                    ", ".join(f"{r['name']} {r['worklist_ms'] * 1e3:.0f} us" for r in wlb))
+    return "\n".join(out)
+
+
+#: H200 HBM3e bandwidth (bytes / s), the floor of issue 27's memory-bound rows
+HBM_BYTES_PER_S = 4.8e12
+
+
+def fp8_fwd_min_bytes(T: int, H: int, Hkv: int, D: int = HEAD_DIM) -> tuple[int, int]:
+    """The fewest HBM bytes of one ``precision="fp8"`` forward call incl. quantization, as it is built:
+    ``(quantization, kernel)``. Quantization reads bf16 Q, K, V and writes their E4M3 codes (1 byte), the
+    transposing launch reads V's codes and writes V^T, plus the exponents (a byte per token and head,
+    an upper bound for "block") and K's and V's float32 factor tables; the kernel reads Q, K, V^T codes and
+    the tables once and writes bf16 O and float32 LSE. L2 hits of re-read tiles are not counted."""
+    n = T * (H + 2 * Hkv) * D
+    quant = 2 * n + n + 2 * T * Hkv * D + T * (H + 2 * Hkv) + 2 * 4 * T * Hkv
+    kernel = n + 2 * 4 * T * Hkv + 2 * T * H * D + 4 * T * H
+    return quant, kernel
+
+
+def fp8_hbm_table(rows) -> str:
+    """Issue 27's memory-bound check per row with FP8 times: the fewest bytes of the FP8 forward incl.
+    quantization (:func:`fp8_fwd_min_bytes`) and its HBM floor against the measured time, next to the
+    BF16 forward's (read q, k, v, write O and LSE) against the fastest BF16 forward of the row."""
+    out = ["\n### FP8 forward incl. quantization against the HBM floor (4.8 TB/s; >= 0.9x asked on W3, W7)\n",
+           "| wl | bytes quant + kernel (GB) | floor ms | measured ms | floor / measured | BF16 fwd bytes (GB) | "
+           "floor / fastest BF16 fwd |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a = r["impl"].get("ours_fp8", {})
+        if "fwd_ms" not in a:
+            continue
+        T, H, Hkv = r["T"], r["H"], r["Hkv"]
+        qb, kb = fp8_fwd_min_bytes(T, H, Hkv)
+        floor = (qb + kb) / HBM_BYTES_PER_S * 1e3
+        b16 = 2 * T * (H + 2 * Hkv) * HEAD_DIM + 2 * T * H * HEAD_DIM + 4 * T * H
+        bf = min((r["impl"][n]["fwd_ms"] for n in ("ours", "fa4", "flex", "varlen", "sdpa")
+                  if "fwd_ms" in r["impl"].get(n, {})), default=None)
+        bfr = f"{b16 / HBM_BYTES_PER_S * 1e3 / bf:.2f}x" if bf else "-"
+        out.append(f"| {r['name']} | {qb / 1e9:.2f} + {kb / 1e9:.2f} | {floor:.3f} | {a['fwd_ms']:.3f} | "
+                   f"{floor / a['fwd_ms']:.2f}x | {b16 / 1e9:.2f} | {bfr} |")
     return "\n".join(out)
 
 
@@ -674,20 +715,27 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=None, help="a kernels.config NAMED_CONFIGS name for our kernels on every row "
                     "(default: the band table's choice per row)")
     ap.add_argument("--fit", default=None, help="fit calibration from a saved bench_attention.json (no GPU)")
+    ap.add_argument("--table", default=None, help="print the tables of a saved bench_attention.json (no GPU)")
     ap.add_argument("--fp8", action="store_true", help="also time precision='fp8' (with quantization, the forward "
                     "kernel alone, the training call) against the fastest BF16 implementation of each row")
     args = ap.parse_args(argv)
-    if args.fit:
+    saved = args.fit or args.table
+    if saved:
+        flag = "--fit" if args.fit else "--table"
         try:
-            with open(args.fit) as f:
+            with open(saved) as f:
                 data = json.load(f)
             rows = data["rows"]
             if not isinstance(rows, list) or not all(isinstance(r, dict) and "impl" in r for r in rows):
                 raise ValueError("'rows' is not a list of benchmark rows")
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            print(f"error: --fit {args.fit}: not a bench_attention.json of this script ({type(exc).__name__}: "
+            print(f"error: {flag} {saved}: not a bench_attention.json of this script ({type(exc).__name__}: "
                   f"{str(exc).splitlines()[0][:160] if str(exc) else ''})", file=sys.stderr)
             return 2
+        if args.table:
+            print(data.get("header", ""))
+            print(markdown(rows))
+            return 0
         text, fits = fit_and_report(rows)
         if not fits:
             print(f"error: --fit {args.fit}: no W1-W9 rows with our times to fit", file=sys.stderr)
