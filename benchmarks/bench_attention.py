@@ -3,8 +3,9 @@
 Run on the GPU machine:
     PYTHONPATH=. python3 benchmarks/bench_attention.py [--workloads W1,W2,...] [--peers fa4,flex,varlen,sdpa]
         [--no-peers] [--out DIR]
-Offline calibration fit from a saved run (CPU is enough):
+Offline calibration fit from a saved run, or its tables again (CPU is enough):
     python benchmarks/bench_attention.py --fit DIR/bench_attention.json
+    python benchmarks/bench_attention.py --table DIR/bench_attention.json
 
 Workloads: WORKLOADS.md W1-W9, S1, S2 (one packed row, causal, H_q = 16, D = 128, bf16 N(0, 1)
 drawn fresh per workload). For each: forward and training-call (forward + backward) time, median
@@ -25,7 +26,8 @@ argument) are reported as such.
 
 ``--fp8`` adds, in the same process, our ``precision="fp8"`` call (block and the strict token mode), its
 forward kernel alone, S2's FP8 peak memory, and, where ``cudnn`` imports and the row's documents have
-one length, cuDNN's FP8 attention (``peer_cudnn_fp8.py``: per-tensor scales, batched rows).
+one length, cuDNN's FP8 attention (``peer_cudnn_fp8.py``: per-tensor scales, batched rows), and the FP8
+forward incl. quantization against the HBM floor of the bytes it must move (:func:`fp8_hbm_table`).
 """
 from __future__ import annotations
 
