@@ -168,13 +168,56 @@ def parity_markdown(prows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function ``I_x(a, b)`` (Lentz's continued fraction, Numerical
+    Recipes 6.4), for Student's t below; ``x`` in [0, 1]."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast on this side only
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    lbeta = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return math.exp(lbeta) * h / a
+
+
+def t_two_sided_p(t: float, df: int) -> float:
+    """Two-sided p-value of Student's t with ``df`` degrees of freedom."""
+    return _betainc(df / 2, 0.5, df / (df + t * t))
+
+
+def t_quantile(q: float, df: int) -> float:
+    """``t`` with ``P(T <= t) = q`` for Student's t (``q`` in (0.5, 1)), by bisection on :func:`t_two_sided_p`."""
+    lo, hi = 0.0, 1e3
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if 1 - t_two_sided_p(mid, df) / 2 < q:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 def paired(rows: list[dict], margin: float = PARITY_MARGIN) -> list[dict]:
     """The parity test on seed-paired runs: a seed is the model's initialisation and every run reads the
     same data order (``train_fp8.py --data-seed``), so a mode's run and BF16's run of one seed differ only
     in the attention. Per FP8 mode (the leak left out), over the seeds it shares with BF16 (runs
     :func:`_pooled` accepts): ``n``, the mean of ``val_exact(mode, s) - val_exact(bf16, s)``, its sample
-    sd and standard error ``sd / sqrt(n)``, and ``upper``: mean + 2 SE, the one-sided bound that "no worse
-    than BF16 by more than ``margin``" needs below ``margin``. ``nan`` where ``n < 2``."""
+    sd and standard error ``sd / sqrt(n)``, ``upper``: mean + 2 SE, the one-sided bound that "no worse
+    than BF16 by more than ``margin``" needs below ``margin``; with Student's t (``n - 1`` degrees of
+    freedom): ``upper_t`` (mean + t_0.95 SE), ``p_two_sided`` (the mean against 0) and ``ci95`` (the
+    two-sided 95% interval). ``nan`` where ``n < 2``."""
     full = _full_steps(rows)
     by: dict[str, dict[int, float]] = {}
     for x in rows:
@@ -190,20 +233,26 @@ def paired(rows: list[dict], margin: float = PARITY_MARGIN) -> list[dict]:
         mean = statistics.fmean(d) if d else float("nan")
         sd = statistics.stdev(d) if n > 1 else float("nan")
         se = sd / math.sqrt(n) if n > 1 else float("nan")
+        nan = float("nan")
+        t95, t975 = (t_quantile(0.95, n - 1), t_quantile(0.975, n - 1)) if n > 1 else (nan, nan)
+        p = t_two_sided_p(mean / se, n - 1) if n > 1 and se > 0 else nan
         out.append({"attn": a, "n": n, "mean_diff": mean, "sd": sd, "se": se, "upper": mean + 2 * se,
+                    "upper_t": mean + t95 * se, "p_two_sided": p, "ci95": (mean - t975 * se, mean + t975 * se),
                     "margin": margin})
     return out
 
 
 def paired_markdown(prows: list[dict]) -> str:
     margin = prows[0]["margin"] if prows else PARITY_MARGIN
-    out = [f"| attn | seed pairs | mean (mode - BF16) | sd | standard error | mean + 2 SE | no worse than +{margin} |",
-           "|" + "---|" * 7]
+    out = [f"| attn | seed pairs | mean (mode - BF16) | sd | standard error | mean + 2 SE | no worse than +{margin} "
+           "| mean + t_0.95 SE | two-sided p (t) | 95% interval (t) |", "|" + "---|" * 10]
     f = _num
     for x in prows:
         ok = "-" if x["upper"] != x["upper"] else ("yes" if x["upper"] <= margin else "no")
+        lo, hi = x["ci95"]
         out.append(f"| {x['attn']} | {x['n']} | {f(x['mean_diff'], '+.4f')} | {f(x['sd'], '.4f')} | "
-                   f"{f(x['se'], '.4f')} | {f(x['upper'], '+.4f')} | {ok} |")
+                   f"{f(x['se'], '.4f')} | {f(x['upper'], '+.4f')} | {ok} | {f(x['upper_t'], '+.4f')} | "
+                   f"{f(x['p_two_sided'], '.3f')} | {f(lo, '+.4f')} .. {f(hi, '+.4f')} |")
     return "\n".join(out)
 
 

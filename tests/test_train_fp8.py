@@ -391,6 +391,24 @@ def test_paired_parity_of_the_plot_script():
     assert "| fp8-block | 3 | +0.0100 |" in table and "| no |" in table and "| fp8-token | 1 | +0.1000 | - |" in table
 
 
+def test_students_t_of_the_plot_script():
+    """plot_fp8_training's Student's t (no scipy): the textbook quantiles (df 1, 5, 100) and p-values, and the
+    paired table's t columns (bound, p, interval) on the same differences as the 2 SE ones."""
+    spec = importlib.util.spec_from_file_location("plot_fp8_training", ROOT / "benchmarks" / "plot_fp8_training.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for q, df, t in ((0.975, 1, 12.7062), (0.95, 5, 2.0150), (0.975, 5, 2.5706), (0.975, 100, 1.9840)):
+        assert mod.t_quantile(q, df) == pytest.approx(t, abs=1e-4)
+        assert mod.t_two_sided_p(t, df) == pytest.approx(2 * (1 - q), abs=1e-4)
+    assert mod.t_two_sided_p(0.0, 7) == pytest.approx(1.0)
+    rows = [{"attn": "bf16", "seed": s, "val_exact": v} for s, v in ((0, 1.0), (1, 1.2), (2, 1.1))]
+    rows += [{"attn": "fp8-block", "seed": s, "val_exact": v} for s, v in ((0, 1.02), (1, 1.18), (2, 1.13))]
+    b = mod.paired(rows)[0]
+    assert b["upper_t"] == pytest.approx(b["mean_diff"] + 2.9200 * b["se"], abs=1e-4)  # t_0.95, df 2
+    assert b["ci95"][1] == pytest.approx(b["mean_diff"] + 4.3027 * b["se"], abs=1e-4)
+    assert b["p_two_sided"] == pytest.approx(mod.t_two_sided_p(b["mean_diff"] / b["se"], 2))
+
+
 def test_spike_overlap_of_the_plot_script():
     """benchmarks/plot_fp8_training.spike_overlap: an FP8 run's spikes count as unshared only on steps where
     none of k BF16 runs spikes (averaged over the choices of k), BF16's against its other k seeds."""
