@@ -497,9 +497,7 @@ def markdown(rows) -> str:
                    " training call |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in f8:
-            bf16 = [r["impl"][n] for n in ("ours", "fa4", "flex", "varlen", "sdpa") if n in r["impl"]]
-            bf = min((x["fwd_ms"] for x in bf16 if "fwd_ms" in x), default=None)
-            bt = min((x["train_ms"] for x in bf16 if "train_ms" in x), default=None)
+            bf, bt = _fastest_bf16(r, "fwd_ms"), _fastest_bf16(r, "train_ms")
             a, kk = r["impl"]["ours_fp8"], r["impl"].get("ours_fp8_kernel", {})
             tk = r["impl"].get("ours_fp8_token", {})
             cd = r["impl"].get("cudnn_fp8", {})
@@ -520,6 +518,12 @@ def markdown(rows) -> str:
         out.append("\nwork-list build (GPU, validate=False, per row): " +
                    ", ".join(f"{r['name']} {r['worklist_ms'] * 1e3:.0f} us" for r in wlb))
     return "\n".join(out)
+
+
+def _fastest_bf16(r, key: str):
+    """The fastest BF16 time (``"fwd_ms"`` / ``"train_ms"``) of a row over ours and the peers, or None."""
+    return min((r["impl"][n][key] for n in ("ours", "fa4", "flex", "varlen", "sdpa")
+                if key in r["impl"].get(n, {})), default=None)
 
 
 #: H200 HBM3e bandwidth (bytes / s), the floor of issue 27's memory-bound rows
@@ -553,8 +557,7 @@ def fp8_hbm_table(rows) -> str:
         qb, kb = fp8_fwd_min_bytes(T, H, Hkv)
         floor = (qb + kb) / HBM_BYTES_PER_S * 1e3
         b16 = 2 * T * (H + 2 * Hkv) * HEAD_DIM + 2 * T * H * HEAD_DIM + 4 * T * H
-        bf = min((r["impl"][n]["fwd_ms"] for n in ("ours", "fa4", "flex", "varlen", "sdpa")
-                  if "fwd_ms" in r["impl"].get(n, {})), default=None)
+        bf = _fastest_bf16(r, "fwd_ms")
         bfr = f"{b16 / HBM_BYTES_PER_S * 1e3 / bf:.2f}x" if bf else "-"
         out.append(f"| {r['name']} | {qb / 1e9:.2f} + {kb / 1e9:.2f} | {floor:.3f} | {a['fwd_ms']:.3f} | "
                    f"{floor / a['fwd_ms']:.2f}x | {b16 / 1e9:.2f} | {bfr} |")

@@ -229,11 +229,10 @@ def paired(rows: list[dict], margin: float = PARITY_MARGIN) -> list[dict]:
         if a == "bf16":
             continue
         d = [vals[s] - base[s] for s in sorted(vals) if s in base]
-        n = len(d)
-        mean = statistics.fmean(d) if d else float("nan")
-        sd = statistics.stdev(d) if n > 1 else float("nan")
-        se = sd / math.sqrt(n) if n > 1 else float("nan")
-        nan = float("nan")
+        n, nan = len(d), float("nan")
+        mean = statistics.fmean(d) if d else nan
+        sd = statistics.stdev(d) if n > 1 else nan
+        se = sd / math.sqrt(n) if n > 1 else nan
         t95, t975 = (t_quantile(0.95, n - 1), t_quantile(0.975, n - 1)) if n > 1 else (nan, nan)
         p = t_two_sided_p(mean / se, n - 1) if n > 1 and se > 0 else nan
         out.append({"attn": a, "n": n, "mean_diff": mean, "sd": sd, "se": se, "upper": mean + 2 * se,
@@ -292,8 +291,8 @@ def spike_markdown(srows: list[dict]) -> str:
     k = srows[0]["k"] if srows else 0
     out = [f"| attn | runs | spikes | on steps where none of {k} BF16 runs spikes |", "|" + "---|" * 4]
     for x in srows:
-        f = "-" if x["fraction_unshared"] != x["fraction_unshared"] else f"{100 * x['fraction_unshared']:.0f}%"
-        out.append(f"| {x['attn']} | {x['runs']} | {x['spikes']} | {f} |")
+        frac = _num(100 * x["fraction_unshared"], ".0f")
+        out.append(f"| {x['attn']} | {x['runs']} | {x['spikes']} | {frac}{'%' if frac != '-' else ''} |")
     return "\n".join(out)
 
 

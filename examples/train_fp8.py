@@ -350,7 +350,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--out {args.out} holds a run's log or summary but no {CKPT} to resume from; it would be "
                 "overwritten: use another --out (or move the directory away)")
     if args.out is not None and not args.estimate and args.out.is_dir() and not (args.out / CKPT).exists():
-        other = [x.name for x in args.out.iterdir() if not (x.name.startswith("spike-step") or x.name == pathlib.Path(CKPT).with_suffix(".tmp").name)]
+        tmp = pathlib.Path(CKPT).with_suffix(".tmp").name  # the checkpoint save's temporary (an interrupted first save)
+        other = [x.name for x in args.out.iterdir() if not (x.name.startswith("spike-step") or x.name == tmp)]
         if other:
             p.error(f"--out {args.out} is a directory of other files ({', '.join(sorted(other)[:3])}"
                     f"{', ...' if len(other) > 3 else ''}), not a run to resume: give a new or empty directory")

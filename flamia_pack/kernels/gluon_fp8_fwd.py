@@ -65,6 +65,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
 from flamia_pack.kernels.constants import LOG2E
+from flamia_pack.scheduler.cost import fp8_masked_tile0
 from flamia_pack.kernels.gluon_common import (
     _entry_counts, _next_entry, _handoff_load, _rows_producer_loop, _rows_through_smem, _release_after_reads,
     _store_rows, _slot_barriers, check_stages, CONSUMER_WARPS, MAXNREG)
@@ -704,7 +705,7 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
         return o, lse
     total = max_entries * H
     if masked_tile0 is None:
-        masked_tile0 = T <= MASKED_TILE0_MAX_MEAN * max(cu_seqlens.numel() - 1, 1)
+        masked_tile0 = fp8_masked_tile0(T, cu_seqlens.numel() - 1, MASKED_TILE0_MAX_MEAN)
     grid = min(total, torch.cuda.get_device_properties(qc.device).multi_processor_count)
     _fp8_fwd_kernel[(grid,)](
         fp8_descriptor(qc, block_m), fp8_descriptor(kc, block_n), fp8_descriptor_t(vt, block_n), o, lse, eq, ek, ev,

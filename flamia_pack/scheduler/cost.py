@@ -19,7 +19,8 @@ import numpy as np
 from flamia_pack.errors import FlamiaError
 from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba
 
-__all__ = ["PASS_FACTORS", "attention_flops", "fp8_fwd_masked_tiles", "lengths_from", "tile_count", "visible_pairs"]
+__all__ = ["PASS_FACTORS", "attention_flops", "fp8_fwd_masked_tiles", "fp8_masked_tile0", "lengths_from", "tile_count",
+           "visible_pairs"]
 
 PASS_FACTORS = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 """FLOPs of each pass relative to the forward (WORKLOADS.md)."""
@@ -125,6 +126,13 @@ def tile_count(cu_seqlens, config: TileConfig = TileConfig()) -> int:
     """
     items = build_work_list_numba(np.asarray(cu_seqlens if not hasattr(cu_seqlens, "detach") else cu_seqlens.detach().cpu().numpy()), config)
     return int(items[:, 3].astype(np.int64).sum())
+
+
+def fp8_masked_tile0(total_tokens: int, n_docs: int, max_mean: int) -> bool:
+    """The FP8 forward launcher's ``masked_tile0`` rule: on where the row's mean document length
+    ``total_tokens / n_docs`` is at most ``max_mean`` tokens (``gluon_fp8_fwd.MASKED_TILE0_MAX_MEAN``; 0:
+    never). Host-known, so the launch needs no sync; the cost model applies the same rule."""
+    return max_mean > 0 and total_tokens <= max_mean * max(int(n_docs), 1)
 
 
 def fp8_fwd_masked_tiles(items: np.ndarray, cu_seqlens, config: TileConfig, *, masked_tile0: bool) -> np.ndarray:

@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from flamia_pack.errors import FlamiaError
-from flamia_pack.scheduler.cost import PASS_FACTORS, attention_flops, fp8_fwd_masked_tiles, lengths_from, visible_pairs
+from flamia_pack.scheduler.cost import (PASS_FACTORS, attention_flops, fp8_fwd_masked_tiles, fp8_masked_tile0,
+                                        lengths_from, visible_pairs)
 from flamia_pack.scheduler.policy import POLICIES, choose_policy
 from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba, walked_tiles
 
@@ -113,10 +114,10 @@ class Calibration:
             raise FlamiaError(f"calibration needs an integer masked_tile0_max_mean >= 0, got "
                               f"{self.masked_tile0_max_mean!r}")
 
-    def scaled_to(self, config: TileConfig) -> tuple[float, float]:
-        """(a, b) for another tile shape: a scales with BLOCK_M * BLOCK_N (an approximation)."""
+    def scaled_to(self, config: TileConfig) -> tuple[float, float, float]:
+        """(a, b, c) for another tile shape: a and c scale with BLOCK_M * BLOCK_N (an approximation)."""
         f = (config.block_m * config.block_n) / (self.block_m * self.block_n)
-        return self.a_us_per_tile * f, self.b_us_per_item
+        return self.a_us_per_tile * f, self.b_us_per_item, self.c_us_per_masked_tile * f
 
 
 @dataclass(frozen=True)
@@ -692,13 +693,12 @@ def predict(
     if config is None:
         config = TileConfig(block_m=cal.block_m, block_n=cal.block_n, merge_short=cal.merge_short)
     cfg = dataclasses.replace(config, causal=bool(causal))
-    a, b = cal.scaled_to(cfg)
+    a, b, c = cal.scaled_to(cfg)
 
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     items = build_work_list_numba(cu, cfg)
     walk = walked_tiles(items, cu, cfg)  # time unit: the tiles the kernels walk (queue order: the list's)
-    c = cal.c_us_per_masked_tile * (cfg.block_m * cfg.block_n) / (cal.block_m * cal.block_n)
-    mt0 = c > 0 and 0 < cap <= cal.masked_tile0_max_mean * lens.size
+    mt0 = c > 0 and fp8_masked_tile0(cap, lens.size, cal.masked_tile0_max_mean)
     walk = cost_tiles(items, cu, cfg, a, c, mt0)
     if items.shape[0] * h > max_intervals:  # no intervals wanted: item-level fast path, same numbers
         scheds = {pol: _simulate_items(walk, h, p, a, b, pol) for pol in POLICIES}
@@ -751,35 +751,19 @@ def predict(
     )
 
 
-def nnls2(A: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """``argmin ||A x - y||^2`` over ``x >= 0`` for a two-column ``A`` (shape ``(n, 2)``).
+def nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``argmin ||A x - y||^2`` over ``x >= 0`` for an ``A`` of a few columns (k = 2 or 3 here).
 
-    The optimum is the unconstrained least-squares solution when it is non-negative, else the best
-    fit with one variable alone (the other at 0). Used by :func:`fit_calibration` and the service's
-    refit, so both fit (a, b) the same way.
+    Exact: the optimum is the unconstrained least-squares solution on some subset of the columns (the
+    others at 0), so the best non-negative one over all 2^k - 1 subsets (and x = 0) is it. Used by
+    :func:`fit_calibration` and the service's refit, so both fit the same way.
 
     Returns:
-        ``np.ndarray`` float64 of shape ``(2,)``.
+        ``np.ndarray`` float64 of shape ``(k,)``.
     """
-    cands = []
-    sol, *_ = np.linalg.lstsq(A, y, rcond=None)
-    if sol.min() >= 0:
-        cands.append(sol)
-    for j in range(2):
-        col = A[:, j]
-        v = np.zeros(2)
-        if col @ col > 0:
-            v[j] = max(float(col @ y / (col @ col)), 0.0)
-        cands.append(v)
-    return min(cands, key=lambda v: float(((A @ v - y) ** 2).sum()))
-
-
-def _nnls_small(A: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """``argmin ||A x - y||^2`` over ``x >= 0`` for a few columns: the best non-negative least-squares
-    solution over every subset of columns (exact; 2^k solves, k = 3 here)."""
     k = A.shape[1]
     best, best_r = np.zeros(k), float((y ** 2).sum())
-    for mask in range(1, 1 << k):
+    for mask in range((1 << k) - 1, 0, -1):  # the full set first: it wins ties
         cols = [j for j in range(k) if mask >> j & 1]
         sol, *_ = np.linalg.lstsq(A[:, cols], y, rcond=None)
         if sol.min() < 0:
@@ -818,14 +802,11 @@ def fit_calibration(samples, *, num_sms: int = 132, config: TileConfig = TileCon
         units = float(it.shape[0]) * h / num_sms
         row = [tiles / t_us, units / t_us]
         if masked_tile0_max_mean is not None:
-            mt0 = int(lens.sum()) <= int(masked_tile0_max_mean) * lens.size
+            mt0 = fp8_masked_tile0(int(lens.sum()), lens.size, int(masked_tile0_max_mean))
             masked = float(fp8_fwd_masked_tiles(it, cu, config, masked_tile0=mt0).sum()) * h / num_sms
             row.append(masked / t_us)
         rows.append(row)
         rhs.append(1.0)
     if not rows:
         raise FlamiaError("fit_calibration needs at least one sample")
-    if masked_tile0_max_mean is None:
-        a, b = nnls2(np.asarray(rows), np.asarray(rhs))
-        return float(a), float(b)
-    return tuple(float(x) for x in _nnls_small(np.asarray(rows), np.asarray(rhs)))
+    return tuple(float(x) for x in nnls(np.asarray(rows), np.asarray(rhs)))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flamia_pack.errors import FlamiaError
-from flamia_pack.scheduler.simulate import Calibration, CalibrationTable, nnls2, predict
+from flamia_pack.scheduler.simulate import Calibration, CalibrationTable, nnls, predict
 
 from flamia_pack.service.engine import critical_load, fwd_bwd_path
 
@@ -114,7 +114,7 @@ def refit(runs: list[FitRun], table: CalibrationTable, *, version: str) -> tuple
         m_us = np.array([r.measured_ms * 1e3 for r in grp])
         for _ in range(ROUNDS):
             A = np.array([critical_load(r.seqlens, _predict_ms(r, cal, keep=True)) for r in grp])
-            x = nnls2(A / m_us[:, None], np.ones(len(grp)))
+            x = nnls(A / m_us[:, None], np.ones(len(grp)))
             cal = dataclasses.replace(
                 start,
                 a_us_per_tile=max(float(x[0]), _A_MIN),
