@@ -76,7 +76,8 @@ __all__ = ["gluon_fp8_fwd", "BOOST_LOG2", "MASKED_TILE0_MAX_MEAN"]
 #: Probability boost of the P~ fold (fp8_emulation.DEFAULT_BOOST_LOG2: the largest with no saturation).
 BOOST_LOG2 = 8
 #: ``gluon_fp8_fwd(masked_tile0=None)``: rows whose mean document length is at most this many tokens run
-#: every entry's first key tile masked (W2 291, W6 1,040, W7 256 tokens gained 1-10%; W1 4,096 lost 3%).
+#: every entry's first key tile masked (short entries are bound by instruction fetch, long ones pay the masked
+#: step; the threshold's measurements: benchmarks/NOTES.md, "FP8 session of 2026-12-03 (second)").
 MASKED_TILE0_MAX_MEAN = 1536
 
 
@@ -680,7 +681,8 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
             the entry's prologue instead of two; bitwise the same output). Short documents' entries walk
             2-3 tiles and are bound by instruction fetch, long ones pay a masked step an entry. Default:
             on where the mean document length ``T / n_docs`` is at most :data:`MASKED_TILE0_MAX_MEAN`
-            tokens (known on the host: no sync). Measured: benchmarks/RESULTS.md, 2026-12-03 (third).
+            tokens (known on the host: no sync; ``scheduler.cost.fp8_masked_tile0``, the rule the cost model
+            applies too).
 
     Returns:
         ``(o, lse)``: ``(T, H_q, 128)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
