@@ -141,6 +141,57 @@ def test_pv_accumulator_models():
     assert abs(c["mma14"] - c["fp32"]) < 1e-5
 
 
+@pytest.mark.parametrize("acc", ["fp32", "mma14"])
+def test_a_zero_v_tile_stays_finite_and_the_floors_bind_only_on_degenerate_v(acc, monkeypatch):
+    """The fold reference's floors (64 binades below the row's largest so far, and boost - 110): a
+    document whose keys 128-255 have V = 0 stays finite in the MMA-accumulating model (without the
+    running floor the rescale 2^(r_old - r_new) ~ 2^110 overflowed it: the positive control), the
+    output is the exact one's; on N(0, 1) V the floors move no bit."""
+    import flamia_pack.kernels.fp8_emulation as emu
+
+    cu = torch.tensor([0, 512], dtype=torch.int32)
+    q, k, v, _ = inputs(1, 1, 64, seed=11, T=512)
+    v[128:256] = 0
+    ro = packed_attention_reference(q, k, v, cu, compute_dtype=torch.float64)
+    o, _ = fp8_attention_forward(q, k, v, cu, pv_accumulator=acc)
+    assert bool(torch.isfinite(o).all()) and cos(o, ro) > 0.998
+    monkeypatch.setattr(emu, "REF_FLOOR_LOG2", 1000)  # no running floor: the old contract
+    monkeypatch.setattr(emu, "FOLD_REF_MIN_OFFSET", 1000)
+    o_old, _ = fp8_attention_forward(q, k, v, cu, pv_accumulator=acc)
+    if acc == "mma14":
+        assert not bool(torch.isfinite(o_old).all())
+    else:
+        assert torch.equal(o_old, o)  # per-tile promotion never overflowed; zero codes add 0 either way
+    q2, k2, v2, _ = inputs(2, 1, 64, seed=12)
+    a = fp8_attention_forward(q2, k2, v2, CU, pv_accumulator=acc)
+    monkeypatch.undo()
+    b = fp8_attention_forward(q2, k2, v2, CU, pv_accumulator=acc)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_the_running_floor_drops_only_keys_64_binades_below(monkeypatch):
+    """A row whose later V tile is 2^-80 of its first (nonzero): the running floor raises that tile's
+    reference, so its P~ round to 0 (the documented edge: they would add ~2^-80 of |O|, invisible in
+    bf16, so O keeps its bits); a drop of 2^-40 stays above the floor and folds as without it."""
+    import flamia_pack.kernels.fp8_emulation as emu
+
+    cu = torch.tensor([0, 256], dtype=torch.int32)
+    q, k, v, _ = inputs(1, 1, 64, seed=13, T=256)
+    for drop, binds in ((2.0 ** -40, False), (2.0 ** -80, True)):
+        v2 = v.clone()
+        v2[128:] = (v[128:].float() * drop).bfloat16()
+        st = {}
+        o, _ = fp8_attention_forward(q, k, v2, cu, stats=st)
+        with monkeypatch.context() as m:
+            m.setattr(emu, "REF_FLOOR_LOG2", 1000)
+            st_free = {}
+            o_free, _ = fp8_attention_forward(q, k, v2, cu, stats=st_free)
+        assert torch.equal(o, o_free)
+        zeros, zeros_free = st["p_zero_fraction"], st_free["p_zero_fraction"]
+        # the second tile holds 8,256 of the 32,896 visible pairs (0.25)
+        assert (zeros > zeros_free + 0.2) if binds else (zeros == zeros_free), (drop, zeros, zeros_free)
+
+
 def test_block_m_does_not_change_the_bits_block_n_does():
     q, k, v, _ = inputs(2, 2, 64, seed=4)
     o128, l128 = fp8_attention_forward(q, k, v, CU)

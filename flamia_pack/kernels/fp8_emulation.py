@@ -15,7 +15,8 @@ of the tile (all units base 2, all arithmetic fp32 unless said otherwise)::
     masked pairs (other document, key after query): s_ij = -inf
     m_new   = max(m_i, max_j s_ij);  p_ij = exp2(s_ij - m_new);  alpha = exp2(m_i - m_new)
     l_i     = l_i * alpha + fp32( sum_j p_ij )           tile row sum in fp64, rounded once
-    r_i     = max { e_v(j) : j in the tile, j visible to i }      (reads visible keys only)
+    r_i     = max( max { e_v(j) : j in the tile, j visible to i },   (reads visible keys only)
+                   R_i - REF_FLOOR_LOG2,  boost - FOLD_REF_MIN_OFFSET )  R_i: the row's largest r so far
     P~_ij   = E4M3_RNE( p_ij * 2^(e_v(j) - r_i + boost) )  if visible, else exactly 0   (3)
     pv_i    = fp32( sum_j P~_ij vc_j )                   exact in fp64, rounded once (1)
     acc_i   = fp32( fp32(acc_i * alpha) + pv_i * 2^(r_i - boost) )
@@ -35,7 +36,12 @@ of the tile (all units base 2, all arithmetic fp32 unless said otherwise)::
     largest finite E4M3) iff ``boost <= 8``. Nothing can saturate; the default ``boost = 8`` is the
     largest legal value and keeps small probabilities above E4M3's subnormal floor longest.
     Masked pairs get an explicit 0 (never ``p * 2^(e_v - r)``: with no visible key ``r_i`` is a
-    sentinel and ``2^(e_v - r)`` could be ``inf``, ``0 * inf = NaN``).
+    sentinel and ``2^(e_v - r)`` could be ``inf``, ``0 * inf = NaN``). The floors of ``r_i`` (64
+    binades below the row's largest so far, ``constants.REF_FLOOR_LOG2``, and ``boost - 110``,
+    ``constants.FOLD_REF_MIN_OFFSET``) only raise it, so the budget holds; they keep the kernel's
+    accumulator rescale ``2^(r_old - r_new)`` and its folded row factor ``2^(boost - r_i)`` finite, and
+    bind only where a row's visible V groups are 2^-64 of its earlier ones or below ~2^-93 in amax
+    (all-zero groups, ``e = -127``): those keys' ``P~`` round to 0 as zero codes contribute 0 anyway.
 
 Causality. ``r_i`` reads only keys visible to row ``i``, and the masked scores are ``-inf`` (they
 enter neither ``m``, ``l``, ``r`` nor ``P~``), so row ``i`` reads exactly: the codes and exponents
@@ -69,6 +75,7 @@ import numpy as np
 import torch
 
 from flamia_pack.errors import FlamiaError, MetadataError
+from flamia_pack.kernels.constants import FOLD_REF_MIN_OFFSET, REF_FLOOR_LOG2
 from flamia_pack.quant import GRANULARITIES, UE8M0_BIAS, UE8M0_NAN, quantize_token_blocks
 from flamia_pack.varlen import validate_cu_seqlens
 
@@ -395,6 +402,7 @@ def _forward_impl(cu, ops, T, H, Hkv, D, *, causal, softmax_scale, block_m, bloc
         l = torch.zeros((H, L), dtype=torch.float32)
         acc = torch.zeros((H, L, D), dtype=torch.float32)
         r_run = torch.zeros((H, L), dtype=torch.int32)  # "mma14": the accumulator's unit 2^(r - boost)
+        r_hi = torch.full((H, L), -(1 << 30), dtype=torch.int32)  # the row's largest r so far (the floor's)
         for k0, k1, r0 in _steps(L, single, block_n, causal, lo % TILE_ALIGN):
             rows, keys = slice(r0, L), slice(k0, k1)
             vis = visibility(doc, dpos, rows, keys, causal)
@@ -411,6 +419,8 @@ def _forward_impl(cu, ops, T, H, Hkv, D, *, causal, softmax_scale, block_m, bloc
                 r, has = reference_exponent(ev[:, keys], doc[rows, None] == doc[None, keys])
             else:
                 r, has = reference_exponent(ev[:, keys], vis)
+            r = torch.maximum(r, (r_hi[:, rows] - REF_FLOOR_LOG2).clamp(min=boost - FOLD_REF_MIN_OFFSET))
+            r_hi[:, rows] = torch.where(has, torch.maximum(r_hi[:, rows], r), r_hi[:, rows])
             pt = _fold_p(p, ev[:, keys], r, vis, boost)
             ptf = pt.float()
             pt_max = max(pt_max, float(ptf.max()) if ptf.numel() else 0.0)
