@@ -329,8 +329,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if args.device.startswith("cuda"):
             from flamia_pack.kernels.fp8_attention import fp8_kernels_available
 
-            if head_dim != 128:
-                p.error(f"--attn {args.attn} on the GPU needs head_dim 128 (--d-model / --heads), got {head_dim}")
+            if head_dim not in (64, 128):
+                p.error(f"--attn {args.attn} on the GPU needs head_dim 64 or 128 (--d-model / --heads), got {head_dim}")
             if not fp8_kernels_available(args.device):
                 p.error(f"--attn {args.attn}: the FP8 kernels need a Hopper (sm_90) GPU with triton's Gluon")
         elif head_dim not in (64, 128):

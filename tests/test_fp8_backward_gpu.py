@@ -244,6 +244,68 @@ def test_training_call_peak_memory():
     assert ratio <= 1.22
 
 
+def _dq_accumulators(q, k, v, do, cu, causal, deterministic, runs):
+    """``runs`` calls of the FP8 backward kernel on one forward's operands: fp32 dQ accumulators (before
+    the cast), bf16 dK, dV (the launcher allocates dK / dV uninitialised on each call)."""
+    from flamia_pack.kernels.fp8_backward import quantize_do
+    from flamia_pack.kernels.fp8_bwd_prep import fp8_bwd_delta
+    from flamia_pack.kernels.gluon_fp8_bwd import gluon_fp8_bwd
+    from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
+
+    ops = fp8_quantize(q, k, v, cu, "block", backward=True)
+    o, lse = fp8_attention_forward(ops, cu, causal=causal)
+    d8 = quantize_do(do, cu, "block")
+    delta = fp8_bwd_delta(d8.codes, d8.exponents, o)
+    out = []
+    for _ in range(runs):
+        out.append(gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, d8.codes, d8.codes_t, exponent_table(ops.eq),
+                                 ops.ekt, ops.evt, exponent_table(d8.exponents), lse, delta, cu, 128 ** -0.5,
+                                 causal=causal, cast_dq=False, deterministic=deterministic))
+    return out
+
+
+@needs_hopper
+@pytest.mark.parametrize("name", ["W4-like 1x3000", "W5-like GQA 2x1024", "W6-like unaligned", "MQA + padding",
+                                  "S3 random 0"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_deterministic_dq_is_bitwise_reproducible(name, causal):
+    """``deterministic=True``: the fp32 dQ accumulator is bitwise the same over repeated calls (a
+    document's key tiles add their partials in tile order), dK / dV bitwise the default's, and dQ the
+    default's up to the order of its fp32 additions. The default's own run-to-run spread is printed
+    (the positive control: it is not asserted, an unordered reduce may happen to agree)."""
+    lens, H, Hkv, pad = ROWS[name]
+    q, k, v, do, cu = _inputs(lens, H, Hkv, pad, seed=11)
+    det = _dq_accumulators(q, k, v, do, cu, causal, True, 4)
+    free = _dq_accumulators(q, k, v, do, cu, causal, False, 4)
+    for run in det[1:]:
+        for a, b, what in zip(run, det[0], ("dq", "dk", "dv")):
+            assert torch.equal(a, b), f"{what} differs between deterministic calls"
+    torch.testing.assert_close(det[0][0], free[0][0], rtol=1e-5, atol=1e-5 * float(free[0][0].abs().max()))
+    assert torch.equal(det[0][1], free[0][1]) and torch.equal(det[0][2], free[0][2])
+    spread = max(float((r[0] - free[0][0]).abs().max()) for r in free[1:])
+    print(f"{name} causal={causal}: default dQ max run-to-run difference {spread:.3e}")
+
+
+@needs_hopper
+def test_deterministic_through_varlen_attention():
+    """``varlen_attention(precision="fp8", deterministic=True)`` trains: the same gradients bitwise twice,
+    and the fp32 reference's to the default's tolerance."""
+    q, k, v, do, cu = _inputs([900, 37, 1500], 4, 2, seed=12)
+
+    def grads():
+        x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        varlen_attention(*x, cu, 1500, precision="fp8", deterministic=True).backward(do)
+        return [t.grad for t in x]
+
+    a, b = grads(), grads()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    qf, kf, vf = (t.float() for t in (q, k, v))
+    o, lse = packed_attention_reference(qf, kf, vf, cu, causal=True, return_lse=True)
+    gr = packed_attention_reference_bwd(do.float(), qf, kf, vf, o, lse, cu, causal=True)
+    for x, r in zip(a, gr):
+        assert _cos(x, r) > 0.996
+
+
 @needs_hopper
 def test_backward_captures_in_a_cuda_graph():
     q, k, v, do, cu = _inputs([700, 300], 4, 2, seed=7)

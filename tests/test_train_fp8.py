@@ -289,7 +289,8 @@ def test_gpu_branch_plumbing(leak, monkeypatch):
         T, H, D = ops.qc.shape
         return torch.zeros(T, H, D, dtype=torch.bfloat16), torch.zeros(H, T)
 
-    def fake_bwd(do, ops, o, lse, cu32, *, causal, softmax_scale, dlse=None, entries=None):
+    def fake_bwd(do, ops, o, lse, cu32, *, causal, softmax_scale, dlse=None, entries=None, deterministic=False):
+        seen["deterministic"] = deterministic
         seen["bwd"] = ops
         seen["entries"] = entries
         return torch.ones_like(do), torch.ones_like(do), torch.ones_like(do)
@@ -314,7 +315,7 @@ def test_gpu_branch_plumbing(leak, monkeypatch):
                     b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
         for a, b in ((back[i], ops[i]) for i in keep))
     assert bool((q.grad == 1).all())
-    assert seen["entries"] is None  # "WL" carries no backward entries
+    assert seen["entries"] is None and seen["deterministic"] is False  # "WL" carries no backward entries
     # a work list that carries them (build_fp8_work_list's FP8WorkList) hands them to the backward
     wl = type("FakeFP8WorkList", (), {"bwd_entries": ("E", "N", 3)})()
     with pytest.warns(leak.LeakWarning):

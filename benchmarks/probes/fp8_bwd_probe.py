@@ -146,10 +146,10 @@ def prepared_backward(q, k, v, do, cu, work_list=None):
             "entries": fp8_bwd_entries(cu, q.shape[0])}
 
 
-def _kernel_only(q, k, v, do, cu, dq_acc=None, prepared=None):
+def _kernel_only(q, k, v, do, cu, dq_acc=None, prepared=None, deterministic=False):
     """The FP8 backward kernel alone on prepared operands (a closure to time; ``dq_acc``: an fp32
     accumulator zeroed before each call, else the launcher allocates one; ``prepared``: a
-    :func:`prepared_backward` result to reuse)."""
+    :func:`prepared_backward` result to reuse; ``deterministic``: ``gluon_fp8_bwd(deterministic=)``)."""
     from flamia_pack.kernels.gluon_fp8_bwd import gluon_fp8_bwd
 
     b = prepared_backward(q, k, v, do, cu) if prepared is None else prepared
@@ -159,7 +159,8 @@ def _kernel_only(q, k, v, do, cu, dq_acc=None, prepared=None):
         if dq_acc is not None:
             dq_acc.zero_()
         return gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, d8.codes, d8.codes_t, *b["tables"], b["lse"],
-                             b["delta"], cu, 128 ** -0.5, entries=b["entries"], dq_acc=dq_acc)
+                             b["delta"], cu, 128 ** -0.5, entries=b["entries"], dq_acc=dq_acc,
+                             deterministic=deterministic)
     return run
 
 
@@ -199,9 +200,30 @@ def speed(rows):
               f"{tk:.3f} | {fl / tk / 1e9:.0f} | {b16 / b8:.2f}x | {b16 / tk:.2f}x |", flush=True)
 
 
+def det_speed(rows):
+    """The backward kernel alone, default against ``deterministic=True`` (dQ partials in tile order), per
+    row; both on the same prepared operands, alternating twice."""
+    import triton
+    from flamia_pack.scheduler.workloads import workload_lengths
+
+    print("| row | default ms | deterministic ms | deterministic / default |")
+    print("|---|---|---|---|")
+    for w in rows:
+        lens = workload_lengths(w)
+        q, k, v, do, cu = _inputs(lens, 16, 4 if w == "W5" else 16)
+        prep = prepared_backward(q, k, v, do, cu)
+        fns = {d: _kernel_only(q, k, v, do, cu, prepared=prep, deterministic=d) for d in (False, True)}
+        t = {False: [], True: []}
+        for _ in range(2):
+            for d in (False, True):
+                t[d].append(float(triton.testing.do_bench(fns[d], warmup=5, rep=60, return_mode="median")))
+        a, b = min(t[False]), min(t[True])
+        print(f"| {w} | {a:.3f} | {b:.3f} | {b / a:.3f}x |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="check,speed")
+    ap.add_argument("--parts", default="check,speed", help="comma list of check, speed, det")
     ap.add_argument("--rows", default="W1,W2,W3,W4,W5,W6,W7,W8,W9")
     ap.add_argument("--case", type=int, default=None)
     ap.add_argument("--bwd-module", default=None, help="a variant file of gluon_fp8_bwd.py to run instead")
@@ -218,6 +240,8 @@ def main():
         check()
     if "speed" in parts:
         speed(a.rows.split(","))
+    if "det" in parts:
+        det_speed(a.rows.split(","))
 
 
 if __name__ == "__main__":

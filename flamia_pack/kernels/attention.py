@@ -590,9 +590,7 @@ def varlen_attention(
             document-local token-block exponents (DESIGN.md §4; ``kernels/fp8_attention.py``), the
             Gluon FP8 forward and backward on CUDA sm_90 (head_dim 128, bf16 inputs; the forward saves
             the codes for the backward, ``kernels/fp8_backward.py``), the differentiable CPU emulation
-            of the same numerics elsewhere (``kernels/fp8_emulation.py``). ``config`` and
-            ``deterministic=True`` are refused with it (its dQ is reduced by fp32 atomic adds: not
-            bitwise reproducible run to run).
+            of the same numerics elsewhere (``kernels/fp8_emulation.py``). ``config`` is refused with it.
         work_list: a prebuilt ``WorkList`` (:func:`build_attention_work_list`). Given one, the call
             trusts ``cu_seqlens`` (validated when the list was built) and does no host sync: use it
             for CUDA graphs and in training loops. A list built for a row of another T is rejected;
@@ -605,7 +603,9 @@ def varlen_attention(
             (``GluonBwdConfig.dq_reduce``: 5 matrix products per tile pair, the order of the
             additions varies run to run); ``True`` runs its separate dQ programs instead (7
             products; FlashAttention's ``deterministic`` flag). The forward, dK and dV, and the
-            Triton backward are deterministic either way.
+            Triton backward are deterministic either way. With ``precision="fp8"`` the FP8 backward's
+            programs of one document add their dQ partials in the order of their key tiles
+            (``gluon_fp8_bwd(deterministic=True)``, turn counters); the CPU emulation always is.
         config: tile/launch configuration, an ``AttentionKernelConfig`` (by name:
             ``candidate_config(name)``; default :func:`flamia_pack.kernels.config.kernel_config`
             for ``head_dim``, ``causal``, ``max_seqlen`` and the GQA group, at ``D == 128``: MHA rows
@@ -700,13 +700,10 @@ def varlen_attention(
 
         if config is not None:
             raise FlamiaError("config= picks the BF16 kernels' tiles; precision='fp8' runs its own (leave config=None)")
-        if deterministic:
-            raise FlamiaError("deterministic=True is not available with precision='fp8': its GPU backward reduces dQ "
-                              "with fp32 atomic adds (not bitwise reproducible); use precision='bf16' for "
-                              "reproducible gradients")
         o, lse = fp8_varlen_attention(q, k, v, cu32, max_seqlen, causal=causal, softmax_scale=float(softmax_scale),
                                       scale_granularity=scale_granularity,
-                                      use_kernels=use_kernels and fp8_kernels_available(q.device), work_list=work_list)
+                                      use_kernels=use_kernels and fp8_kernels_available(q.device), work_list=work_list,
+                                      deterministic=deterministic)
         if return_lse and lse is None:
             raise FlamiaError("return_lse=True with gradients is not supported by the FP8 CPU emulation; call it "
                               "under torch.no_grad() for the LSE")

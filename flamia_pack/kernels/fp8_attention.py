@@ -217,7 +217,8 @@ class _FP8Attention(torch.autograd.Function):
     experiments with other exponent assignments; the kernels read any per-token exponents)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu32, causal, softmax_scale, granularity, work_list, quantizer=None):
+    def forward(ctx, q, k, v, cu32, causal, softmax_scale, granularity, work_list, quantizer=None,
+                deterministic=False):
         if quantizer is None:
             ops = fp8_quantize(q, k, v, cu32, granularity, backward=True)
         else:
@@ -225,7 +226,7 @@ class _FP8Attention(torch.autograd.Function):
         o, lse = fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)
         # V^T is the forward's operand only (the backward reads V row-major): not kept, T H_kv D bytes less
         ctx.save_for_backward(o, lse, cu32, ops.qc, ops.kc, *(ops[3:8]), ops.qt, ops.kt, ops.vc)
-        ctx.fp8 = (causal, float(softmax_scale), granularity)
+        ctx.fp8 = (causal, float(softmax_scale), granularity, bool(deterministic))
         ctx.entries = getattr(work_list, "bwd_entries", None)  # built for this cu_seqlens with the list
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -236,24 +237,26 @@ class _FP8Attention(torch.autograd.Function):
         from flamia_pack.kernels.fp8_backward import fp8_backward
 
         o, lse, cu32, qc, kc, *rest = ctx.saved_tensors
-        causal, scale, granularity = ctx.fp8
+        causal, scale, granularity, deterministic = ctx.fp8
         ops = FP8Operands(qc, kc, None, *rest[:5], granularity, *rest[5:])
         dq, dk, dv = fp8_backward(do, ops, o, lse, cu32, causal=causal, softmax_scale=scale, dlse=dlse,
-                                  entries=ctx.entries)
-        return dq, dk, dv, None, None, None, None, None, None
+                                  entries=ctx.entries, deterministic=deterministic)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal: bool, softmax_scale: float,
-                         scale_granularity: str, use_kernels: bool, work_list=None):
+                         scale_granularity: str, use_kernels: bool, work_list=None, deterministic: bool = False):
     """``varlen_attention(precision="fp8")`` after the common checks (``attention.py``): ``(o, lse)``.
 
     ``use_kernels``: the Gluon FP8 path (CUDA sm_90); else the differentiable CPU emulation.
+    ``deterministic``: the GPU backward adds dQ partials in a fixed order (``gluon_fp8_bwd``); the
+    emulation is deterministic either way.
     """
     if scale_granularity not in GRANULARITIES:
         raise FlamiaError(f"scale_granularity must be one of {GRANULARITIES}, got {scale_granularity!r}")
     D = q.shape[2]
-    if D != 128 and use_kernels:
-        raise FlamiaError(f"precision='fp8' on the GPU supports head_dim 128, got {D} (precision='bf16' runs 64 "
+    if D not in (64, 128) and use_kernels:
+        raise FlamiaError(f"precision='fp8' on the GPU supports head_dim 64 and 128, got {D} (precision='bf16' runs 64 "
                           "and 128)")
     if not use_kernels:
         if work_list is not None:  # checked for the same mistakes as on the GPU, then unused by the emulation
@@ -278,14 +281,15 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
         return o.to(q.device), lse.to(q.device)
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         raise FlamiaError(f"precision='fp8' on the GPU takes bfloat16 q, k, v (quantized inside), got {q.dtype}")
-    return _fp8_gpu_call(q, k, v, cu32, causal, softmax_scale, scale_granularity, work_list)
+    return _fp8_gpu_call(q, k, v, cu32, causal, softmax_scale, scale_granularity, work_list, deterministic)
 
 
 @torch.compiler.disable
-def _fp8_gpu_call(q, k, v, cu32, causal, softmax_scale, scale_granularity, work_list):
+def _fp8_gpu_call(q, k, v, cu32, causal, softmax_scale, scale_granularity, work_list, deterministic=False):
     """The Gluon FP8 path, eager under ``torch.compile`` (one graph break per call): Inductor would re-emit
     the Triton quantizer from source and loses its module-level combine functions."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FP8Attention.apply(q, k, v, cu32, bool(causal), float(softmax_scale), scale_granularity, work_list)
+        return _FP8Attention.apply(q, k, v, cu32, bool(causal), float(softmax_scale), scale_granularity, work_list,
+                                   None, bool(deterministic))
     ops = fp8_quantize(q, k, v, cu32, scale_granularity)
     return fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)

@@ -28,7 +28,7 @@ def quantize_do(do: torch.Tensor, cu32: torch.Tensor, granularity: str):
 
 
 def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32: torch.Tensor, *, causal: bool,
-                 softmax_scale: float, dlse: torch.Tensor | None = None, entries=None):
+                 softmax_scale: float, dlse: torch.Tensor | None = None, entries=None, deterministic: bool = False):
     """Gradients of the FP8 forward on CUDA sm_90.
 
     Args:
@@ -36,6 +36,8 @@ def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32
             ``fp8_quantize(backward=True)``); o, lse: the forward's outputs; cu32: validated int32
             ``cu_seqlens`` on the device; causal, softmax_scale: the forward's; dlse: optional ``(H_q, T)``.
         entries: optional ``gluon_fp8_bwd.fp8_bwd_entries`` result (reuse across calls).
+        deterministic: bitwise reproducible dQ (``gluon_fp8_bwd(deterministic=True)``: a document's key
+            tiles add their dQ partials in a fixed order); dK / dV are reproducible either way.
 
     Returns:
         ``(dq, dk, dv)`` bf16 ``(T, H_q, 128)``, ``(T, H_kv, 128)`` x 2; padding rows 0.
@@ -54,6 +56,7 @@ def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32
     delta = fp8_bwd_delta(dq8.codes, dq8.exponents, o, dlse)
     dq_acc, dk, dv = gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, dq8.codes, dq8.codes_t,
                                    exponent_table(ops.eq), ops.ekt, ops.evt, exponent_table(dq8.exponents),
-                                   lse, delta, cu32, softmax_scale, causal=causal, entries=entries, cast_dq=False)
+                                   lse, delta, cu32, softmax_scale, causal=causal, entries=entries, cast_dq=False,
+                                   deterministic=deterministic)
     del dq8, delta  # dO's codes are dead: freed before the bf16 dQ is allocated (the call's memory peak)
     return dq_acc.to(torch.bfloat16), dk, dv

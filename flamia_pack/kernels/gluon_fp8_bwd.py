@@ -108,6 +108,22 @@ def _nonfinite_outside(fac, pos, lo, hi):
 
 
 @gluon.jit
+def _wait_turn(lock, rank):
+    """Spin until the turn counter at ``lock`` (int32, global) reads ``rank`` (acquire, GPU scope)."""
+    t = gl.atomic_add(lock, 0, sem="acquire", scope="gpu")
+    while t != rank:
+        t = gl.atomic_add(lock, 0, sem="acquire", scope="gpu")
+
+
+@gluon.jit
+def _bulk_wait_all():
+    """``cp.async.bulk.wait_group 0``: this thread's bulk copies / reduces have completed, their writes
+    done (``tma.store_wait`` emits the ``.read`` form: only their shared-memory source is free)."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _bwd_produce(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_bufs, do_bufs, qt_bufs, dot_bufs,
                  k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs, LSE, DELTA, FQ, FDO, stride_lh, stride_f,
                  a, f, m0, n_steps, end, hk, qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -152,8 +168,9 @@ def _bwd_produce(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_
 @gluon.jit
 def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
               dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
+              sem_doc, stride_sem, rank,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """One query step (module docs); returns ``(dk, dv, sk, rho, sk_run, rho_run)`` with the dK / dV
     products in flight (``sk_run``: per key, the largest dK reference so far; ``rho_run``: a scalar, the
     largest 2^e_do so far; the floors of the references)."""
@@ -259,15 +276,23 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     dq_stage.store(dqp)
     fence_async_shared()
     gl.thread_barrier()
+    if DETERMINISTIC:  # this document's earlier key tiles (rank 0 .. rank - 1) have added their partials first
+        lock = sem_doc + (m0 + j) * stride_sem + h
+        _wait_turn(lock, rank)
     _tma_reduce_add(dq_desc, [q0, h * HEAD_DIM], dq_stage)
+    if DETERMINISTIC:  # the partial is in dQ (not only read from shared memory) before the next rank's turn
+        _bulk_wait_all()
+        gl.thread_barrier()
+        gl.atomic_add(lock, 1, sem="release", scope="gpu")
     return dk, dv, sk_new, rho_new, sk_run, rho_run
 
 
 @gluon.jit
 def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs, ds_smem,
                  dq_stage, dq_desc, DK, DV, FK, FV, stride_f, stride_dkt, stride_dvt, a, f, m0, n_steps, u0, u1,
-                 start, end, hk, sm_scale, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                 start, end, hk, sm_scale, sem_doc, stride_sem, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                 BOOST: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 DETERMINISTIC: gl.constexpr):
     """The 8-warp consumer of one program: every step of every head of the group, then dK, dV."""
     NW: gl.constexpr = CONSUMER_WARPS
     s_layout: gl.constexpr = _qgmma_layout(NW, BLOCK_M)
@@ -287,6 +312,7 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
     if (a < start) | (a + BLOCK_N > end):  # other documents' keys: 0 in K^T (the dQ partial reads every key)
         if k_nan:  # only where one of their groups' codes may be NaN
             _zero_cols_outside(kt_smem, start - a, end - a, NW)
+    rank = (a - f) // BLOCK_N  # the tile's place among its document's programs (the dQ turn order)
     c = 0
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -294,19 +320,19 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
                 q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
                 dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
-                True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW)
+                sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC)
             c += 1
         for j in range(u0, u1):
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
                 q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
                 dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
-                False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW)
+                sem_doc, stride_sem, rank, False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC)
             c += 1
         for j in range(u1, n_steps):
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
                 q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
                 dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
-                True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW)
+                sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC)
             c += 1
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     tma.store_wait(0)  # the last reduce has read its staging tile before the program exits
@@ -323,8 +349,9 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
 @gluon.jit
 def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, dq_desc, LSE, DELTA, FQ, FDO, FK,
                     FV, DK, DV, ENTRIES, n_entries_ptr, max_entries, stride_lh, stride_f, stride_dkt, stride_dvt,
-                    qk_scale, sm_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr):
+                    qk_scale, sm_scale, SEM, SEM_BASE, stride_sem, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    BOOST: gl.constexpr, DETERMINISTIC: gl.constexpr):
     # head-major: entry e of kv head hk (fp8_bwd_entries' decreasing-cost order)
     pid = gl.program_id(0)
     e = pid % max_entries
@@ -335,6 +362,10 @@ def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc,
     f = gl.load(ENTRIES + 4 * e + 1)
     start = gl.load(ENTRIES + 4 * e + 2)
     end = gl.load(ENTRIES + 4 * e + 3)
+    if DETERMINISTIC:
+        sem_doc = SEM + gl.load(SEM_BASE + e) * stride_sem  # the document's (64-row step, query head) turn counters
+    else:
+        sem_doc = SEM
     if CAUSAL:
         m0 = (a - f) // BLOCK_M
         u0 = 2
@@ -364,8 +395,8 @@ def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc,
     gl.warp_specialize([
         (_bwd_consume, (q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs,
                         ds_smem, dq_stage, dq_desc, DK, DV, FK, FV, stride_f, stride_dkt, stride_dvt, a, f, m0,
-                        n_steps, u0, u1, start, end, hk, sm_scale, GROUP, CAUSAL, BOOST, HEAD_DIM, BLOCK_M,
-                        BLOCK_N)),
+                        n_steps, u0, u1, start, end, hk, sm_scale, sem_doc, stride_sem, GROUP, CAUSAL, BOOST,
+                        HEAD_DIM, BLOCK_M, BLOCK_N, DETERMINISTIC)),
         (_bwd_produce, (q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_bufs, do_bufs, qt_bufs,
                         dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs, LSE, DELTA, FQ, FDO,
                         stride_lh, stride_f, a, f, m0, n_steps, end, hk, qk_scale, GROUP, HEAD_DIM, BLOCK_M)),
@@ -407,9 +438,27 @@ def fp8_bwd_entries(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: bool
     return entries, cum[-1:].to(torch.int32) if n_docs else torch.zeros(1, dtype=torch.int32, device=dev), max_entries
 
 
+def _turn_counters(cu_seqlens: torch.Tensor, entries: torch.Tensor, T: int, H: int):
+    """``deterministic=True``'s turn counters: ``(sem, sem_base)``. ``sem``: zeroed int32 ``(n_slots, H)``,
+    one counter per (64-row step of a document on its grid ``floor16(start) + 64 m``, query head), the
+    documents' steps back to back (``n_slots = T // 64 + 2 n_docs`` bounds their number with no host
+    sync); ``sem_base``: int32 per entry, the first slot of the entry's document (found by its start)."""
+    cu = cu_seqlens.to(torch.int64)
+    start, end = cu[:-1], cu[1:]
+    f = start - start % 16
+    nb = torch.where(end > start, (end - f + BWD_BLOCK_M - 1) // BWD_BLOCK_M, torch.zeros_like(start))
+    base = torch.cumsum(nb, 0) - nb
+    # an empty document shares its start with the next one: right=True picks the last (non-empty) of them
+    doc = (torch.searchsorted(start, entries[:, 2].to(torch.int64), right=True) - 1).clamp(min=0)
+    sem_base = base[doc].to(torch.int32).contiguous() if start.numel() else torch.zeros(
+        entries.shape[0], dtype=torch.int32, device=cu.device)
+    n_slots = T // BWD_BLOCK_M + 2 * max(start.numel(), 1)
+    return torch.zeros((n_slots, H), dtype=torch.int32, device=cu.device), sem_base
+
+
 def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_seqlens, softmax_scale,
                   *, causal: bool = True, stages: int = 2, entries=None, dq_acc: torch.Tensor | None = None,
-                  cast_dq: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  cast_dq: bool = True, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 attention backward (module docs), warp-specialized Gluon, sm_90.
 
     Args:
@@ -427,6 +476,11 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
         cast_dq: return dQ cast to bf16 (default), or its float32 accumulator (the caller casts it
             once it has freed what the kernel read: ``fp8_backward`` frees dO's codes first, 2 T H_q D
             bytes less at the call's memory peak).
+        deterministic: bitwise reproducible dQ. The programs of one document add their dQ partials of a
+            64-row step in the order of their key tiles (turn counters per (step, query head), spun on
+            with acquire loads, released after each reduce has completed), instead of whenever they get
+            there; dK and dV are reproducible either way. Waits only on programs launched before
+            (``fp8_bwd_entries`` orders a document's tiles first to last), so it cannot deadlock.
 
     Returns:
         ``(dq, dk, dv)``: bf16 (``cast_dq=False``: float32) ``(T, H_q, 128)`` and bf16 ``(T, H_kv, 128)`` x 2;
@@ -434,7 +488,7 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
         pre-zeroed).
 
     Raises:
-        ValueError: operands of the wrong dtype / shape / layout, head_dim other than 128.
+        ValueError: operands of the wrong dtype / shape / layout, head_dim other than 64 / 128.
     """
     check_stages("gluon_fp8_bwd", stages)
     T, H, D = qc.shape
@@ -450,8 +504,8 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
             raise ValueError(f"gluon_fp8_bwd: {name} codes must be feature-major float8_e4m3fn ({hh}, {D}, {tt}) with "
                              f"token stride 1 and a 16-byte feature stride, got {x.dtype} {tuple(x.shape)} "
                              f"{x.stride()}")
-    if D != 128 or H % Hkv or dc.shape[1] != H or vc.shape[1] != Hkv:
-        raise ValueError(f"gluon_fp8_bwd: need head_dim 128 and H_q % H_kv == 0, got D={D}, H_q={H}, H_kv={Hkv}")
+    if D not in (64, 128) or H % Hkv or dc.shape[1] != H or vc.shape[1] != Hkv:
+        raise ValueError(f"gluon_fp8_bwd: need head_dim 64 or 128 and H_q % H_kv == 0, got D={D}, H_q={H}, H_kv={Hkv}")
     width = -(-T // 16) * 16 + TABLE_PAD  # (a step reads up to 63 rows past a document's end)
     for name, x, hh in (("q", fq, H), ("k", fk, Hkv), ("v", fv, Hkv), ("do", fdo, H)):
         if x.dtype != torch.float32 or x.shape != (hh, width) or not x.is_contiguous():
@@ -466,15 +520,22 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
     if entries is None:
         entries = fp8_bwd_entries(cu_seqlens, T, causal=causal)
     ent, n_ent, max_entries = entries
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"gluon_fp8_bwd: deterministic must be a bool, got {deterministic!r}")
+    if deterministic:
+        sem, sem_base = _turn_counters(cu_seqlens, ent, T, H)
+    else:
+        sem, sem_base = n_ent, n_ent  # unread
     if T > 0 and max_entries > 0:
         _fp8_bwd_kernel[(max_entries * Hkv,)](
             fp8_descriptor(qc, BWD_BLOCK_M), fp8_descriptor(dc, BWD_BLOCK_M), fp8_descriptor_t(qt, BWD_BLOCK_M),
             fp8_descriptor_t(dct, BWD_BLOCK_M), fp8_descriptor(kc, BWD_BLOCK_N), fp8_descriptor(vc, BWD_BLOCK_N),
             fp8_descriptor_t(kt, BWD_BLOCK_N), descriptor(dq_acc, BWD_BLOCK_M), lse, delta, fq, fdo, fk, fv, dk, dv,
             ent, n_ent, max_entries, lse.stride(0), fq.stride(0), dk.stride(0), dv.stride(0),
-            float(softmax_scale) * LOG2E, float(softmax_scale),
+            float(softmax_scale) * LOG2E, float(softmax_scale), sem, sem_base, H,
             GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=stages,
-            CAUSAL=bool(causal), BOOST=BOOST_LOG2, num_warps=CONSUMER_WARPS.value, maxnreg=MAXNREG)
+            CAUSAL=bool(causal), BOOST=BOOST_LOG2, DETERMINISTIC=deterministic, num_warps=CONSUMER_WARPS.value,
+            maxnreg=MAXNREG)
     from flamia_pack.kernels.flash_fwd import fill_tails
 
     fill_tails([(dk, 0.0, 0), (dv, 0.0, 0)], cu_seqlens)
