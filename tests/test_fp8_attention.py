@@ -456,33 +456,36 @@ def test_exponent_table_is_float_powers_of_two():
 
 
 def _kernel_fold(p, b, vis, boost, masked):
-    """``_fp8_softmax``'s fold on UE8M0 bytes ``b`` ``(H, n)``: ``(P~ bytes, r)``, r_i starting at 1.0."""
+    """``_fp8_softmax``'s fold on UE8M0 bytes ``b`` ``(H, n)``: P~ bytes. The kernel forms ``pc = p c`` with
+    ``c = 2^boost / r`` inside the exponential (exp2 of the argument minus ``log2 c``: the same value up to
+    MUFU's ulps, modelled here as the exact product), then ``P~ = pc f_v``; r_i starts at the floor
+    ``2^(boost - FOLD_REF_MIN_OFFSET)``, so a walk's first tile never meets the running floor."""
+    from flamia_pack.kernels.constants import FOLD_REF_MIN_OFFSET
     from flamia_pack.kernels.fp8_emulation import pow2
 
     f = pow2(b.to(torch.int32).clamp(1, 254) - 127)  # exponent_table's entries
-    rmin = 2.0 ** (boost - 126)
+    rmin = 2.0 ** (boost - FOLD_REF_MIN_OFFSET)
 
     def boost_over(r):  # _boost_over: the reciprocal from the exponent field, times 2^boost
         return ((254 << 23) - r.contiguous().view(torch.int32)).view(torch.float32) * 2.0 ** boost
 
     if masked:
         r_max = torch.where(vis, f[:, None, :], 0.0).amax(-1)
-        r = torch.where(r_max > 0, torch.clamp(r_max, min=rmin), torch.ones(()))
-        pt = (p * f[:, None, :]) * boost_over(r)[..., None]
+        r = torch.where(r_max > 0, torch.clamp(r_max, min=rmin), torch.full((), rmin))
     else:
-        r = torch.clamp(f.amax(-1), min=rmin)
-        pt = p * (f * boost_over(r)[:, None])[:, None, :]
+        r = torch.clamp(f.amax(-1), min=rmin)[:, None].expand(-1, p.shape[1])
+    pt = (p * boost_over(r)[..., None]) * f[:, None, :]
     return pt.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 @pytest.mark.parametrize("masked", [True, False])
 @pytest.mark.parametrize("boost", [8, 3, 0])
 def test_float_fold_is_the_integer_fold(masked, boost):
-    """The kernel's fold ``P~ = (p f_v) 2^BOOST / r`` (masked tiles) / ``p (f_v 2^BOOST / r)`` (mask-free)
-    gives the emulation's ``E4M3(p 2^(e_v - r + boost))`` bits on every visible pair whose V byte is
-    not 0 (all-zero groups: their codes are 0) and whose row's reference is not clamped to
-    ``2^(boost - 126)`` (nor, masked, below ``2^-108``: the documented edges), never more than
-    ``2^boost``, and exactly 0 on masked pairs (NaN bytes 255 included)."""
+    """The kernel's fold ``P~ = (p 2^BOOST / r) f_v`` gives the emulation's ``E4M3(p 2^(e_v - r + boost))``
+    bits on every visible pair whose V byte is not 0 (all-zero groups: their codes are 0) and whose
+    row's reference is not clamped to ``2^(boost - FOLD_REF_MIN_OFFSET)`` (the documented floor), never
+    more than ``2^boost``, and exactly 0 on masked pairs (NaN bytes 255 included)."""
+    from flamia_pack.kernels.constants import FOLD_REF_MIN_OFFSET
     from flamia_pack.kernels.fp8_emulation import _fold_p, reference_exponent
 
     _gluon_fp8()
@@ -507,7 +510,7 @@ def test_float_fold_is_the_integer_fold(masked, boost):
     vals = got.view(torch.float8_e4m3fn).float()
     assert bool(torch.isfinite(vals).all()) and float(vals.max()) <= 2.0 ** boost  # the range budget
     assert bool((got[:, ~vis] == 0).all())
-    lo = 19 if masked else boost + 1
+    lo = boost - FOLD_REF_MIN_OFFSET + 127 + 1  # R = r + 127 above the floor's
     cmp = vis & (b[:, None, :] > 0) & (has & (r_emu + 127 >= lo))[..., None]
     assert int(cmp.sum()) > H * m * n // 8
     assert torch.equal(got[cmp], want[cmp])
@@ -532,7 +535,8 @@ def test_float_rescale_is_the_integer_rescale():
 
 def test_fp8_refuses_what_it_cannot_do_honestly():
     """Double backward (the FP8 backward is not differentiable) raises instead of returning a wrong
-    second-order gradient; ``deterministic=True`` is refused; a NaN reaching the backward is named."""
+    second-order gradient; a NaN reaching the backward is named. ``deterministic=True`` runs (the CPU
+    emulation is deterministic: the same gradients bitwise as the default, twice)."""
     from flamia_pack.kernels import varlen_attention
 
     cu = torch.tensor([0, 100, 200], dtype=torch.int32)
@@ -540,8 +544,42 @@ def test_fp8_refuses_what_it_cannot_do_honestly():
     o = varlen_attention(q, k, v, cu, 100, precision="fp8")
     (g,) = torch.autograd.grad(o.sum(), q, create_graph=True)
     assert g.grad_fn is None  # once differentiable: no graph to differentiate again
-    with pytest.raises(FlamiaError, match="deterministic"):
-        varlen_attention(q, k, v, cu, 100, precision="fp8", deterministic=True)
+    grads = []
+    for det in (False, True, True):
+        x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        varlen_attention(*x, cu, 100, precision="fp8", deterministic=det).square().sum().backward()
+        grads.append([t.grad for t in x])
+    assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g))
     o = varlen_attention(q, k, v, cu, 100, precision="fp8")
     with pytest.raises(FlamiaError, match="NaN / Inf"):
         o.backward(torch.full_like(o, float("nan")))
+
+
+def test_fp8_deterministic_turn_counters_cover_every_step_of_every_document():
+    """``gluon_fp8_bwd._turn_counters`` (CPU tensors, torch only): each entry's base is the first slot of
+    its document, the documents' 64-row steps on the grid floor16(start) + 64 m lie back to back and
+    inside the allocation (``T // 64 + 2 n_docs`` slots, no host sync), empty documents included."""
+    pytest.importorskip("triton")
+    from flamia_pack.kernels.gluon_fp8_bwd import BWD_BLOCK_M, _turn_counters, fp8_bwd_entries
+
+    rng = np.random.default_rng(5)
+    for trial in range(20):
+        lens = rng.integers(0, 400, rng.integers(1, 30))
+        lens[rng.random(lens.size) < 0.2] = 0  # empty documents
+        if lens.sum() == 0:
+            lens[0] = 1
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+        T, H = int(cu[-1]), 3
+        ent, n_ent, _ = fp8_bwd_entries(cu, T, causal=bool(trial % 2))
+        sem, base = _turn_counters(cu, ent, T, H)
+        assert sem.shape[1] == H and sem.dtype == torch.int32 and not sem.any()
+        slots, nxt = {}, 0
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            if e > s:
+                f = s - s % 16
+                slots[s] = (nxt, -(-(e - f) // BWD_BLOCK_M))
+                nxt += slots[s][1]
+        assert nxt <= sem.shape[0]
+        for i in range(int(n_ent)):
+            b, nb = slots[int(ent[i, 2])]
+            assert int(base[i]) == b and b + nb <= sem.shape[0]

@@ -5,9 +5,9 @@ the fp32 reference on small rows, the numerics targets on 4 x 4096, and the spee
     PYTHONPATH=. python benchmarks/probes/fp8_fwd_probe.py [--parts check,numerics,speed,quant] [--rows W1,W4]
         [--variants promote,pp1,pp0,nozero]
 
-Variants of ``gluon_fp8_fwd`` (``VARIANTS``): ``promote`` the shipped kernel (ping-pong between the
-consumer partitions, each tile's P~V promoted into an fp32 register accumulator, issue 27 item 3),
-``pp1`` accumulating across tiles in the MMA, ``pp0`` that without ping-pong, ``nozero`` a copy of the
+Variants of ``gluon_fp8_fwd`` (``VARIANTS``): ``pp1`` the shipped kernel (ping-pong between the
+consumer partitions, P~V accumulated across key tiles in the MMA), ``pp0`` that without ping-pong,
+``promote`` each tile's P~V promoted into an fp32 register accumulator (issue 27 item 3), ``nozero`` a copy of the
 kernel file without the V^T column zeroing of a document's first and last key tile (timing only: it
 gives up NaN containment between documents, so its containment check fails by design; it prices what
 the zeroing still costs). Every variant is checked before it is timed: ``check`` runs it on

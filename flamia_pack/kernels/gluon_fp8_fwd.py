@@ -13,8 +13,10 @@ products)::
     S     = Qc Kc^T                       FP8 wgmma (QGMMA), both operands K-major in shared memory
     x_ij  = S_ij 2^e_k(j);  s_ij = x_ij (qk 2^e_q(i))      qk = softmax_scale log2 e; masked: -inf
     m, l  = base-2 online softmax of s;  p_ij = exp2(s_ij - m_i)
-    r_i   = max { e_v(j) : j in the tile, visible to i }   (a tile row with none keeps its r)
-    P~_ij = E4M3( p_ij 2^(e_v(j) - r_i + BOOST) )          exactly 0 on masked pairs
+    r_i   = max( max { e_v(j) : j in the tile, visible to i },  R_i - 64,  BOOST - 110 )
+            (a tile row that sees no key keeps its r; R_i = max of the row's earlier r: the floors)
+    P~_ij = E4M3( exp2(s_ij - m_i + BOOST - r_i) 2^e_v(j) ) = E4M3( p_ij 2^(e_v(j) - r_i + BOOST) )
+                                                           exactly 0 on masked pairs
     acc_i = acc_i alpha_i 2^(r_prev,i - r_i) + (P~ Vc)_i   FP8 wgmma, P~ the register A operand,
                                                            V^T's tile the K-major B operand
     O_i   = bf16( acc_i 2^(r_i - BOOST) / l_i ),  LSE_i = (m_i + log2 l_i) ln 2
@@ -29,8 +31,15 @@ The exponents enter as float32 factors: K's and V's from the key-major tables ``
 (:func:`exponent_table`; a walk's first tile read straight from L2, each later tile's copied into the
 partition's shared memory a step ahead by cp.async, :func:`_factors_ready`, so no step waits on an L2
 load), ``r_i`` carried as ``2^r_i``, so the fold and the rescale are multiplications
-by powers of two (exact, range argument in :func:`_fp8_softmax`) and ``r_i`` is at least
-``2^(BOOST - 126)`` (it binds only on tiles where a row sees nothing but V groups of ``e_v <= -119``).
+by powers of two (exact, range argument in :func:`_fp8_softmax`). The row factor ``2^(BOOST - r_i)``
+enters the exponential's argument (one FFMA per score subtracts ``m_i - BOOST + r_i``), so a per-row
+reference costs no multiplication per score. The floors keep every rescale of the accumulator
+finite: ``r_i`` never falls more than ``REF_FLOOR_LOG2`` = 64 binades below the row's largest so far
+(the backward's rule, ``constants.REF_FLOOR_LOG2``; an all-zero V tile would drop it ~110 binades) and
+is at least ``BOOST - FOLD_REF_MIN_OFFSET`` = ``BOOST - 110`` (so ``2^(BOOST - r_i) <= 2^110`` and a tile's
+row sum of ``p 2^(BOOST - r_i)`` stays finite). Both read only the row's visible keys (causal), and
+both bind only where a row's visible V groups are ``2^-64`` of its earlier ones or below ``~2^-93``
+in amax: such keys' ``P~`` round to E4M3 0 (below ``2^-9``), as all-zero groups' do anyway.
 
 Range budget (seed 001 §5), next to the fold in :func:`_fp8_softmax`: ``m`` includes the tile, so
 ``p <= 1``; ``e_v(j) <= r_i`` for every visible ``j``; so ``P~ <= 2^BOOST <= 448`` for ``BOOST <= 8``
@@ -38,14 +47,16 @@ Range budget (seed 001 §5), next to the fold in :func:`_fp8_softmax`: ``m`` inc
 exponents of keys row ``i`` sees (a per-tile max would read future keys on a diagonal tile and leak
 through E4M3's subnormal boundary, seed 001 §4); masked scores are ``-inf`` before the max.
 
-Why each tile's ``P~ V`` is promoted into an fp32 register accumulator by default (``PV_PROMOTE``,
-``acc_i = acc_i alpha_i + (P~ Vc)_i 2^(r_i - BOOST)``, the emulation's ``pv_accumulator="fp32"``
-up to the MMA's accumulation inside one tile): accumulating across tiles in the MMA accumulator,
-rescaled by ``2^(r_old - r_new)`` (``pv_promote=False``), is as accurate, but its accumulator
-lives in units of ``2^(r - BOOST)``: a key tile whose V is all zero drops ``r`` ~110 binades and the
-rescale overflows; and with P~ carried as E4M3 words ptxas serializes its wgmma products (C7513),
-so it is kept only as the alternative issue 27 item 3 compares (numbers: benchmarks/NOTES.md "FP8
-forward").
+Why ``P~ V`` accumulates across key tiles in the MMA accumulator by default (``acc_i`` in units of
+``2^(r_i - BOOST)``, rescaled by ``alpha_i 2^(r_prev,i - r_i)`` after each tile, the emulation's
+``pv_accumulator="mma14"`` model): against promoting each tile's product into a separate fp32
+register accumulator (``pv_promote=True``, ``acc_i = acc_i alpha_i + (P~ Vc)_i 2^(r_i - BOOST)``,
+the emulation's ``"fp32"`` up to the MMA's accumulation inside one tile) it saves the promotion's
+two operations per output element and 64 registers a thread, and it is as accurate on every input
+measured (issue 27 item 3; numbers: benchmarks/NOTES.md "FP8 forward"). The reference floors keep its
+rescale finite (``2^(r_prev - r) <= 2^64``; an all-zero V tile used to overflow it). Each step issues
+``P~_{j-1} V_{j-1}`` before ``S_j``, so no non-wgmma instruction defines a product's input inside a
+wgmma pipeline stage (ptxas serialized the other order's products, C7513).
 
 Merged items are not supported: ``fp8_attention.py`` builds lists without them (``merge_short``
 off), so every item holds one document, 1-token documents included. Inputs: codes and exponents from ``kernels.quantize.quantize_qkv`` (V with
@@ -64,7 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
-from flamia_pack.kernels.constants import LOG2E
+from flamia_pack.kernels.constants import FOLD_REF_MIN_OFFSET, LOG2E, REF_FLOOR_LOG2
 from flamia_pack.scheduler.cost import fp8_masked_tile0
 from flamia_pack.kernels.gluon_common import (
     _entry_counts, _next_entry, _handoff_load, _rows_producer_loop, _rows_through_smem, _release_after_reads,
@@ -79,6 +90,12 @@ BOOST_LOG2 = 8
 #: every entry's first key tile masked (short entries are bound by instruction fetch, long ones pay the masked
 #: step; the threshold's measurements: benchmarks/NOTES.md, "FP8 session of 2026-12-03 (second)").
 MASKED_TILE0_MAX_MEAN = 1536
+
+
+_REF_FLOOR = gl.constexpr(2.0 ** -REF_FLOOR_LOG2)
+"""``2^-REF_FLOOR_LOG2``: the fold reference's floor relative to the row's largest so far."""
+_REF_MIN_OFFSET = gl.constexpr(FOLD_REF_MIN_OFFSET)
+"""``constants.FOLD_REF_MIN_OFFSET``: the fold reference is at least ``2^(BOOST - _REF_MIN_OFFSET)``."""
 
 
 @constexpr_function
@@ -117,6 +134,12 @@ def _pow2(ebyte):
     """``2^(ebyte - 127)`` as float32 for UE8M0 bytes (int32) in ``[1, 254]``; byte 0 (``2^-127``, the
     exponent of a group whose largest magnitude is an fp32 subnormal) gives 0."""
     return (ebyte << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _log2_pow2(x):
+    """``log2(x)`` for a normal power-of-two float32 ``x``, exact (its exponent field, as float32)."""
+    return ((x.to(gl.int32, bitcast=True) >> 23) - 127).to(gl.float32)
 
 
 @gluon.jit
@@ -266,53 +289,48 @@ def _words_operand(w, op_layout: gl.constexpr):
 
 
 @gluon.jit
-def _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED: gl.constexpr, BOOST: gl.constexpr,
+def _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, j, row_f, fk, fv, MASKED: gl.constexpr, BOOST: gl.constexpr,
                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
     """Walked tile ``j``: scores from the raw FP8 product ``st``, the base-2 online softmax and the
-    P~ fold. Returns ``(P~ as E4M3 words, m, l, alpha, r)`` (:func:`_e4m3_words` of P~ with its
+    P~ fold. Returns ``(P~ as E4M3 words, m, l, alpha, r, r_run)`` (:func:`_e4m3_words` of P~ with its
     columns in the wgmma order, :func:`_wgmma_cols`); ``r`` (float32 ``2^r_i`` per row, at least
-    ``2^(BOOST - 126)``) is the fold's reference. ``fk`` / ``fv``: the tile's K / V factors
-    ``2^e`` (:func:`_tile_factors` for a walk's first tile, :func:`_factors_ready`'s shared buffers
-    for the later ones). ``lim``: the row's last visible key relative to the walk's first key (as
-    ``gluon_fwd._fwd_softmax``); ``ph``: the document's first key relative to it (tile 0 of a
-    document that starts off the 16-token grid holds ``ph`` keys of the previous one);
-    ``row_f = qk 2^e_q(i)``."""
+    ``2^(BOOST - FOLD_REF_MIN_OFFSET)``) is the fold's reference, ``r_run`` the largest ``r`` of the row
+    so far (the floor's). ``fk`` / ``fv``: the tile's K / V factors ``2^e`` (:func:`_tile_factors` for
+    a walk's first tile, :func:`_factors_ready`'s shared buffers for the later ones). ``lim``: the row's
+    last visible key relative to the walk's first key (as ``gluon_fwd._fwd_softmax``); ``ph``: the
+    document's first key relative to it (tile 0 of a document that starts off the 16-token grid holds
+    ``ph`` keys of the previous one); ``row_f = qk 2^e_q(i)``."""
     x = st * fk[None, :]
     if MASKED:
         k_rel = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         vis = (k_rel[None, :] <= (lim - j * BLOCK_N)[:, None]) & (k_rel >= ph - j * BLOCK_N)[None, :]
         x = gl.where(vis, x, float("-inf"))
     m_ij = gl.maximum(m_i, gl.max(x, 1) * row_f)
-    p = gl.exp2(x * row_f[:, None] - m_ij[:, None])
     alpha = gl.exp2(m_i - m_ij)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    # The fold P~ = E4M3(p 2^(e_v(j) - r_i + BOOST)) in float powers of two: f_v = 2^e_v(j) from the
-    # table, r = 2^r_i their max over the row's visible keys (powers of two order as their exponents),
-    # c = 2^BOOST / r (exact, _boost_over). Range budget: p <= 1 (m_ij includes this tile) and
-    # f_v <= r on visible pairs, so P~ <= 2^BOOST <= 448 (BOOST <= 8: nothing saturates). Every table
-    # entry is a normal float in [2^-126, 2^127] (exponent_table) and r >= RMIN = 2^(BOOST - 126), so
-    # c is a normal float <= 2^126. Exactness: a product of powers of two (and of p by one) is exact
-    # unless it falls below 2^-126; a true P~ < 2^-10 rounds to E4M3 0 (smallest subnormal 2^-9)
-    # however its last product underflowed, so the E4M3 bits are those of p 2^(e_v - r_i + BOOST)
-    # (the integer-exponent fold's) wherever RMIN does not bind, with one edge in the masked form
-    # below. RMIN binds only where every V group the row sees in the tile has e_v <= -119 (all-zero
-    # groups, e = -127, whose codes are 0 so their P~ enters nothing): the reference is then 2^-118,
-    # which keeps P~ <= 2^BOOST and the final 2^(r - BOOST) a normal float.
-    RMIN: gl.constexpr = _exp2_const(BOOST - 126)
+    # The reference r = 2^r_i: the max of f_v = 2^e_v(j) over the row's visible keys (powers of two order
+    # as their exponents), floored at 2^-64 x the row's largest so far and at RMIN (module docs). A row
+    # that sees no key of the tile keeps its r (its p are 0: the tile is an exact no-op for it). Every
+    # table entry is a normal float in [2^-126, 2^127] (exponent_table).
+    RMIN: gl.constexpr = _exp2_const(BOOST - _REF_MIN_OFFSET)
     if MASKED:
-        # r over the keys row i sees (never the tile's future keys); a row that sees none keeps its
-        # reference, so the tile is an exact no-op for it (p = 0, alpha = 1). P~ = (p f_v) c: masked
-        # pairs have p = 0 and finite f_v, c, so exactly 0 (f_v c alone could overflow there: a masked
-        # key's f_v may exceed r). Edge: p f_v < 2^-126 on a visible pair loses bits that matter only
-        # if c > 2^116, i.e. r < 2^-108 (V groups of |v| < 1e-30).
         r_max = gl.max(gl.where(vis, fv[None, :], 0.0), 1)
-        r_new = gl.where(r_max > 0.0, gl.maximum(r_max, RMIN), r_i)
-        pt = (p * fv[None, :]) * _boost_over(r_new, BOOST)[:, None]
-    else:  # every key of the tile is visible to every row: one reference for the tile, f_v c <= 2^BOOST
-        r_t = gl.maximum(gl.max(fv, 0), RMIN)
-        pt = p * (fv * _boost_over(r_t, BOOST))[None, :]
-        r_new = gl.zeros_like(r_i) + r_t
-    return _e4m3_words(_wgmma_cols(pt, op_layout)), m_ij, l_i, alpha, r_new
+        r_new = gl.where(r_max > 0.0, gl.maximum(gl.maximum(r_max, RMIN), r_run * _REF_FLOOR), r_i)
+    else:  # every key of the tile is visible to every row
+        r_new = gl.maximum(r_run * _REF_FLOOR, gl.maximum(gl.max(fv, 0), RMIN))
+    # The fold P~ = E4M3(p 2^(e_v(j) - r_i + BOOST)) as pc f_v with pc = exp2(s - (m - log2 c)), c =
+    # 2^BOOST / r (exact, _boost_over; log2 c an integer, so m - log2 c is exact for |m| < 2^23).
+    # Range budget (seed 001 §5): p <= 1 (m_ij includes this tile) and f_v <= r on visible pairs, so
+    # P~ <= 2^BOOST <= 448 (BOOST <= 8: nothing saturates; the conversion is satfinite anyway).
+    # c <= 2^FOLD_REF_MIN_OFFSET = 2^110, so pc <= 2^110 and its tile row sum <= 2^117 (finite); l
+    # takes that sum times 1 / c (exact: powers of two). Masked pairs: s = -inf, pc = 0, 0 f_v = 0
+    # (f_v finite). Edge: pc falls below 2^-126 (and loses bits before f_v restores it) only where
+    # c < 2^-112, i.e. r > 2^120 (V groups of |v| > 2^128, beyond bf16: only a non-finite group's 2^127).
+    c = _boost_over(r_new, BOOST)
+    p = gl.exp2(x * row_f[:, None] - (m_ij - _log2_pow2(c))[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1) * (r_new * _exp2_const(-BOOST))
+    pt = p * fv[None, :]
+    r_run = gl.maximum(r_run, r_new)
+    return _e4m3_words(_wgmma_cols(pt, op_layout)), m_ij, l_i, alpha, r_new, r_run
 
 
 @gluon.jit
@@ -346,19 +364,19 @@ def _promote(acc, pv, alpha, r, BOOST: gl.constexpr, acc_layout: gl.constexpr):
     ``alpha_t`` the softmax's rescale at that tile): the emulation's per-tile fp32 promotion
     (``fp8_emulation.pv_accumulator="fp32"`` / ``"promote14"``)."""
     a = gl.convert_layout(alpha, gl.SliceLayout(1, acc_layout))
-    u = gl.convert_layout(r * _exp2_const(-BOOST), gl.SliceLayout(1, acc_layout))  # exact: r >= 2^(BOOST - 126)
+    u = gl.convert_layout(r * _exp2_const(-BOOST), gl.SliceLayout(1, acc_layout))  # exact: r >= 2^(BOOST - 110)
     return acc * a[:, None] + pv * u[:, None]
 
 
 @gluon.jit
 def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi, lim, row_f,
-              j, c, n_steps, acc, p_prev, m_i, l_i, r_i, a_i, turn, k_turn, MASKED: gl.constexpr, BOOST: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, s_layout: gl.constexpr,
-              op_layout: gl.constexpr, acc_layout: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-              PV_PROMOTE: gl.constexpr):
+              j, c, n_steps, acc, p_prev, m_i, l_i, r_i, r_run, a_i, turn, k_turn, MASKED: gl.constexpr,
+              BOOST: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr,
+              s_layout: gl.constexpr, op_layout: gl.constexpr, acc_layout: gl.constexpr, WG: gl.constexpr,
+              PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
     """Walked tile ``j >= 1`` (``gluon_fwd._fwd_step``'s pipelining): ``S_j`` and ``P~_{j-1} V_{j-1}``
     in flight together, tile ``j``'s softmax and fold while the second one runs. Returns
-    ``(acc, P~_j, m, l, r, alpha)``. ``PINGPONG``: the two products are issued in the partition's turn
+    ``(acc, P~_j, m, l, r, r_run, alpha)``. ``PINGPONG``: the two products are issued in the partition's turn
     ``k_turn + j`` (``gluon_fwd._turn_wait``), taken once both tiles landed, so one partition's softmax
     runs under the other's products. ``acc``: the MMA accumulator in units of ``r_{j-1} / 2^BOOST``
     (rescaled here to tile ``j``'s max and reference), or, ``PV_PROMOTE``, the fp32 register
@@ -393,28 +411,26 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, str
         mbarrier.arrive(empty.index(s), count=1)
         fk = f_bufs.index(j % 2).load(f_layout)
         fv = v_fbufs.index(j % 2).load(f_layout)
-        p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED, BOOST,
-                                                  BLOCK_N, s_layout, op_layout)
+        p, m_ij, l_i, alpha, r_new, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, j, row_f, fk, fv,
+                                                         MASKED, BOOST, BLOCK_N, s_layout, op_layout)
     else:
-        a_prev = _words_operand(p_prev, op_layout)
-        st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        # P~_{j-1} V_{j-1} issued first onto the accumulator (rescaled at the end of step j - 1), then S_j:
+        # no non-wgmma instruction defines a product's input inside the pipeline stage (C7513)
         if not PINGPONG:
             mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
-        acc = _pv_issue(a_prev, v_bufs.index(sp), acc, PV_PROMOTE)
-        # K's factors read from shared memory under S_j, V's once it retired (their 32 registers would be
-        # live across the wait too); passing the turn after the loads keeps ptxas from hoisting the masked tiles'
-        # visibility compares into bit-packed registers (sm_90a compile, benchmarks/NOTES.md)
-        fk = f_bufs.index(j % 2).load(f_layout)
+        acc = _pv_issue(_words_operand(p_prev, op_layout), v_bufs.index(sp), acc, PV_PROMOTE)
+        st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
         _turn_pass(turn, WG, PINGPONG)
-        st = warpgroup_mma_wait(1, deps=(st,))
-        mbarrier.arrive(empty.index(s), count=1)
-        fv = v_fbufs.index(j % 2).load(f_layout)
-        p, m_ij, l_i, alpha, r_new = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, j, row_f, fk, fv, MASKED, BOOST,
-                                                  BLOCK_N, s_layout, op_layout)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc = warpgroup_mma_wait(1, deps=(acc,))
         mbarrier.arrive(empty.index(STAGES + sp), count=1)
+        st = warpgroup_mma_wait(0, deps=(st,))
+        mbarrier.arrive(empty.index(s), count=1)
+        fk = f_bufs.index(j % 2).load(f_layout)
+        fv = v_fbufs.index(j % 2).load(f_layout)
+        p, m_ij, l_i, alpha, r_new, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, j, row_f, fk, fv,
+                                                         MASKED, BOOST, BLOCK_N, s_layout, op_layout)
         acc = _rescale(acc, alpha, r_i, r_new, acc_layout)
-    return acc, p, m_ij, l_i, r_new, alpha
+    return acc, p, m_ij, l_i, r_new, r_run, alpha
 
 
 @gluon.jit
@@ -446,7 +462,8 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, o_smem, ready, e
     row_f = _pow2(gl.maximum(eq, 1)) * qk_scale  # byte 0 (2^-127, a subnormal amax) read as 2^-126: never 0
     m_i = gl.full([PART_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.full([PART_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
-    r_i = gl.full([PART_M], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
+    r_i = gl.full([PART_M], _exp2_const(BOOST - _REF_MIN_OFFSET), gl.float32, gl.SliceLayout(1, s_layout))
+    r_run = r_i
     acc = gl.zeros([PART_M, HEAD_DIM], gl.float32, acc_layout)
     fk = _tile_factors(FK, stride_e, hk, o_lo, 0, BLOCK_N, s_layout)
     fv = _tile_factors(FV, stride_e, hk, o_lo, 0, BLOCK_N, s_layout)
@@ -462,28 +479,30 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, o_smem, ready, e
     st = warpgroup_mma_wait(0, deps=(st,))
     mbarrier.arrive(empty.index(s0), count=1)
     if MASKED_TILE0:  # one copy of the softmax in the prologue: what short documents' entries are bound by
-        p, m_i, l_i, a_i, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, fk, fv, True, BOOST, BLOCK_N,
+        p, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, True, BOOST, BLOCK_N,
                                              s_layout, op_layout)
     elif (u1 > 0) & (ph == 0):
-        p, m_i, l_i, a_i, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, fk, fv, False, BOOST, BLOCK_N,
+        p, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, False, BOOST, BLOCK_N,
                                                 s_layout, op_layout)
     else:
-        p, m_i, l_i, a_i, r_i = _fp8_softmax(st, m_i, l_i, r_i, lim, ph, 0, row_f, fk, fv, True, BOOST, BLOCK_N,
+        p, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, True, BOOST, BLOCK_N,
                                                 s_layout, op_layout)
     if (ph > 0) & (n_steps > 1):  # tile 0's leading columns hold the previous document (the last tile: below)
         if _may_be_nonfinite_outside(FV, stride_e, hk, o_lo, 0, ph, BLOCK_N, BLOCK_N, NW):
             mbarrier.wait(ready.index(STAGES + s0), (c // STAGES) & 1)
             _zero_cols_outside(v_bufs.index(s0), ph, BLOCK_N, NW, True)
     for j in range(1, u1):
-        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, stride_e,
-                                               hk, o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p, m_i, l_i, r_i,
-                                               a_i, turn, k_turn, False, BOOST, PART_M, BLOCK_N, NW, s_layout,
-                                               op_layout, acc_layout, WG, PINGPONG, PV_PROMOTE)
+        acc, p, m_i, l_i, r_i, r_run, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV,
+                                                      stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p,
+                                                      m_i, l_i, r_i, r_run, a_i, turn, k_turn, False, BOOST, PART_M,
+                                                      BLOCK_N, NW, s_layout, op_layout, acc_layout, WG, PINGPONG,
+                                                      PV_PROMOTE)
     for j in range(gl.maximum(u1, 1), n_steps):
-        acc, p, m_i, l_i, r_i, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, stride_e,
-                                               hk, o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p, m_i, l_i, r_i,
-                                               a_i, turn, k_turn, True, BOOST, PART_M, BLOCK_N, NW, s_layout, op_layout,
-                                               acc_layout, WG, PINGPONG, PV_PROMOTE)
+        acc, p, m_i, l_i, r_i, r_run, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV,
+                                                      stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p,
+                                                      m_i, l_i, r_i, r_run, a_i, turn, k_turn, True, BOOST, PART_M,
+                                                      BLOCK_N, NW, s_layout, op_layout, acc_layout, WG, PINGPONG,
+                                                      PV_PROMOTE)
     a = _words_operand(p, op_layout)
     r = c + n_steps - 1
     sl = r % STAGES
@@ -505,7 +524,7 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, o_smem, ready, e
         f = 1.0 / l_safe
     else:
         acc = pv
-        f = (r_i * _exp2_const(-BOOST)) / l_safe  # r >= 2^(BOOST - 126): a normal float, exact
+        f = (r_i * _exp2_const(-BOOST)) / l_safe  # r >= 2^(BOOST - 110): a normal float, exact
     out = (acc * gl.convert_layout(f, gl.SliceLayout(1, acc_layout))[:, None]).to(gl.bfloat16)
     out = _rows_through_smem(o_smem, out, NW)
     gl.thread_barrier()  # every warp read its rows before the partition's next entry writes o_smem
@@ -638,8 +657,8 @@ def _check_fp8_inputs(qc, kc, vt, eq, ek, ev) -> None:
         raise ValueError(f"gluon_fp8_fwd: shapes disagree: q {tuple(qc.shape)}, k {tuple(kc.shape)}, v^T "
                          f"{tuple(vt.shape)} strides {vt.stride()} (need k (T, H_kv, D), v^T (H_kv, D, ceil16(T)) "
                          "in the wgmma order with token stride 1 and a 16-byte feature stride)")
-    if H % Hkv or D != 128:
-        raise ValueError(f"gluon_fp8_fwd: need H_q % H_kv == 0 and head_dim 128, got H_q={H}, H_kv={Hkv}, D={D}")
+    if H % Hkv or D not in (64, 128):
+        raise ValueError(f"gluon_fp8_fwd: need H_q % H_kv == 0 and head_dim 64 or 128, got H_q={H}, H_kv={Hkv}, D={D}")
     if eq.dtype != torch.uint8 or eq.shape != (T, H) or not eq.is_contiguous():
         raise ValueError(f"gluon_fp8_fwd: q exponents must be contiguous uint8 (T, {H}), got {eq.dtype} {tuple(eq.shape)}")
     width = -(-T // 16) * 16 + TABLE_PAD
@@ -653,7 +672,7 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
                   ev: torch.Tensor, cu_seqlens: torch.Tensor, items: torch.Tensor, num_items: torch.Tensor,
                   softmax_scale: float, *, causal: bool = True, block_m: int = 128, block_n: int = 128,
                   wl_block_m: int = 128, stages: int = 2, skip_len: int = 1, o: torch.Tensor | None = None,
-                  lse: torch.Tensor | None = None, pingpong: bool = True, pv_promote: bool = True,
+                  lse: torch.Tensor | None = None, pingpong: bool = True, pv_promote: bool = False,
                   masked_tile0: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed FP8 attention forward, warp-specialized Gluon, sm_90 (module docs: the numerics).
 
@@ -674,9 +693,8 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
             while the other's products compute. Default on (bitwise the same results as off; its
             speed: benchmarks/NOTES.md "FP8 forward").
         pv_promote: each key tile's ``P~ V`` goes into a zero-initialized MMA accumulator and is
-            promoted into a separate fp32 register accumulator (default; module docs: why). False:
-            accumulate across tiles in the MMA accumulator (overflows on an all-zero V tile; its products
-            compile serialized, C7513).
+            promoted into a separate fp32 register accumulator. Default False: ``P~ V`` accumulates
+            across tiles in the MMA accumulator (module docs: why).
         masked_tile0: every entry's first key tile takes the masked softmax (one copy of the softmax in
             the entry's prologue instead of two; bitwise the same output). Short documents' entries walk
             2-3 tiles and are bound by instruction fetch, long ones pay a masked step an entry. Default:
@@ -689,7 +707,7 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
         items and padding rows untouched.
 
     Raises:
-        ValueError: inputs of the wrong dtype / shape / layout, head_dim other than 128, tiles that do
+        ValueError: inputs of the wrong dtype / shape / layout, head_dim other than 64 / 128, tiles that do
             not divide, ``block_m / 2`` not a multiple of 64, ``skip_len < 0``.
     """
     check_stages("gluon_fp8_fwd", stages)
