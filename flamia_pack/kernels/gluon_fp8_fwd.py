@@ -479,14 +479,14 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, o_smem, ready, e
     st = warpgroup_mma_wait(0, deps=(st,))
     mbarrier.arrive(empty.index(s0), count=1)
     if MASKED_TILE0:  # one copy of the softmax in the prologue: what short documents' entries are bound by
-        p, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, True, BOOST, BLOCK_N,
-                                             s_layout, op_layout)
+        p, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, True,
+                                                    BOOST, BLOCK_N, s_layout, op_layout)
     elif (u1 > 0) & (ph == 0):
-        p, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, False, BOOST, BLOCK_N,
-                                                s_layout, op_layout)
+        p, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, False,
+                                                    BOOST, BLOCK_N, s_layout, op_layout)
     else:
-        p, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, True, BOOST, BLOCK_N,
-                                                s_layout, op_layout)
+        p, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, True,
+                                                    BOOST, BLOCK_N, s_layout, op_layout)
     if (ph > 0) & (n_steps > 1):  # tile 0's leading columns hold the previous document (the last tile: below)
         if _may_be_nonfinite_outside(FV, stride_e, hk, o_lo, 0, ph, BLOCK_N, BLOCK_N, NW):
             mbarrier.wait(ready.index(STAGES + s0), (c // STAGES) & 1)
