@@ -323,8 +323,8 @@ def _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, j, row_f, fk, fv, MASKED: gl
     # P~ <= 2^BOOST <= 448 (BOOST <= 8: nothing saturates; the conversion is satfinite anyway).
     # c <= 2^FOLD_REF_MIN_OFFSET = 2^110, so pc <= 2^110 and its tile row sum <= 2^117 (finite); l
     # takes that sum times 1 / c (exact: powers of two). Masked pairs: s = -inf, pc = 0, 0 f_v = 0
-    # (f_v finite). Edge: pc falls below 2^-126 (and loses bits before f_v restores it) only where
-    # c < 2^-112, i.e. r > 2^120 (V groups of |v| > 2^128, beyond bf16: only a non-finite group's 2^127).
+    # (f_v finite). Edge: pc below 2^-126 loses bits, which matter (P~ = pc f_v >= 2^-10, f_v <= r) only
+    # where r > 2^116 (V groups of amax > 2^124, beyond real activations; a non-finite group's 2^127).
     c = _boost_over(r_new, BOOST)
     p = gl.exp2(x * row_f[:, None] - (m_ij - _log2_pow2(c))[:, None])
     l_i = l_i * alpha + gl.sum(p, 1) * (r_new * _exp2_const(-BOOST))
@@ -374,17 +374,16 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, str
               BOOST: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr,
               s_layout: gl.constexpr, op_layout: gl.constexpr, acc_layout: gl.constexpr, WG: gl.constexpr,
               PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
-    """Walked tile ``j >= 1`` (``gluon_fwd._fwd_step``'s pipelining): ``S_j`` and ``P~_{j-1} V_{j-1}``
-    in flight together, tile ``j``'s softmax and fold while the second one runs. Returns
-    ``(acc, P~_j, m, l, r, r_run, alpha)``. ``PINGPONG``: the two products are issued in the partition's turn
-    ``k_turn + j`` (``gluon_fwd._turn_wait``), taken once both tiles landed, so one partition's softmax
-    runs under the other's products. ``acc``: the MMA accumulator in units of ``r_{j-1} / 2^BOOST``
-    (rescaled here to tile ``j``'s max and reference), or, ``PV_PROMOTE``, the fp32 register
-    accumulator that ``P~_{j-1} V_{j-1}`` is promoted into with ``a_i = alpha_{j-1}`` (:func:`_promote`).
-    ``PV_PROMOTE`` issues ``P~_{j-1} V_{j-1}`` first and promotes it while ``S_j`` computes, before the
-    softmax: the product's 64 registers a thread are free again for it (issued after ``S_j`` and
-    retired after the softmax, as the accumulating variant does, the kernel spilled ~1.2 KB, 37 local
-    loads and stores per step; this order ~80 B, none in the mask-free step: sm_90a compile)."""
+    """Walked tile ``j >= 1``: ``P~_{j-1} V_{j-1}`` issued first, then ``S_j``, both in flight together;
+    tile ``j``'s softmax and fold once both retired (with ``PINGPONG`` under the other partition's
+    products). Returns ``(acc, P~_j, m, l, r, r_run, alpha)``. ``PINGPONG``: the two products are issued in
+    the partition's turn ``k_turn + j`` (``gluon_fwd._turn_wait``), taken once both tiles landed.
+    ``acc``: the MMA accumulator in units of ``r_{j-1} / 2^BOOST`` (rescaled after the softmax to tile
+    ``j``'s max and reference), or, ``PV_PROMOTE``, the fp32 register accumulator that ``P~_{j-1} V_{j-1}``
+    (a zero-initialized product) is promoted into with ``a_i = alpha_{j-1}`` (:func:`_promote`) while
+    ``S_j`` computes. Issuing ``P~_{j-1} V_{j-1}`` first keeps every input of a product defined before its
+    pipeline stage (ptxas serializes the products otherwise, C7513: the softmax would write the next
+    product's A registers while this one is in flight)."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     f_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     r = c + j
