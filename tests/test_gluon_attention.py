@@ -309,6 +309,29 @@ def test_loop_local_memory_counts_spill_traffic_per_loop():
     assert loop_local_memory("") == []
 
 
+def test_loop_chains_follow_register_dependencies():
+    """``gluon_compile.loop_chains``: a sequential max is a chain of its length, independent maxes are
+    not, another op breaks a same-op chain, stores define nothing; the latency path adds up (a
+    synthetic listing; no compiler needed)."""
+    from flamia_pack.kernels.gluon_compile import loop_chains, sass_loops
+
+    sass = "\n".join([
+        "        /*0000*/                   FMNMX R2, R10, R11, !PT ;",
+        "        /*0010*/                   FMNMX R2, R2, R12, !PT ;",
+        "        /*0020*/                   FMNMX R2, R2, R13, !PT ;",   # chain of 3
+        "        /*0030*/                   FMNMX R3, R14, R15, !PT ;",  # independent
+        "        /*0040*/                   MUFU.EX2 R4, R2 ;",
+        "        /*0050*/                   FADD R5, R4, R3 ;",
+        "        /*0060*/                   STS [R5], R2 ;",
+        "        /*0070*/              @P0 BRA 0x0 ;",
+        "        /*0080*/                   EXIT ;",
+    ])
+    (loop,) = sass_loops(sass)
+    c = loop_chains(sass, loop)
+    assert c["FMNMX"] == 3 and c["FADD"] == 1
+    assert c["path"] == 3 * 4 + 18 + 4  # three FMNMX, the MUFU, the FADD
+
+
 def test_gluon_fwd_rejects_bad_options_before_touching_the_gpu():
     """``gluon_fwd``: each of the two partitions a multiple of 64 query rows (wgmma); ``part_skip`` only
     with whole items and no turns."""

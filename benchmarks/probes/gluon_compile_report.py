@@ -13,11 +13,12 @@ attention_compile_report.py; registers are the launch allocation (maxnreg), the 
 runs per iteration: ptxas's spill bytes count spill sites, not where they run;
 ``gluon_compile.sass_loops``); "steps" lists the key-tile step loops
 (``gluon_compile.mma_step_loops``: static instructions, wgmma instructions, LDL, STL each; the forward
-kernels: per consumer partition the mask-free loop, then the masked one).
+kernels: per consumer partition the mask-free loop, then the masked one); "chains" their longest dependent
+FMNMX / FADD chains and the latency-weighted register path (``gluon_compile.loop_chains``, a screen).
 """
 import json, re, sys
 
-from flamia_pack.kernels.gluon_compile import compile_sm90, mma_step_loops, sass_loops
+from flamia_pack.kernels.gluon_compile import compile_sm90, loop_chains, mma_step_loops, sass_loops
 
 
 def run(D=128, BM=None, BN=None, STAGES=None, GROUP=1, dump=False, KIND="dkdv", CAUSAL=True,
@@ -42,8 +43,10 @@ def run(D=128, BM=None, BN=None, STAGES=None, GROUP=1, dump=False, KIND="dkdv", 
     ops = {op: len(re.findall(op, r["sass"])) for op in ("HGMMA", "QGMMA", "UTMALDG", "UTMAREDG", "LDL", "STL", "SYNCS", "USETMAXREG", "BAR.SYNC")}
     hot = [(lp["instructions"], lp["ldl"], lp["stl"]) for lp in sass_loops(r["sass"]) if lp["ldl"] or lp["stl"]]
     steps = [(lp["instructions"], lp["gmma"], lp["ldl"], lp["stl"]) for lp in mma_step_loops(r["sass"])]
+    chains = [tuple(loop_chains(r["sass"], lp).values()) for lp in mma_step_loops(r["sass"])]
     print(f"{name}: smem {r['shared']} | wgmma {'SERIALIZED' if r['serialized'] else 'async'} | {info} | {ops}"
-          f" | steps {steps} | loops with local memory (instructions, LDL, STL): {hot or 'none'}")
+          f" | steps {steps} | chains (FMNMX, FADD, path clk) {chains}"
+          f" | loops with local memory (instructions, LDL, STL): {hot or 'none'}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch
 
 from flamia_pack.kernels.gluon_common import CONSUMER_WARPS, MAXNREG, descriptor
 
-__all__ = ["compile_sm90", "sass_loops", "mma_step_loops"]
+__all__ = ["compile_sm90", "sass_loops", "mma_step_loops", "loop_chains"]
 
 
 def sass_loops(sass: str) -> list[dict]:
@@ -50,6 +50,46 @@ def mma_step_loops(sass: str) -> list[dict]:
     inner = [lp for lp in loops if not any(o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"]
                                            for o in loops)]
     return sorted(inner, key=lambda lp: lp["start"])
+
+
+#: assumed dependent-issue latencies (clocks) for :func:`loop_chains`; FP32 / integer ALU ops default to 4
+CHAIN_LATENCY = {"MUFU": 18, "SHFL": 24, "LDS": 30, "LDSM": 30, "LDL": 200, "LDG": 400, "F2FP": 6, "BAR": 20,
+                 "SYNCS": 20}
+
+
+def loop_chains(sass: str, loop: dict, ops=("FMNMX", "FADD")) -> dict:
+    """Dependency chains of one loop's body (a :func:`sass_loops` entry) read as straight-line code:
+    ``{op: longest chain of that op feeding itself}`` for each of ``ops`` (a row max reduced in one
+    thread's registers one element after another is a chain of its length), and ``"path"``, the
+    longest register-dependency path in clocks under :data:`CHAIN_LATENCY` (a screen, not a timing:
+    branches, wgmma results and memory are ignored; a value's producer is its last writer before use).
+    Registers are R / P / UR / UP; the first register operand of an instruction is its destination,
+    except for stores and branches, which define none."""
+    import re
+
+    body = [t for o, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)
+            if loop["start"] <= int(o, 16) <= loop["end"]]
+    no_dest = ("QGMMA", "HGMMA", "WARPGROUP", "BRA", "STS", "STSM", "STL", "STG", "RED", "UTMASTG", "UTMALDG")
+    same = {op: {} for op in ops}
+    best = {op: 0 for op in ops}
+    ready, path = {}, 0
+    for t in body:
+        m = re.match(r"(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9]*)(\.\S+)?\s*(.*)", t)
+        if not m:
+            continue
+        op, regs = m.group(1), re.findall(r"\b(?:UR|UP|R|P)\d+\b", m.group(3))
+        if op in no_dest or not regs:
+            continue
+        dst, srcs = regs[0], regs[1:]
+        ready[dst] = max([ready.get(x, 0) for x in srcs] + [0]) + CHAIN_LATENCY.get(op, 4)
+        path = max(path, ready[dst])
+        for o in ops:
+            if op == o:
+                same[o][dst] = 1 + max([same[o].get(x, 0) for x in srcs] + [0])
+                best[o] = max(best[o], same[o][dst])
+            else:
+                same[o].pop(dst, None)
+    return {**best, "path": path}
 
 
 def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None = None, block_n: int | None = None,
