@@ -50,12 +50,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 from triton.runtime.jit import constexpr_function
 
-from flamia_pack.kernels.constants import LOG2E, REF_FLOOR_LOG2
+from flamia_pack.kernels.constants import LOG2E
 from flamia_pack.kernels.gluon_common import (
     _tma_reduce_add, _slot_barriers, check_stages, descriptor, CONSUMER_WARPS, MAXNREG)
 from flamia_pack.kernels.gluon_fp8_fwd import (
-    BOOST_LOG2, TABLE_PAD, _e4m3_words, _exp2_const, _qgmma_layout, _wgmma_cols, _words_operand, _zero_cols_outside,
-    fp8_descriptor, fp8_descriptor_t)
+    BOOST_LOG2, TABLE_PAD, _REF_FLOOR, _e4m3_words, _exp2_const, _qgmma_layout, _wgmma_cols, _words_operand,
+    _zero_cols_outside, fp8_descriptor, fp8_descriptor_t)
 
 __all__ = ["gluon_fp8_bwd", "fp8_bwd_entries", "BWD_BLOCK_M", "BWD_BLOCK_N"]
 
@@ -63,8 +63,6 @@ BWD_BLOCK_M = 64
 """Query rows per step of the FP8 dK/dV programs (the grid ``floor16(doc start) + 64 m``)."""
 BWD_BLOCK_N = 128
 """Keys per FP8 dK/dV program (the forward's key tile)."""
-_REF_FLOOR = gl.constexpr(2.0 ** -REF_FLOOR_LOG2)
-"""``2^-REF_FLOOR_LOG2``: the dV / dK references' floor relative to the largest one so far."""
 
 
 @constexpr_function

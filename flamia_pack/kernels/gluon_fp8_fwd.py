@@ -93,7 +93,8 @@ MASKED_TILE0_MAX_MEAN = 1536
 
 
 _REF_FLOOR = gl.constexpr(2.0 ** -REF_FLOOR_LOG2)
-"""``2^-REF_FLOOR_LOG2``: the fold reference's floor relative to the row's largest so far."""
+"""``2^-REF_FLOOR_LOG2``: a rescaled accumulator's reference floor relative to the largest one so far (this
+kernel's fold reference; ``gluon_fp8_bwd``'s dV / dK references)."""
 _REF_MIN_OFFSET = gl.constexpr(FOLD_REF_MIN_OFFSET)
 """``constants.FOLD_REF_MIN_OFFSET``: the fold reference is at least ``2^(BOOST - _REF_MIN_OFFSET)``."""
 
