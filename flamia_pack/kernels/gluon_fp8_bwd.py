@@ -477,8 +477,9 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
         deterministic: bitwise reproducible dQ. The programs of one document add their dQ partials of a
             64-row step in the order of their key tiles (turn counters per (step, query head), spun on
             with acquire loads, released after each reduce has completed), instead of whenever they get
-            there; dK and dV are reproducible either way. Waits only on programs launched before
-            (``fp8_bwd_entries`` orders a document's tiles first to last), so it cannot deadlock.
+            there; dK and dV are reproducible either way. A program waits only on programs of lower
+            index (``fp8_bwd_entries`` orders a document's tiles first to last), which cannot deadlock as
+            long as the GPU starts programs in index order (it does on Hopper; CUDA does not promise it).
 
     Returns:
         ``(dq, dk, dv)``: bf16 (``cast_dq=False``: float32) ``(T, H_q, 128)`` and bf16 ``(T, H_kv, 128)`` x 2;
