@@ -52,7 +52,7 @@ from triton.runtime.jit import constexpr_function
 
 from flamia_pack.kernels.constants import LOG2E
 from flamia_pack.kernels.gluon_common import (
-    _tma_reduce_add, _slot_barriers, check_stages, descriptor, CONSUMER_WARPS, MAXNREG)
+    _tma_reduce_add, _rows_through_smem, _slot_barriers, check_stages, descriptor, CONSUMER_WARPS, MAXNREG)
 from flamia_pack.kernels.gluon_fp8_fwd import (
     BOOST_LOG2, TABLE_PAD, _REF_FLOOR, _e4m3_words, _exp2_const, _qgmma_layout, _wgmma_cols, _words_operand,
     _zero_cols_outside, fp8_descriptor, fp8_descriptor_t)
@@ -285,6 +285,19 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     return dk, dv, sk_new, rho_new, sk_run, rho_run
 
 
+
+@gluon.jit
+def _store_doc_rows(ptr, x, row0, start, end, stride_row, col0):
+    """``ptr[row0 + r, col0 + c] = x[r, c]`` for the rows ``start <= row0 + r < end`` (x in the layout of
+    ``gluon_common._rows_through_smem``)."""
+    ROWS: gl.constexpr = x.type.shape[0]
+    COLS: gl.constexpr = x.type.shape[1]
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, x.type.layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, x.type.layout))
+    ok = ((rows >= start) & (rows < end))[:, None]
+    gl.store(ptr + rows.to(gl.int64)[:, None] * stride_row + col0 + cols[None, :], x, mask=ok)
+
+
 @gluon.jit
 def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs, ds_smem,
                  dq_stage, dq_desc, DK, DV, FK, FV, stride_f, stride_dkt, stride_dvt, a, f, m0, n_steps, u0, u1,
@@ -334,14 +347,18 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
             c += 1
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     tma.store_wait(0)  # the last reduce has read its staging tile before the program exits
-    rows = a + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    ok = ((rows >= start) & (rows < end))[:, None]
-    r64 = rows.to(gl.int64)[:, None]
     fk = gl.convert_layout(sk * sm_scale, gl.SliceLayout(1, acc_layout))
     fv = gl.convert_layout(rho * (2.0 ** -BOOST), gl.SliceLayout(1, acc_layout))
-    gl.store(DK + r64 * stride_dkt + hk * HEAD_DIM + cols[None, :], (dk * fk[:, None]).to(gl.bfloat16), mask=ok)
-    gl.store(DV + r64 * stride_dvt + hk * HEAD_DIM + cols[None, :], (dv * fv[:, None]).to(gl.bfloat16), mask=ok)
+    # dK, dV through the free dQ staging tile (fp32 64 x D: the bytes of bf16 128 x D) as 16-byte row
+    # stores (from the accumulator layout a thread writes 4 bytes: every 32-byte sector in two halves)
+    stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
+    stage = dq_stage._reinterpret(gl.bfloat16, [BLOCK_N, HEAD_DIM], stage_layout)
+    gl.thread_barrier()  # every warp is past the last reduce's read of the staging tile
+    out = _rows_through_smem(stage, (dk * fk[:, None]).to(gl.bfloat16), NW)
+    _store_doc_rows(DK, out, a, start, end, stride_dkt, hk * HEAD_DIM)
+    gl.thread_barrier()  # every warp read its dK rows before dV overwrites the tile
+    out = _rows_through_smem(stage, (dv * fv[:, None]).to(gl.bfloat16), NW)
+    _store_doc_rows(DV, out, a, start, end, stride_dvt, hk * HEAD_DIM)
 
 
 @gluon.jit
