@@ -275,13 +275,15 @@ def _triton_store_matches_torch(q, k, v, cu, granularity, flags, order):
                                          ((True, True, True), (True, False, True))])
 def test_interpreter_triton_transposed_store(flags, order):
     """``transposed_store="triton"`` (what ``fp8_quantize`` / ``quantize_do`` run): the transposing launch
-    gives the torch copy's bits, token order and wgmma order, with T off the 16-grid and D not a power
-    of two."""
+    (int32 words, 4 x 4 byte blocks transposed in registers) gives the torch copy's bits, token order and
+    wgmma order, with T off the 16-grid, two token tiles, D not a power of two (D / 4 = 3, 6: masked
+    words) and D % 4 != 0 (10: the torch copy stands in)."""
     gen = torch.Generator().manual_seed(41)
-    for D in (16, 24):
-        q, cu = packed(gen, [1, 17, 30, 11], 5, 2, D, torch.bfloat16)
-        k, _ = packed(gen, [1, 17, 30, 11], 5, 1, D, torch.bfloat16)
-        v, _ = packed(gen, [1, 17, 30, 11], 5, 1, D, torch.bfloat16)
+    for D, lens, pad in ((16, [1, 17, 30, 11], 5), (24, [1, 17, 30, 11], 5), (12, [40, 3, 97, 1, 2], 6),
+                         (10, [5, 9], 2)):
+        q, cu = packed(gen, lens, pad, 2, D, torch.bfloat16)
+        k, _ = packed(gen, lens, pad, 1, D, torch.bfloat16)
+        v, _ = packed(gen, lens, pad, 1, D, torch.bfloat16)
         _triton_store_matches_torch(q, k, v, cu, "block", flags, order)
 
 
