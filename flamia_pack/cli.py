@@ -47,7 +47,8 @@ class _Command(typer.core.TyperCommand):
 class _Group(typer.core.TyperGroup):
     """The root group: the same ``--help`` as :class:`_Command`, and command-line errors (a bad
     number, an unknown or missing option) as one red line on stderr, exit code 2 (typer would
-    print a usage panel)."""
+    print a usage panel); a bare ``flamia`` prints the help, then ``error: a command is required (...)``
+    naming the commands, exit code 2."""
 
     def get_help_option(self, ctx):
         opt = super().get_help_option(ctx)
@@ -69,6 +70,13 @@ class _Group(typer.core.TyperGroup):
             if not (hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int)):
                 raise
             ctx = getattr(e, "ctx", None)
+            if type(e).__name__ == "NoArgsIsHelpError":  # bare `flamia`: the help, then what was missing
+                text = e.format_message().strip()  # typer printed its rich help already ("" here); click's is text
+                if text:
+                    print(text)
+                names = ", ".join(self.list_commands(ctx)) if ctx is not None else "see flamia --help"
+                _error_line(f"a command is required ({names}); flamia COMMAND --help describes each")
+                sys.exit(2)
             hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
             _error_line(f"{e.format_message()}{hint}")
             sys.exit(e.exit_code)

@@ -83,3 +83,15 @@ def test_bad_input_is_one_error_line(tmp_path, name):
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), res.output
     assert needle in lines[0], lines[0]
+
+
+def test_no_command_prints_the_help_and_says_a_command_is_required():
+    """A bare `flamia` printed the help, then `error: (see flamia --help)` with an empty message; it
+    still prints the help (stdout) but the error line names what is missing and the commands."""
+    res = CliRunner().invoke(app, [], env={"COLUMNS": "200"})
+    assert res.exit_code == 2, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert "Usage: flamia" in res.stdout and "probe-leak" in res.stdout
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert lines == ["error: a command is required (pack, plan, probe-leak, bench, serve); flamia COMMAND "
+                     "--help describes each"], res.stderr
