@@ -543,7 +543,8 @@ def probe_leak_cmd(
                                    help="Document boundaries (comma separated, start at 0)."),
     num_heads: int = typer.Option(4, "--num-heads", metavar="H", help="Query heads."),
     num_kv_heads: int = typer.Option(None, "--num-kv-heads", metavar="H_KV", help="Key/value heads (default H)."),
-    head_dim: int = typer.Option(64, "--head-dim", metavar="D", help="Head dimension."),
+    head_dim: int = typer.Option(64, "--head-dim", metavar="D", help="Head dimension (the fp8-emu paths, "
+                                 "like FP8 attention: 64 or 128)."),
     doc: int = typer.Option(None, "--doc", metavar="I", help="Document of the cut (default: the longest)."),
     cut: int = typer.Option(None, "--cut", metavar="C", help="Last unperturbed token (default: mid-document, "
                             "13 tokens into a 32-token group)."),

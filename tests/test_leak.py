@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from flamia_pack.cli import app
 from flamia_pack.errors import FlamiaError
-from flamia_pack.kernels.leak import EXPECTED, PATHS, LeakReport, leak_table, probe_leak, probe_paths
+from flamia_pack.kernels import varlen_attention
+from flamia_pack.kernels.leak import EXPECTED, FP8_PATHS, PATHS, LeakReport, leak_table, probe_leak, probe_paths
 from flamia_pack.kernels.reference import packed_attention_reference
 
 # small problem: four unaligned documents (lengths 40, 100, 10, 80) and 6 padding rows
@@ -21,7 +22,10 @@ SMALL = dict(cu_seqlens=CU, total_tokens=236, num_heads=2, head_dim=32)
 
 @pytest.fixture(scope="module")
 def reports() -> dict[str, LeakReport]:
-    return {r.path: r for r in probe_paths(seed=3, **SMALL)}
+    # the FP8 paths take FP8 attention's head dims (64, 128) only
+    small = probe_paths([n for n in PATHS if n not in FP8_PATHS], seed=3, **SMALL)
+    fp8 = probe_paths(list(FP8_PATHS), seed=3, **dict(SMALL, head_dim=64))
+    return {r.path: r for r in small + fp8}
 
 
 def neg_max(r: LeakReport) -> float:
@@ -200,7 +204,7 @@ def test_report_dict_and_table(reports):
 
 def test_cli_probe_leak_json_and_table():
     runner = CliRunner()
-    args = ["probe-leak", "--cu-seqlens", ",".join(map(str, CU)), "--num-heads", "2", "--head-dim", "16"]
+    args = ["probe-leak", "--cu-seqlens", ",".join(map(str, CU)), "--num-heads", "2", "--head-dim", "64"]
     res = runner.invoke(app, args + ["--path", "block", "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
@@ -220,3 +224,35 @@ def test_cli_probe_leak_errors(bad):
     res = CliRunner().invoke(app, ["probe-leak", "--num-heads", "1", "--head-dim", "8"] + bad)
     assert res.exit_code == 2
     assert "error:" in res.output
+
+
+@pytest.mark.parametrize("args", [["--head-dim", "96", "--path", "fp8-emu-token"],
+                                  ["--head-dim", "7", "--path", "fp8-emu-block"],
+                                  ["--head-dim", "32", "--all"]])
+def test_cli_fp8_paths_refuse_head_dims_fp8_attention_refuses(args, monkeypatch):
+    """`flamia probe-leak --head-dim 96 --path fp8-emu-token` exited 0 with a verdict (the probe's FP8
+    emulation skipped FP8 attention's head_dim rule); it is now varlen_attention(precision="fp8")'s
+    error, exit code 2, before any path runs."""
+    import flamia_pack.kernels.leak as leak
+
+    monkeypatch.setattr(leak, "probe_leak", lambda *a, **k: pytest.fail("a path ran"))
+    res = CliRunner().invoke(app, ["probe-leak", "--num-heads", "1", *args], env={"COLUMNS": "200"})
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    d = args[1]
+    assert len(lines) == 1 and lines[0].startswith(f"error: FP8 attention supports head_dim in (64, 128), got {d}"), \
+        res.output
+    assert "fp8-emu-" in lines[0]
+    # the rule is the public one, and the path callables apply it too
+    q = torch.zeros(8, 1, int(d))
+    with pytest.raises(FlamiaError, match=f"FP8 attention supports head_dim in \\(64, 128\\), got {d}"):
+        varlen_attention(q, q, q, torch.tensor([0, 8]), 8, precision="fp8")
+    with pytest.raises(FlamiaError, match="head_dim"):
+        probe_leak(PATHS["fp8-emu-token"], cu_seqlens=(0, 40, 100), num_heads=1, head_dim=int(d))
+
+
+def test_probe_fp8_paths_at_the_kernel_head_dims():
+    """The FP8 paths still run (and keep their verdicts) at head_dim 64 and 128."""
+    for d in (64, 128):
+        reports = probe_paths(list(FP8_PATHS), cu_seqlens=(0, 40, 100), num_heads=1, head_dim=d, seed=1)
+        assert [r.verdict for r in reports] == [EXPECTED[n] for n in FP8_PATHS]

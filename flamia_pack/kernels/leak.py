@@ -30,7 +30,8 @@ The quantize->dequantize steps are straight-through in the backward (identity Ja
 backward is the reference backward evaluated at the dequantized inputs. P and dS quantization
 and accumulator scales are kernel internals that these paths do not model; probe the kernels
 themselves for those (pass them as ``attn_fn``). The ``fp8-emu-*`` paths do model them: they run the
-CPU emulation of the FP8 kernels (``kernels/fp8_emulation.py``: codes, P~ fold, dS payloads).
+CPU emulation of the FP8 kernels (``kernels/fp8_emulation.py``: codes, P~ fold, dS payloads), and
+take the head dims FP8 attention takes (64, 128), like ``varlen_attention(precision="fp8")``.
 """
 from __future__ import annotations
 
@@ -271,13 +272,13 @@ def _make_qdq_path(qdq) -> AttnFn:
 
 def _make_fp8_emulated_path(granularity: str) -> AttnFn:
     # the emulated FP8 kernel path (kernels/fp8_emulation.py): codes, P / dS folds and
-    # accumulation included, not only the input quantization; any head_dim (the probe's default 64
-    # and the tests' 32), as the numerics do not depend on it
+    # accumulation included, not only the input quantization; the FP8 kernels' head dims only
+    # (fp8_emulation.HEAD_DIMS, the rule of varlen_attention(precision="fp8")): a verdict for a
+    # head_dim that FP8 attention refuses would describe no path a model can run
     def path(q, k, v, cu_seqlens, max_seqlen):
         from flamia_pack.kernels.fp8_emulation import fp8_varlen_attention_emulated
 
-        return fp8_varlen_attention_emulated(q, k, v, cu_seqlens, max_seqlen, scale_granularity=granularity,
-                                             _kernel_head_dims=False)
+        return fp8_varlen_attention_emulated(q, k, v, cu_seqlens, max_seqlen, scale_granularity=granularity)
     return path
 
 
@@ -291,6 +292,10 @@ PATHS: dict[str, AttnFn] = {
     "fp8-emu-token": _make_fp8_emulated_path("token"),
     "fp8-emu-block": _make_fp8_emulated_path("block"),
 }
+
+#: Built-in paths that run the FP8 kernels' emulation: head_dim in ``fp8_emulation.HEAD_DIMS`` only,
+#: as for ``varlen_attention(precision="fp8")`` (:func:`probe_paths` checks it before running any path).
+FP8_PATHS = ("fp8-emu-token", "fp8-emu-block")
 
 #: What each built-in path is expected to show (asserted in tests/test_leak.py and
 #: tests/test_fp8_emulation.py).
@@ -560,7 +565,8 @@ def probe_paths(names: Sequence[str] | str | None = None, **kwargs) -> list[Leak
         One :class:`LeakReport` per name, in order.
 
     Raises:
-        FlamiaError: unknown path name, or what :func:`probe_leak` raises.
+        FlamiaError: unknown path name; a ``head_dim`` outside ``(64, 128)`` with an FP8 path
+            (:data:`FP8_PATHS`; checked before any path runs); or what :func:`probe_leak` raises.
     """
     if isinstance(names, str):
         names = [names]
@@ -568,4 +574,15 @@ def probe_paths(names: Sequence[str] | str | None = None, **kwargs) -> list[Leak
     for n in names:
         if n not in PATHS:
             raise FlamiaError(f"unknown path {n!r}; choose from {', '.join(PATHS)}")
+    # the FP8 paths' head_dim rule, checked for every name before any path runs
+    fp8 = [n for n in names if n in FP8_PATHS]
+    head_dim = kwargs.get("head_dim", 64)
+    if fp8 and isinstance(head_dim, numbers.Integral) and not isinstance(head_dim, bool):
+        from flamia_pack.kernels.fp8_emulation import HEAD_DIMS
+
+        if int(head_dim) not in HEAD_DIMS:
+            others = [n for n in PATHS if n not in FP8_PATHS]
+            raise FlamiaError(f"FP8 attention supports head_dim in {HEAD_DIMS}, got {int(head_dim)}: path(s) "
+                              f"{', '.join(fp8)} run the FP8 kernels' emulation (the paths {', '.join(others)} "
+                              "take any head_dim)")
     return [probe_leak(PATHS[n], name=n, **kwargs) for n in names]
