@@ -130,6 +130,52 @@ def test_work_list_mismatch_is_rejected():
     varlen_attention(q, k, v, cu, 40, causal=True, work_list=ok)
 
 
+def test_work_list_of_another_row_of_the_same_t_is_rejected_on_the_cpu():
+    """A list built from other cu_seqlens of the same T ran silently on the CPU; the list now remembers a
+    CPU cu_seqlens (copied at the build) and the CPU path compares, naming both. The same values in
+    another tensor or dtype, and a WorkListBuilder's padded buffer, still pass; a list rewritten in
+    place since its build is not checked (it may describe another row now)."""
+    from flamia_pack.kernels.config import work_list_tile_config
+    from flamia_pack.scheduler.worklist import WorkListBuilder
+
+    q, k, v, cu = _inputs([40, 30], d=64)
+    other = torch.tensor([0, 20, 70], dtype=torch.int32)  # same T = 70
+    wl = build_attention_work_list(other, q.shape[0], causal=True, head_dim=64)
+    msg = (r"work_list was built for cu_seqlens \[0, 20, 70\] \(2 document\(s\)\) but the call has cu_seqlens "
+           r"\[0, 40, 70\] \(2 document\(s\)\).*build_attention_work_list")
+    for kw in ({}, {"check_finite": False}):
+        with pytest.raises(FlamiaError, match=msg):
+            varlen_attention(q, k, v, cu, 40, causal=True, work_list=wl, **kw)
+    q.requires_grad_()
+    with pytest.raises(FlamiaError, match="built for cu_seqlens"):
+        varlen_attention(q, k, v, cu, 40, causal=True, work_list=wl)
+    q = q.detach()
+    with pytest.raises(FlamiaError, match="built for cu_seqlens"):  # another document count
+        varlen_attention(q, k, v, cu, 40, work_list=build_attention_work_list(
+            torch.tensor([0, 10, 40, 70]), q.shape[0], head_dim=64))
+    ref = varlen_attention(q, k, v, cu, 40, causal=True)
+    ok = build_attention_work_list(cu.long().clone(), q.shape[0], causal=True, head_dim=64)  # int64, another tensor
+    assert torch.equal(varlen_attention(q, k, v, cu, 40, causal=True, work_list=ok), ref)
+    builder = WorkListBuilder(8, q.shape[0], work_list_tile_config(kernel_config(64, True), True), device="cpu")
+    assert torch.equal(varlen_attention(q, k, v, cu, 40, causal=True, work_list=builder(cu)), ref)
+    with pytest.raises(FlamiaError, match=r"built for cu_seqlens \[0, 20, 70\]"):  # the builder's next row
+        varlen_attention(q, k, v, cu, 40, causal=True, work_list=builder(other))
+    wl.items.copy_(ok.items)  # refreshed in place for this row: no longer known to be other's
+    wl.num_items.copy_(ok.num_items)
+    assert torch.equal(varlen_attention(q, k, v, cu, 40, causal=True, work_list=wl), ref)
+
+
+def test_work_list_built_under_inference_mode():
+    """build_attention_work_list under torch.inference_mode raised RuntimeError ("Inference tensors do not
+    track version counter", from the hint stamp); it builds, and the call uses it."""
+    q, k, v, cu = _inputs([40, 30], d=64)
+    with torch.inference_mode():
+        wl = build_attention_work_list(cu, q.shape[0], causal=True, head_dim=64)
+        got = varlen_attention(q, k, v, cu, 40, causal=True, work_list=wl)
+    assert torch.equal(got, varlen_attention(q, k, v, cu, 40, causal=True))
+    assert wl.to_numpy().shape[0] > 0
+
+
 def test_cpu_fallback_checks_cu_seqlens_values_with_a_work_list_too():
     """On the CPU fallback a prebuilt work list does not switch the cu_seqlens value checks off (the
     reference reads cu_seqlens itself): int64 values past int32 (which the cast would wrap to a

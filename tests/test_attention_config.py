@@ -432,9 +432,9 @@ def test_work_lists_follow_the_call_band_and_old_lists_still_serve(monkeypatch):
     auto = kernel_config(128, max_seqlen=256)
     assert _config_for_list(auto, wl256) is auto
     assert _config_for_list(auto, wl128) == candidate_config("small_fwd_pers")
-    _check_work_list(wl128, True, _config_for_list(auto, wl128), cu.device, 556)
+    _check_work_list(wl128, True, _config_for_list(auto, wl128), cu.device, 556, cu)
     with pytest.raises(FlamiaError, match="block_m=128; the kernels chosen for this call expect block_m=256"):
-        _check_work_list(wl128, True, auto, cu.device, 556)
+        _check_work_list(wl128, True, auto, cu.device, 556, cu)
     other = kernel_config(128, max_seqlen=2048)
     assert _config_for_list(other, wl256) is other
 

@@ -94,6 +94,27 @@ def test_fp8_work_list_bad_inputs_are_clear_errors():
         varlen_attention(q, k, v, CU, MAX_SEQLEN, precision="bf16", work_list=wl)
 
 
+def test_fp8_work_list_of_another_row_is_rejected_on_the_cpu():
+    """varlen_attention(precision="fp8", work_list=build_fp8_work_list(<another row's cu_seqlens>, T)) ran
+    silently on the CPU (docs/fp8.md: the list is checked); it is an error naming both cu_seqlens, with
+    and without gradients, while the row's own list (any tensor with its values) still passes."""
+    from flamia_pack.kernels.fp8_attention import build_fp8_work_list
+
+    q, k, v, do = _inputs(64, 0)
+    other = torch.tensor([0, 100, 200, N], dtype=torch.int32)  # same T, other documents
+    wl = build_fp8_work_list(other, T)
+    for grad in (False, True):
+        a = [x.clone().requires_grad_(grad) for x in (q, k, v)]
+        with pytest.raises(FlamiaError, match=r"work_list was built for cu_seqlens \[0, 100, 200, 392\] \(3 "
+                                              r"document\(s\)\) but the call has cu_seqlens \[0, 1, 151, .*"
+                                              r"build_fp8_work_list\(cu_seqlens, T\)"):
+            varlen_attention(*a, CU, MAX_SEQLEN, precision="fp8", work_list=wl)
+    with torch.no_grad():
+        ref = varlen_attention(q, k, v, CU, MAX_SEQLEN, precision="fp8")
+        got = varlen_attention(q, k, v, CU, MAX_SEQLEN, precision="fp8", work_list=build_fp8_work_list(CU.long(), T))
+    assert torch.equal(got, ref)
+
+
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("gran", ["block", "token"])

@@ -323,8 +323,9 @@ def _config_for_list(cfg: AttentionKernelConfig, work_list) -> AttentionKernelCo
     return cfg
 
 
-def _check_work_list(work_list, causal: bool, cfg: AttentionKernelConfig, device: torch.device, T: int):
-    from flamia_pack.scheduler.worklist import check_work_list_tensors
+def _check_work_list(work_list, causal: bool, cfg: AttentionKernelConfig, device: torch.device, T: int,
+                     cu_seqlens: torch.Tensor):
+    from flamia_pack.scheduler.worklist import check_work_list_row, check_work_list_tensors
 
     items, num_items = check_work_list_tensors(work_list, device)
     wcfg = work_list.config
@@ -344,6 +345,8 @@ def _check_work_list(work_list, causal: bool, cfg: AttentionKernelConfig, device
             f"block_m={cfg.wl_block_m}: build it with build_attention_work_list(cu_seqlens, T, causal=..., "
             "head_dim=..., max_seqlen=<this call's max_seqlen>, num_kv_groups=<num_heads // num_kv_heads>) or "
             "with this call's config=")
+    # other cu_seqlens of the same T: caught where both are on the CPU (no sync), see check_work_list_row
+    check_work_list_row(work_list, cu_seqlens, "build_attention_work_list(cu_seqlens, T, causal=..., head_dim=...)")
     return items, num_items
 
 
@@ -593,9 +596,12 @@ def varlen_attention(
             of the same numerics elsewhere (``kernels/fp8_emulation.py``). ``config`` is refused with it.
         work_list: a prebuilt ``WorkList`` (:func:`build_attention_work_list`). Given one, the call
             trusts ``cu_seqlens`` (validated when the list was built) and does no host sync: use it
-            for CUDA graphs and in training loops. A list built for a row of another T is rejected;
-            one built for other ``cu_seqlens`` of the same T is not detected (no sync). Without one, ``cu_seqlens`` is validated on the
-            host (one sync) and a list is built on the device.
+            for CUDA graphs and in training loops. A list built for a row of another T or ``causal`` is
+            rejected on every path. One built for other ``cu_seqlens`` of the same T is rejected where
+            that costs no sync: when the list was built from a ``cu_seqlens`` on the CPU (it keeps a
+            copy) and the call's ``cu_seqlens`` is on the CPU too (the CPU fallback); on a GPU it is
+            not detected (``scheduler.worklist.check_work_list_row``). Without one, ``cu_seqlens`` is
+            validated on the host (one sync) and a list is built on the device.
         return_lse: also return the LSE ``(H_q, T)`` float32 (float64 for float64 inputs on the CPU
             fallback; natural log; differentiable).
         deterministic: bitwise reproducible gradients. With ``False`` (default) the Gluon
@@ -642,7 +648,7 @@ def varlen_attention(
 
     Raises:
         FlamiaError / MetadataError: invalid inputs (message says what was expected), a
-            ``work_list`` built for another T or ``causal``.
+            ``work_list`` built for another T or ``causal`` (or, on the CPU, other ``cu_seqlens``).
     """
     if precision not in ("bf16", "fp8"):
         raise FlamiaError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
@@ -720,7 +726,7 @@ def varlen_attention(
         else:
             if config is None:  # the automatic choice follows a 128-row list built without max_seqlen
                 cfg = _config_for_list(cfg, work_list)
-            items, num_items = _check_work_list(work_list, causal, cfg, q.device, T)
+            items, num_items = _check_work_list(work_list, causal, cfg, q.device, T, cu_seqlens)
         cfg_ints = _op_config_ints(cfg, launch_bits(cfg, min_seqlen, doc_tokens, T))
     else:
         cfg = config if config is not None else _DEFAULT_CONFIG
@@ -728,7 +734,7 @@ def varlen_attention(
             if config is None and D in (64, 128):  # the list of the config the GPU path would pick
                 cfg = _config_for_list(kernel_config(D, causal, max_seqlen=max_seqlen,
                                                      num_kv_groups=q.shape[1] // k.shape[1]), work_list)
-            _check_work_list(work_list, causal, cfg, q.device, T)
+            _check_work_list(work_list, causal, cfg, q.device, T, cu_seqlens)
         items = torch.empty((0, 4), dtype=torch.int32, device=q.device)
         num_items = torch.zeros((1,), dtype=torch.int32, device=q.device)
         cfg_ints = _config_to_ints(cfg)

@@ -127,7 +127,9 @@ def build_fp8_work_list(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: 
 
     Args/Raises: as :func:`flamia_pack.scheduler.worklist.build_work_list`; ``causal``, ``validate`` and
     ``backward`` must be bools (FlamiaError). The list describes the ``cu_seqlens`` it was built from: a
-    call with other ``cu_seqlens`` of the same T is not detected (as for every prebuilt list).
+    call with other ``cu_seqlens`` of the same T is an error where both are on the CPU (the list
+    remembers a CPU ``cu_seqlens``; ``scheduler.worklist.check_work_list_row``) and not detected on a
+    GPU (no host sync), as for every prebuilt list.
     """
     from flamia_pack.scheduler.worklist import TileConfig, build_work_list
 
@@ -145,11 +147,12 @@ def build_fp8_work_list(cu_seqlens: torch.Tensor, total_tokens: int, *, causal: 
         entries = fp8_bwd_entries(cu32.to(wl.items.device), total_tokens, causal=bool(causal))
     out = FP8WorkList(**{f.name: getattr(wl, f.name) for f in dataclasses.fields(WorkList)}, bwd_entries=entries)
     out._hint_versions = getattr(wl, "_hint_versions", None)  # the build's stamp: same buffers, same hints
+    out._built_from = getattr(wl, "_built_from", None)  # and the cu_seqlens it remembers (CPU builds)
     return out
 
 
-def _check_fp8_list(work_list, causal: bool, device, T: int):
-    from flamia_pack.scheduler.worklist import check_work_list_tensors
+def _check_fp8_list(work_list, causal: bool, device, T: int, cu_seqlens: torch.Tensor):
+    from flamia_pack.scheduler.worklist import check_work_list_row, check_work_list_tensors
 
     items, num_items = check_work_list_tensors(work_list, device)
     wcfg = work_list.config
@@ -168,6 +171,8 @@ def _check_fp8_list(work_list, causal: bool, device, T: int):
                                 and ent[0].device == items.device and ent[1].device == items.device):
         raise FlamiaError("work_list.bwd_entries must be None or gluon_fp8_bwd.fp8_bwd_entries' (entries, n_entries, "
                           "max_entries) for this row, on the list's device: build the list with build_fp8_work_list")
+    # other cu_seqlens of the same T: caught where both are on the CPU (no sync), see check_work_list_row
+    check_work_list_row(work_list, cu_seqlens, "build_fp8_work_list(cu_seqlens, T)")
     return items, num_items
 
 
@@ -203,7 +208,7 @@ def fp8_attention_forward(ops: FP8Operands, cu_seqlens: torch.Tensor, *, causal:
     cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     if work_list is None:
         work_list = build_fp8_work_list(cu32, T, causal=causal, validate=False)
-    items, num_items = _check_fp8_list(work_list, causal, ops.qc.device, T)
+    items, num_items = _check_fp8_list(work_list, causal, ops.qc.device, T, cu32)
     o, lse = gluon_fp8_fwd(ops.qc, ops.kc, ops.vt, ops.eq, ops.ekt, ops.evt, cu32, items, num_items, scale,
                            causal=causal, wl_block_m=FP8_BLOCK_M, skip_len=0)
     fill_tails([(o, 0.0, 0), (lse, math.inf, 1)], cu32)
@@ -260,7 +265,7 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
                           "and 128)")
     if not use_kernels:
         if work_list is not None:  # checked for the same mistakes as on the GPU, then unused by the emulation
-            _check_fp8_list(work_list, causal, q.device, q.shape[0])
+            _check_fp8_list(work_list, causal, q.device, q.shape[0], cu32)
         from flamia_pack.kernels.fp8_emulation import fp8_attention_forward as emulated_fwd
         from flamia_pack.kernels.fp8_emulation import fp8_varlen_attention_emulated
 

@@ -69,6 +69,7 @@ from flamia_pack.varlen import validate_cu_seqlens
 
 __all__ = [
     "check_work_list_tensors",
+    "check_work_list_row",
     "ITEM_COLUMNS",
     "TileConfig",
     "WorkList",
@@ -323,6 +324,11 @@ class WorkList:
         doc_tokens: ``cu_seqlens[-1]`` of the build (the tokens in documents), known and trusted as
             ``min_seqlen``; equal to ``total_tokens`` on rows without row-end padding, where
             ``varlen_attention`` skips its padding fills (``attention.launch_bits``).
+
+    A list built from a ``cu_seqlens`` on the CPU also remembers it (a private int64 copy, taken at
+    the build, which is on the host anyway): the CPU paths of ``varlen_attention`` reject a call
+    whose ``cu_seqlens`` differs (:func:`check_work_list_row`). A list built on a GPU keeps no copy
+    (it would cost a host sync), so there a list of another row of the same T is not detected.
     """
 
     items: torch.Tensor
@@ -614,7 +620,7 @@ def build_work_list(
         wl.num_items.zero_()
         if validate and n > 0 and m == 0:
             raise MetadataError(f"work list does not fit max_items={m}")
-        return _stamp_hint(wl)
+        return _stamp_hint(wl, cu_seqlens)
     if backend not in ("auto", "torch", "triton"):
         raise FlamiaError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     use_triton = backend == "triton" or (backend == "auto" and device.type == "cuda" and _triton_available())
@@ -638,18 +644,83 @@ def build_work_list(
         count = int(wl.num_items.to("cpu")[0])
         if count > m:
             raise MetadataError(f"work list has {count} items but max_items={m}; use max_work_items()")
-    return _stamp_hint(wl)
+    return _stamp_hint(wl, cu_seqlens)
 
 
-def _stamp_hint(wl: WorkList) -> WorkList:
+def _buffer_versions(wl) -> tuple[int, int] | None:
+    """The version counters of ``wl.items`` / ``wl.num_items``, or None where they have none (tensors
+    made under ``torch.inference_mode``): then nothing is trusted that depends on them."""
+    try:
+        return wl.items._version, wl.num_items._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
+
+
+def _stamp_hint(wl: WorkList, cu_seqlens: torch.Tensor | None = None) -> WorkList:
     """Record the version counters of ``wl``'s buffers next to its hints, once they are
     written: :func:`work_list_hints` trusts them only while no in-place write (``copy_``, slice
     assignment) has changed them since -- a list refreshed on the device for another row keeps no
-    stale hint."""
+    stale hint. A ``cu_seqlens`` on the CPU (the one the list was built from) is remembered too, as
+    an int64 copy next to the same counters, for :func:`check_work_list_row` (no copy of a device
+    tensor: that would cost a host sync)."""
+    versions = _buffer_versions(wl)
     known = wl.min_seqlen is not None or wl.doc_tokens is not None
     # the values too: a hint edited on the object after the build is not trusted either
-    wl._hint_versions = (wl.items._version, wl.num_items._version, wl.min_seqlen, wl.doc_tokens) if known else None
+    wl._hint_versions = (*versions, wl.min_seqlen, wl.doc_tokens) if known and versions is not None else None
+    row = None
+    if (versions is not None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type == "cpu"
+            and not torch.compiler.is_compiling()):
+        row = (cu_seqlens.detach().to(torch.int64, copy=True), *versions)
+    wl._built_from = row
     return wl
+
+
+def _cu_text(cu: torch.Tensor) -> str:
+    """``cu_seqlens`` for an error message: its distinct values (a padded buffer's repeats dropped),
+    the middle elided past 8."""
+    vals = cu.tolist()
+    while len(vals) > 1 and vals[-1] == vals[-2]:
+        vals.pop()
+    shown = ", ".join(map(str, vals)) if len(vals) <= 8 else \
+        ", ".join(map(str, vals[:4])) + ", ..., " + ", ".join(map(str, vals[-3:]))
+    return f"[{shown}] ({len(vals) - 1} document(s))"
+
+
+def check_work_list_row(work_list, cu_seqlens: torch.Tensor, build_hint: str) -> None:
+    """Reject a work list built from other ``cu_seqlens`` than the call's, where that costs no host sync.
+
+    Checked when the list was built (:func:`build_work_list`, :class:`WorkListBuilder`, or their
+    wrappers ``build_attention_work_list`` / ``build_fp8_work_list``) from a ``cu_seqlens`` on the
+    CPU, which the list remembers (an int64 copy), the call's ``cu_seqlens`` is on the CPU too, and
+    the list's buffers were not written in place since the build; the comparison then reads host
+    memory only. A list built from a padded buffer (the documents' offsets, then the last one
+    repeated: empty trailing segments make no item) matches the unpadded ``cu_seqlens``. Not
+    checked: lists built on a GPU (their ``cu_seqlens`` stays on the device; comparing it would
+    sync), lists made by hand, lists built under ``torch.inference_mode`` (their buffers have no
+    version counters to tell an in-place refresh), and calls traced by ``torch.compile``.
+
+    Args:
+        work_list: the call's list (after :func:`check_work_list_tensors`).
+        cu_seqlens: the call's ``cu_seqlens``, already validated.
+        build_hint: the builder call to suggest, e.g. ``"build_fp8_work_list(cu_seqlens, T)"``.
+
+    Raises:
+        FlamiaError: the list describes another row's documents (both ``cu_seqlens`` named).
+    """
+    built = getattr(work_list, "_built_from", None)
+    if (built is None or not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.device.type != "cpu"
+            or torch.compiler.is_compiling()):
+        return
+    ref, v_items, v_num = built
+    if _buffer_versions(work_list) != (v_items, v_num):
+        return  # rewritten in place since the build: which row it describes now is unknown here
+    cu = cu_seqlens.detach().to(torch.int64)
+    n = cu.numel()
+    same = n > 0 and ref.numel() >= n and torch.equal(ref[:n], cu) and bool((ref[n:] == cu[-1]).all())
+    if not same:
+        raise FlamiaError(
+            f"work_list was built for cu_seqlens {_cu_text(ref)} but the call has cu_seqlens {_cu_text(cu)}: its "
+            f"items describe another row's documents; build the list from this call's cu_seqlens ({build_hint})")
 
 
 def work_list_hints(wl) -> tuple[int | None, int | None]:
@@ -667,7 +738,8 @@ def work_list_hints(wl) -> tuple[int | None, int | None]:
     if not isinstance(items, torch.Tensor) or not isinstance(num, torch.Tensor):
         return None, None
     ms, dt = getattr(wl, "min_seqlen", None), getattr(wl, "doc_tokens", None)
-    if getattr(wl, "_hint_versions", None) != (items._version, num._version, ms, dt):
+    versions = _buffer_versions(wl)
+    if versions is None or getattr(wl, "_hint_versions", None) != (*versions, ms, dt):
         return None, None
     return ms, dt
 
