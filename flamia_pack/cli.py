@@ -164,12 +164,20 @@ def pack_cmd(
                                         help="Invalid UTF-8 in text for a tokenizer.json: replace (U+FFFD, "
                                         "counted in the summary) or error (stop, naming file, row and byte)."),
     json_out: bool = typer.Option(False, "--json", metavar="", help="Print the summary as JSON on stdout (no table)."),
+    overwrite: bool = typer.Option(False, "--overwrite", metavar="", help="Replace a pack in --out written with other "
+                                   "parameters (without it, that is an error)."),
 ) -> None:
     """Pack documents into fixed-capacity rows and write parquet shards + manifest.json.
 
     Errors in the input (missing file, unknown column, non-integer or negative token ids, corrupt
     parquet, capacity < 1, pad id < 0 or outside the tokenizer's vocabulary, ...) print one red line on stderr and exit with code 2; nothing is
     presented as complete (no manifest.json is written).
+
+    Re-running into the same --out with the same parameters resumes an interrupted run, or reuses
+    every shard of a finished one. An --out holding a finished or interrupted pack written with
+    other parameters (capacity, algorithm, long docs, pad id, tokenizer, input) is refused with an
+    error naming them, unless --overwrite is given; --shard-rows is not such a parameter (the same
+    rows, re-sharded). Files that flamia pack did not write are never replaced, even with --overwrite.
 
     Memory: the tokens once (int32) plus one shard of rows (--shard-rows x capacity x 8 bytes),
     not all rows. In --json, seconds.pack is the planning time and seconds.write the row filling
@@ -216,6 +224,11 @@ def pack_cmd(
         if vocab is not None and pad_id >= vocab:
             fail(f"--pad-id {pad_id} is outside the tokenizer's vocabulary (ids 0..{vocab - 1}): an embedding "
                  f"lookup of the padding would index out of range; pick an id < {vocab}")
+        # a pack of other parameters in --out: refused before reading the input (and again by the writer)
+        formats.check_pack_params(out, formats.pack_params(
+            capacity=capacity, algorithm=config.algorithm, long_docs=config.long_docs, pad_id=pad_id,
+            tokenizer=src.tokenizer_info(), source=src.info()), overwrite=overwrite,
+            how="pass --overwrite to replace it, or choose another --out")
         description = src.description if source is not None else (
             "bundled sample " + src.description.replace(path, "python-stdlib.parquet"))
         with Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
@@ -235,7 +248,7 @@ def pack_cmd(
             t_write = bar.add_task("filling + writing shards", total=None)
             manifest = formats.write_plan(
                 out, plan, tokens, doc_offsets, config, shard_rows=shard_rows, source=src.info(),
-                tokenizer=src.tokenizer_info(),
+                tokenizer=src.tokenizer_info(), overwrite=overwrite,
                 progress=lambda done, total: bar.update(t_write, completed=done, total=total),
             )
             t3 = time.perf_counter()

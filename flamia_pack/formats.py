@@ -39,13 +39,24 @@ logical row content, used to resume).
 
 Crash safety (DESIGN.md §3): every file is written to a hidden temp file in the same directory,
 flushed, ``fsync``-ed and moved into place with ``os.replace`` (atomic on POSIX), then the
-directory is ``fsync``-ed; so no shard is ever torn. ``write_packed`` first removes an existing
-``manifest.json`` (the directory is then "incomplete"), writes the shards while recording each
-finished one in ``.flamia-pack-progress.json``, removes stale temp files and shards that are not
-part of the new output, and writes ``manifest.json`` last. Re-running after a crash *resumes*: a
-shard whose file is listed (in the progress file or an old manifest) with the same
-``content_key`` and whose bytes still hash to the recorded ``sha256`` is kept; every other
-shard is rewritten. Only one writer per directory at a time is supported.
+directory is ``fsync``-ed; so no shard is ever torn. ``write_packed`` first records the run's
+parameters in ``.flamia-pack-progress.json``, then removes an existing ``manifest.json`` (the
+directory is then "incomplete"), writes the shards while recording each finished one in the
+progress file, removes stale temp files and shards that are not part of the new output, and
+writes ``manifest.json`` last. Re-running after a crash *resumes*: a shard whose file is listed
+(in the progress file or an old manifest) with the same ``content_key`` and whose bytes still hash
+to the recorded ``sha256`` is kept; every other shard is rewritten. Only one writer per directory
+at a time is supported.
+
+No silent replacement: a directory holding a finished pack (``manifest.json``) or a partial one
+(the progress file) written with other *parameters* is refused (:class:`FormatError`, naming the
+existing pack's parameters) unless the writer is called with ``overwrite=True`` (``flamia pack
+--overwrite``); see :func:`check_pack_params`. The parameters are what the manifest records of the
+packing: ``capacity``, ``algorithm``, ``long_docs``, ``pad_id``, ``tokenizer`` and ``source``, less
+the counts of reading the input (``source``'s ``num_docs`` and invalid-UTF-8 document count). Not
+parameters: ``shard_rows`` (the same rows, cut into other files) and the input's content (an input
+edited in place under the same path is re-packed). Re-running with the same parameters resumes, or
+reuses every shard of a finished pack.
 
 Writers: :func:`write_packed` takes rows already in memory (a ``PackedRows``); :func:`write_plan`
 takes a ``PackPlan`` + the flat tokens and materialises one shard of rows at a time into reused
@@ -89,6 +100,9 @@ __all__ = [
     "ShardInfo",
     "default_shard_rows",
     "check_output_dir",
+    "check_pack_params",
+    "existing_pack",
+    "pack_params",
     "write_packed",
     "write_plan",
     "read_manifest",
@@ -497,11 +511,6 @@ def check_output_dir(out_dir: str | os.PathLike[str]) -> None:
         )
 
 
-def _prepare_dir(out: pathlib.Path) -> None:
-    check_output_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
-
-
 def _reuse_candidates(out: pathlib.Path, names=(MANIFEST_NAME, PROGRESS_NAME)) -> dict[str, ShardInfo]:
     """Shards recorded by an earlier run in the listing files ``names`` (old manifest, then progress
     file; later wins)."""
@@ -548,6 +557,109 @@ def _check_descriptions(source: Any, tokenizer: Any) -> None:
         raise FormatError(f"source/tokenizer descriptions must be JSON-serialisable: {e}") from None
 
 
+def pack_params(*, capacity: int, algorithm: Optional[str], long_docs: Optional[str], pad_id: int, tokenizer: Any,
+                source: Any) -> dict[str, Any]:
+    """The parameters that identify a pack (module docstring, "No silent replacement"), as a JSON-like
+    dict: the manifest's ``capacity``, ``algorithm``, ``long_docs``, ``pad_id``, ``tokenizer`` and
+    ``source``, with the counts of reading dropped from ``source`` (``num_docs``; of ``invalid_utf8``
+    only its ``on_invalid`` policy is kept). Works on a manifest's raw values too."""
+    src = source
+    if isinstance(src, dict):
+        src = {k: v for k, v in src.items() if k != "num_docs"}
+        if isinstance(src.get("invalid_utf8"), dict):
+            src["invalid_utf8"] = {k: v for k, v in src["invalid_utf8"].items() if k != "documents"}
+    params = {"capacity": capacity, "algorithm": algorithm, "long_docs": long_docs, "pad_id": pad_id,
+              "tokenizer": tokenizer, "source": src}
+    try:
+        return json.loads(json.dumps(params))  # as the manifest stores them (tuples become lists)
+    except (TypeError, ValueError):
+        return params  # not JSON-serialisable: _check_descriptions says so
+
+
+def _comparable(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with the input's and tokenizer's ``path`` resolved (``data.parquet`` and
+    ``./data.parquet`` are the same input)."""
+    out = dict(params)
+    for key in ("source", "tokenizer"):
+        d = out.get(key)
+        if isinstance(d, dict) and isinstance(d.get("path"), str):
+            out[key] = dict(d, path=os.path.realpath(d["path"]))
+    return out
+
+
+def _describe_value(key: str, v: Any) -> str:
+    if key == "source" and isinstance(v, dict):
+        extra = ", ".join(f"{k} {v[k]}" for k in ("column", "split") if v.get(k) is not None)
+        return f"{v.get('path')}" + (f" ({extra})" if extra else "")
+    if key == "tokenizer" and isinstance(v, dict):
+        return str(v.get("path") or v.get("name"))
+    return "none" if v is None else str(v)
+
+
+_PARAM_LABELS = {"capacity": "capacity", "algorithm": "algorithm", "long_docs": "long docs", "pad_id": "pad id",
+                 "tokenizer": "tokenizer", "source": "input"}
+
+
+def existing_pack(out_dir: str | os.PathLike[str]) -> Optional[tuple[str, Optional[dict[str, Any]]]]:
+    """What an earlier writer left in ``out_dir``: ``("finished", params)`` for a ``manifest.json``
+    written by flamia_pack, ``("partial", params)`` for a progress file (an interrupted run; ``params``
+    None if that file predates recorded parameters), None for neither (missing or empty directory).
+    ``params`` as :func:`pack_params`. Reads only those two small files."""
+    out = pathlib.Path(out_dir)
+    for name, kind in ((MANIFEST_NAME, "finished"), (PROGRESS_NAME, "partial")):
+        path = out / name
+        if not _written_by_us(path):
+            continue
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if kind == "finished":
+            return kind, pack_params(**{k: d.get(k) for k in _PARAM_LABELS})
+        params = d.get("params")
+        return kind, pack_params(**params) if isinstance(params, dict) and set(params) == set(_PARAM_LABELS) else None
+    return None
+
+
+def check_pack_params(out_dir: str | os.PathLike[str], params: dict[str, Any], *, overwrite: bool = False,
+                      how: str = "pass overwrite=True to replace it, or write to another directory") -> None:
+    """Refuse to replace a pack written with other parameters (module docstring, "No silent replacement").
+
+    Passes when ``out_dir`` holds no earlier pack, one with the same ``params`` (a re-run: it resumes
+    or reuses), or ``overwrite`` is true. Reads only ``manifest.json`` and the progress file.
+
+    Args:
+        out_dir: the output directory.
+        params: this run's :func:`pack_params`.
+        overwrite: replace a pack of other parameters.
+        how: the way out named in the error (``flamia pack`` names its ``--overwrite`` / ``--out``).
+
+    Raises:
+        FormatError: one line naming the existing pack's parameters, what differs, and ``how``.
+    """
+    found = existing_pack(out_dir)
+    if found is None or overwrite:
+        return
+    kind, old = found
+    what = ("a finished pack" if kind == "finished" else
+            "a partial pack (an interrupted run, no manifest.json yet)")
+    if old is None:
+        raise FormatError(f"{out_dir} holds {what} whose parameters were not recorded (an older flamia_pack wrote "
+                          f"it), so it cannot be resumed safely; {how}")
+    a, b = _comparable(old), _comparable(params)
+    diff = [k for k in _PARAM_LABELS if a.get(k) != b.get(k)]
+    if not diff:
+        return
+    have = ", ".join(f"{_PARAM_LABELS[k]} {_describe_value(k, old.get(k))}" for k in _PARAM_LABELS)
+    def shown(k: str) -> str:  # the short form, or all of it where that does not show the difference
+        new = _describe_value(k, params.get(k))
+        return new if new != _describe_value(k, old.get(k)) else json.dumps(params.get(k), sort_keys=True)
+
+    want = ", ".join(f"{_PARAM_LABELS[k]} {shown(k)}" for k in diff)
+    raise FormatError(f"{out_dir} holds {what} written with other parameters ({have}); this run has {want}. "
+                      f"Re-running with the pack's parameters resumes or reuses it; {how}")
+
+
 def write_packed(
     out_dir: str | os.PathLike[str],
     packed: Any,
@@ -558,6 +670,7 @@ def write_packed(
     algorithm: Optional[str] = None,
     long_docs: Optional[str] = None,
     progress: Optional[Callable[[int, int], None]] = None,
+    overwrite: bool = False,
 ) -> Manifest:
     """Write packed rows to ``out_dir`` as parquet shards + ``manifest.json`` (DESIGN.md §3).
 
@@ -566,9 +679,10 @@ def write_packed(
     memory at once use :func:`write_plan` (same files, one shard of rows in memory at a time).
 
     Args:
-        out_dir: output directory; created if missing. It may hold an earlier (complete or
-            crashed) output of this function, which is replaced; any other non-hidden file makes
-            it an error.
+        out_dir: output directory; created if missing. It may hold an earlier (finished or
+            crashed) output of this function with the same parameters (:func:`pack_params`), which
+            is resumed / replaced, reusing its matching shards; one of other parameters is an error
+            unless ``overwrite``; any other non-hidden file is always an error.
         packed: a :class:`~flamia_pack.pack.PackedRows` (``input_ids``/``position_ids`` int32
             ``(n_rows, capacity)``, segment arrays, ``stats``).
         shard_rows: packed rows per shard file (>= 1; ``shard_rows * capacity < 2**31``);
@@ -578,6 +692,8 @@ def write_packed(
         algorithm: packing algorithm used (``"bfd"``/``"concat"``/``"balanced"``); None is recorded as null.
         long_docs: long-document policy used (``"split"``/``"truncate"``/``"drop"``); None -> null.
         progress: called as ``progress(shards_done, n_shards)`` after each shard.
+        overwrite: replace an earlier pack in ``out_dir`` written with other parameters (default:
+            refuse it, :func:`check_pack_params`).
 
     Returns:
         The :class:`Manifest` written. Zero rows give one empty shard (so the directory still
@@ -585,8 +701,8 @@ def write_packed(
 
     Raises:
         FlamiaError: ``packed`` malformed, bad ``shard_rows``.
-        FormatError: ``out_dir`` is a file or holds foreign files; ``source``/``tokenizer`` not
-            JSON-serialisable.
+        FormatError: ``out_dir`` is a file or holds foreign files, or a pack of other parameters
+            (without ``overwrite``); ``source``/``tokenizer`` not JSON-serialisable.
         OSError: the file system fails (disk full, permissions).
     """
     _check_packed(packed)
@@ -597,6 +713,7 @@ def write_packed(
         pathlib.Path(out_dir), n_rows=len(packed.num_tokens), capacity=capacity, pad_id=pad_id,
         shard_rows=shard_rows, block=lambda a, b: _shard_arrays(packed, a, b), stats=packed.stats,
         source=source, tokenizer=tokenizer, algorithm=algorithm, long_docs=long_docs, progress=progress,
+        overwrite=overwrite,
     )
 
 
@@ -612,6 +729,7 @@ def write_plan(
     tokenizer: Any = None,
     progress: Optional[Callable[[int, int], None]] = None,
     validate: bool = True,
+    overwrite: bool = False,
 ) -> Manifest:
     """Write a packing plan to ``out_dir``, materialising one shard of rows at a time (DESIGN.md §3).
 
@@ -630,7 +748,7 @@ def write_plan(
             (e.g. from ``DocumentSource.read_flat``).
         config: the :class:`~flamia_pack.pack.PackConfig` of the plan; its ``algorithm`` and
             ``long_docs`` go into the manifest.
-        shard_rows, source, tokenizer, progress: as for :func:`write_packed`.
+        shard_rows, source, tokenizer, progress, overwrite: as for :func:`write_packed`.
         validate: check every copied token id is in ``[0, 2**31)`` (fused with the copy).
 
     Returns:
@@ -680,7 +798,7 @@ def write_plan(
     return _write_shards(
         pathlib.Path(out_dir), n_rows=plan.n_rows, capacity=capacity, pad_id=pad_id, shard_rows=shard_rows,
         block=block, stats=plan.stats, source=source, tokenizer=tokenizer, algorithm=config.algorithm,
-        long_docs=config.long_docs, progress=progress,
+        long_docs=config.long_docs, progress=progress, overwrite=overwrite,
     )
 
 
@@ -698,12 +816,21 @@ def _write_shards(
     algorithm: Optional[str],
     long_docs: Optional[str],
     progress: Optional[Callable[[int, int], None]],
+    overwrite: bool = False,
 ) -> Manifest:
     """The crash-safe shard loop shared by :func:`write_packed` and :func:`write_plan`:
     ``block(a, b)`` returns the arrays of rows ``[a, b)`` (see :func:`_shard_arrays`), valid
     until the next call."""
-    _prepare_dir(out)
+    params = pack_params(capacity=capacity, algorithm=algorithm, long_docs=long_docs, pad_id=pad_id,
+                         tokenizer=tokenizer, source=source)
+    check_output_dir(out)
+    check_pack_params(out, params, overwrite=overwrite)
+    out.mkdir(parents=True, exist_ok=True)
     reuse = _reuse_candidates(out)
+    # the run's parameters first, so that an interrupted run is always a partial pack of known parameters
+    # (the old manifest's shards stay listed: a crash before the first new shard still reuses them)
+    _atomic_write_json(out / PROGRESS_NAME, {"format_version": FORMAT_VERSION, "params": params,
+                                             "shards": [s.to_dict() for s in reuse.values()]})
     _remove(out / MANIFEST_NAME)  # from here on the directory is "incomplete"
     for p in out.iterdir():
         if _TMP_RE.match(p.name):
@@ -735,8 +862,8 @@ def _write_shards(
         shards.append(info)
         crash = bool(crash_after) and written >= crash_after
         if crash or time.monotonic() - last_progress >= PROGRESS_EVERY_S:
-            _atomic_write_json(out / PROGRESS_NAME,
-                               {"format_version": FORMAT_VERSION, "shards": [s.to_dict() for s in shards]})
+            _atomic_write_json(out / PROGRESS_NAME, {"format_version": FORMAT_VERSION, "params": params,
+                                                     "shards": [s.to_dict() for s in shards]})
             last_progress = time.monotonic()
         if crash:
             os._exit(86)  # test hook, see module docstring

@@ -280,8 +280,9 @@ def test_pack_holds_one_shard_of_rows_not_all(tmp_path, text_parquet, monkeypatc
 
 
 def test_rerun_says_whether_an_earlier_output_was_reused_or_replaced(tmp_path, text_parquet):
-    """A re-run with the same arguments reuses every shard silently; with other arguments the finished
-    earlier output is replaced and the CLI says so (stderr note; ``previous_output`` in --json)."""
+    """A re-run with the same arguments reuses every shard silently; with other parameters and
+    --overwrite the finished earlier output is replaced and the CLI says so (stderr note;
+    ``previous_output`` in --json)."""
     out = str(tmp_path / "out")
     first = run_cli(str(text_parquet), "--out", out, "--capacity", "128", "--shard-rows", "7", "--json")
     assert first.exit_code == 0 and "previous_output" not in json.loads(first.stdout)
@@ -289,7 +290,7 @@ def test_rerun_says_whether_an_earlier_output_was_reused_or_replaced(tmp_path, t
     prev = json.loads(same.stdout)["previous_output"]
     assert same.exit_code == 0 and "note:" not in same.stderr
     assert prev["shards_reused"] == prev["shards"] == json.loads(first.stdout)["shards"]
-    other = run_cli(str(text_parquet), "--out", out, "--capacity", "64", "--shard-rows", "7", "--json")
+    other = run_cli(str(text_parquet), "--out", out, "--capacity", "64", "--shard-rows", "7", "--json", "--overwrite")
     assert other.exit_code == 0 and "held a finished output" in " ".join(other.stderr.split())
     prev = json.loads(other.stdout)["previous_output"]
     assert prev["capacity"] == 128 and prev["shards_reused"] == 0
@@ -335,3 +336,72 @@ def test_rerun_reusing_every_shard_says_reused_not_tokens_per_s(tmp_path, text_p
     assert other.exit_code == 0 and json.loads(other.stdout)["previous_output"]["all_reused"] is False
     speed = next(ln for ln in run_cli(*args[:-1], "3").stdout.splitlines() if "speed" in ln)
     assert "tokens/s" in speed
+
+
+def _one_error_line(res) -> str:
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.output
+    return lines[0]
+
+
+def test_finished_pack_of_other_parameters_is_refused_not_replaced(tmp_path, text_parquet):
+    """A new user's report: after `make demo` (capacity 65536), `flamia pack --out out/sample-packed
+    --capacity 4096` exited 0 and replaced the finished pack. Other parameters are now one error line
+    naming the pack's parameters and the ways out, before the documents are read; nothing in --out
+    changes.
+    The same parameters still reuse it; --overwrite replaces it."""
+    out = tmp_path / "out"
+    base = [str(text_parquet), "--out", str(out), "--capacity", "128"]
+    assert run_cli(*base, "--shard-rows", "7").exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    other_input = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"text": ["x"]}), other_input)
+    cases = {
+        "capacity 4096": ["--capacity", "4096"],
+        "algorithm concat": ["--algorithm", "concat"],
+        "long docs drop": ["--long-docs", "drop"],
+        "pad id 3": ["--pad-id", "3"],
+        f"input {other_input}": [],
+    }
+    for needle, extra in cases.items():
+        args = ([str(other_input), *base[1:]] if needle.startswith("input") else base) + extra
+        line = _one_error_line(run_cli(*args, "--shard-rows", "7"))
+        assert line.startswith(f"error: {out} holds a finished pack written with other parameters (capacity 128, "
+                               f"algorithm bfd, long docs split, pad id 0, tokenizer bytes, input {text_parquet} "
+                               "(column text)); this run has "), line
+        assert needle in line and "pass --overwrite to replace it, or choose another --out" in line, line
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # the check comes before the documents are read (the source is only opened)
+    from flamia_pack.loaders.sources import DocumentSource
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DocumentSource, "read_flat", lambda *a, **k: pytest.fail("the documents were read"))
+        assert "holds a finished pack" in _one_error_line(run_cli(*base, "--capacity", "4096"))
+    # same parameters (also another spelling of the input's path, another --shard-rows): exit 0
+    same = run_cli(str(tmp_path / "." / "in.parquet"), *base[1:], "--shard-rows", "7", "--json")
+    assert same.exit_code == 0 and json.loads(same.stdout)["previous_output"]["all_reused"] is True, same.output
+    assert run_cli(*base, "--shard-rows", "5").exit_code == 0
+    res = run_cli(*base, "--capacity", "64", "--overwrite", "--json")
+    assert res.exit_code == 0, res.output
+    assert formats.verify(out).capacity == 64
+
+
+def test_partial_pack_of_other_parameters_is_refused_same_resumes(tmp_path, text_parquet):
+    """An interrupted `flamia pack` (crash hook: no manifest.json) is a partial pack; another --capacity
+    is refused (one error line), the same parameters resume it (its shards are kept)."""
+    out = tmp_path / "out"
+    args = [*FLAMIA, "pack", str(text_parquet), "--out", str(out), "--capacity", "64", "--shard-rows", "4"]
+    env = dict(os.environ, **{formats.CRASH_ENV: "2"})
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 86, proc.stderr
+    assert not (out / "manifest.json").exists()
+    inodes = {p.name: p.stat().st_ino for p in out.glob("train-*.parquet")}
+    assert len(inodes) == 2
+    line = _one_error_line(run_cli(str(text_parquet), "--out", str(out), "--capacity", "128", "--shard-rows", "4"))
+    assert "holds a partial pack (an interrupted run, no manifest.json yet) written with other parameters " \
+           "(capacity 64," in line and "this run has capacity 128" in line, line
+    assert {p.name: p.stat().st_ino for p in out.glob("train-*.parquet")} == inodes
+    res = run_cli(str(text_parquet), "--out", str(out), "--capacity", "64", "--shard-rows", "4")
+    assert res.exit_code == 0, res.output
+    assert {n: (out / n).stat().st_ino for n in inodes} == inodes  # resumed
+    assert formats.verify(out).capacity == 64

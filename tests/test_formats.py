@@ -295,11 +295,81 @@ def test_rerun_other_data_rebuilds_and_removes_stale(written):
     for stale in (".train-00003.parquet.tmp-12345", ".manifest.json.tmp-1", "..flamia-pack-progress.json.tmp-2"):
         (out / stale).write_bytes(b"torn")  # what a crash mid-write leaves behind
     other = make_packed(seed=6, capacity=256)
-    m = write(out, other, shard_rows=50)
+    with pytest.raises(FormatError, match="other parameters"):  # another capacity: only with overwrite=True
+        write(out, other, shard_rows=50)
+    m = write(out, other, shard_rows=50, overwrite=True)
     names = sorted(p.name for p in out.iterdir())
     assert names == sorted([s.file for s in m.shards] + ["manifest.json"])
     formats.verify(out)
     assert_rows_equal(other, formats.iter_rows(out))
+
+
+def test_finished_pack_of_other_parameters_is_not_replaced(written, tmp_path_factory):
+    """A finished pack was replaced by a run of other parameters (`flamia pack` after `make demo`); each
+    recorded parameter now makes it an error naming the pack's parameters, and nothing in the
+    directory changes; the counts of reading (num_docs, invalid UTF-8 documents) and shard_rows are
+    not parameters."""
+    out, packed = written
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    cases = {
+        "capacity 128": dict(packed=make_packed(seed=5, capacity=128)),
+        "algorithm concat": dict(algorithm="concat"),
+        "long docs drop": dict(long_docs="drop"),
+        "pad id 7": dict(packed=make_packed(seed=5, pad_id=7)),
+        "tokenizer tok.json": dict(tokenizer={"name": "hf", "path": "tok.json"}),
+        "input other": dict(source={"path": "other", "format": "synthetic"}),
+    }
+    for needle, kw in cases.items():
+        with pytest.raises(FormatError) as e:
+            write(out, kw.pop("packed", packed), shard_rows=6, **kw)
+        msg = str(e.value)
+        assert msg.startswith(f"{out} holds a finished pack written with other parameters (capacity 64, "
+                              "algorithm bfd, long docs split, pad id 0, tokenizer pretokenized, input test)"), msg
+        assert f"this run has {needle}" in msg and "overwrite=True" in msg, msg
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with pytest.raises(FormatError, match=r'this run has input \{"format": "synthetic", "invalid_utf8": '):
+        write(out, packed, shard_rows=6, source={"path": "test", "format": "synthetic",
+                                                 "invalid_utf8": {"on_invalid": "error"}})  # another policy
+    # same parameters: reused; the counts of reading and another shard size are not parameters
+    write(out, packed, shard_rows=6, source={"path": "test", "format": "synthetic", "num_docs": 3})
+    write(out, packed, shard_rows=4)
+    assert_rows_equal(packed, formats.iter_rows(out))
+    src = {"path": "t", "format": "jsonl", "num_docs": None, "invalid_utf8": {"on_invalid": "replace", "documents": 0}}
+    utf8 = tmp_path_factory.mktemp("utf8")
+    write(utf8, packed, source=src)
+    write(utf8, packed, source=dict(src, num_docs=40, invalid_utf8={"on_invalid": "replace",
+                                                                                   "documents": 2}))
+    assert formats.existing_pack(out)[0] == "finished"
+    assert formats.existing_pack(tmp_path_factory.mktemp("empty")) is None
+    assert formats.existing_pack(out / "nothing") is None
+
+
+def test_partial_pack_records_and_checks_its_parameters(tmp_path):
+    """An interrupted run (crash hook, no manifest) is a partial pack whose progress file records the
+    run's parameters from the start: a re-run of other parameters is refused, the same one resumes; a
+    progress file without parameters (an older writer) is refused too."""
+    out = tmp_path / "out"
+    code = _DRIVER.format(root=str(ROOT), tests=str(ROOT / "tests"))
+    env = dict(os.environ, **{formats.CRASH_ENV: "2"})
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 86, proc.stderr
+    kind, params = formats.existing_pack(out)
+    assert kind == "partial" and params["capacity"] == 64 and params["source"] == {"path": "test", "format": "synthetic"}
+    with pytest.raises(FormatError, match=r"holds a partial pack \(an interrupted run, no manifest.json yet\) "
+                                          r"written with other parameters \(capacity 64, .*this run has capacity 128"):
+        write(out, make_packed(seed=7, capacity=128), shard_rows=4)
+    inodes = {p.name: p.stat().st_ino for p in out.glob("train-*.parquet")}
+    packed = make_packed(seed=7)
+    write(out, packed, shard_rows=4)
+    assert {n: (out / n).stat().st_ino for n in inodes} == inodes  # resumed
+    assert_rows_equal(packed, formats.iter_rows(out))
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / formats.PROGRESS_NAME).write_text(json.dumps({"format_version": formats.FORMAT_VERSION, "shards": []}))
+    with pytest.raises(FormatError, match="parameters were not recorded"):
+        write(legacy, packed)
+    write(legacy, packed, overwrite=True)
+    formats.verify(legacy)
 
 
 def test_rerun_rewrites_a_corrupted_shard(written):
