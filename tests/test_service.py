@@ -166,8 +166,8 @@ def test_predict_says_whether_the_calibration_was_measured(client, precision, he
 
 def test_predict_fp8_training_call_from_the_measured_entry(client):
     """The FP8 training call (quantize + forward + the FP8 backward) is predicted from the fp8_fwd_bwd entry
-    fitted to the committed bench_attention.py --fp8 run (RESULTS.md 2026-12-03, third session): W1 within the fit's
-    error (+2.8%) of the measured 10.957 ms, and the same numbers as `flamia plan --precision fp8`."""
+    fitted to the committed bench_attention.py --fp8 run (RESULTS.md "Session of 2026-12-06", c663bda): W1 within the fit's
+    error (+3.0%) of the measured 10.806 ms, and the same numbers as `flamia plan --precision fp8`."""
     w1 = workload_lengths("W1")
     b = client_predict(client, {"lengths": w1.tolist(), "precision": "fp8", "head_dim": 128})
     cal = load_calibration().lookup("fp8_fwd_bwd", 128, "H200")
@@ -178,7 +178,7 @@ def test_predict_fp8_training_call_from_the_measured_entry(client):
                                                                                           cal.b_us_per_item)
     assert (b["work_items"], b["tiles"]) == (ref.items, ref.tiles)
     assert b["predicted_ms"]["chosen"] == pytest.approx(ref.predicted_ms, rel=1e-12)
-    assert b["predicted_ms"]["chosen"] == pytest.approx(10.957, rel=0.03)
+    assert b["predicted_ms"]["chosen"] == pytest.approx(10.806, rel=0.035)
     bf16 = client_predict(client, {"lengths": w1.tolist(), "precision": "bf16", "head_dim": 128})
     assert b["predicted_ms"]["chosen"] > bf16["predicted_ms"]["chosen"]  # FP8 training call 0.70x our BF16 on W1
 
