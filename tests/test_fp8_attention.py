@@ -604,3 +604,34 @@ def test_fp8_deterministic_turn_counters_cover_every_step_of_every_document():
         for i in range(int(n_ent)):
             b, nb = slots[int(ent[i, 2])]
             assert int(base[i]) == b and b + nb <= sem.shape[0]
+
+
+@pytest.mark.parametrize("precision, gran", [("bf16", "block"), ("fp8", "block"), ("fp8", "token")])
+def test_non_finite_row_end_padding_is_not_read(precision, gran):
+    """NaN / Inf in the row-end padding (tokens after cu_seqlens[-1]) is no error on the CPU paths: the
+    documents' O and gradients are bitwise those of a clean row, the padding's O and gradients 0; a NaN
+    inside a document still raises."""
+    from flamia_pack import varlen_attention
+
+    gen = torch.Generator().manual_seed(7)
+    T, H, D = 40, 2, 64
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    clean = [torch.randn(T, H, D, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    dirty = [x.clone() for x in clean]
+    dirty[0][35] = float("nan")
+    dirty[1][36] = float("inf")
+    dirty[2][30:] = float("nan")
+    outs, grads = [], []
+    for xs in (clean, dirty):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        o = varlen_attention(*leaves, cu, 20, precision=precision, scale_granularity=gran)
+        o.float().square().sum().backward()
+        outs.append(o.detach())
+        grads.append([x.grad for x in leaves])
+    assert torch.equal(outs[0][:30], outs[1][:30]) and float(outs[1][30:].abs().max()) == 0.0
+    for g0, g1 in zip(*grads):
+        assert torch.equal(g0[:30], g1[:30]) and float(g1[30:].abs().max()) == 0.0
+    inside = [x.clone() for x in clean]
+    inside[0][12] = float("nan")
+    with pytest.raises(FlamiaError, match="token 12"):
+        varlen_attention(*inside, cu, 20, precision=precision, scale_granularity=gran)

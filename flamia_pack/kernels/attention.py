@@ -622,7 +622,8 @@ def varlen_attention(
             Gluon kernels ``all_pers_dqp``; GQA rows with ``max_seqlen <= 1024`` ``small_m16``;
             longer rows the persistent Gluon forward and the Gluon backward). On the CPU fallback
             the config is validated but does not change the (reference) computation.
-        check_finite: reject NaN / Inf in q, k, v with an error naming the tensor, token and head.
+        check_finite: reject NaN / Inf in the documents' tokens of q, k, v (the row-end padding after
+            ``cu_seqlens[-1]`` is not checked) with an error naming the tensor, token and head.
             ``None`` (default): on the CPU fallback only (outside ``torch.compile``); the GPU path
             skips it, since it reads q, k, v once more and syncs (W7: +45% on the forward).
             ``True``: on every path (one device sync); ``False``: never. Unchecked non-finite
@@ -669,8 +670,6 @@ def varlen_attention(
     env_candidate()  # a FLAMIA_ATTN_CONFIG typo fails on every path (CPU fallback, explicit config)
     use_kernels = kernels_available(q.device)
     T, H, Hkv, D = check_attention_inputs(q, k, v, cu_seqlens, max_seqlen, kernel_path=use_kernels)
-    if check_finite or (check_finite is None and not use_kernels and not torch.compiler.is_compiling()):
-        _check_finite_inputs(q, k, v)
     if softmax_scale is None:
         softmax_scale = D ** -0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or not (
@@ -689,6 +688,10 @@ def varlen_attention(
     min_seqlen = doc_tokens = None
     if work_list is None or (not use_kernels and not torch.compiler.is_compiling()):
         min_seqlen, doc_tokens = _check_cu_values(cu_seqlens, T, max_seqlen)
+    if check_finite or (check_finite is None and not use_kernels and not torch.compiler.is_compiling()):
+        # the documents' tokens (the row-end padding's values are never read into a document's output)
+        n = T if doc_tokens is None else int(doc_tokens)
+        _check_finite_inputs(q[:n], k[:n], v[:n])
     # a captured / compiled step must not bake in one row's launch decision (and dynamo cannot guard
     # on the buffers' version counters): no hint there
     if torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
