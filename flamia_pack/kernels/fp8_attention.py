@@ -270,7 +270,7 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
         from flamia_pack.kernels.fp8_emulation import fp8_varlen_attention_emulated
 
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        n = int(cu32[-1]) if cu32.numel() else 0  # (CPU tensor: no sync)
+        n = int(cu32[-1]) if cu32.numel() else 0  # (the emulation reads cu_seqlens on the host anyway)
         if n < q.shape[0]:  # the row-end padding's values are never read: zeros, so a NaN there is no error
             q, k, v = (torch.cat([x[:n], x.new_zeros((x.shape[0] - n,) + tuple(x.shape[1:]))]) for x in (q, k, v))
         try:

@@ -183,6 +183,20 @@ def _store_rows(ptr, x, row0, row_end, stride_row, col0):
 
 
 @gluon.jit
+def _store_doc_rows(ptr, x, row0, row_start, row_end, stride_row, col0):
+    """:func:`_store_rows` for the rows ``row_start <= row0 + r < row_end``: a tile that starts before its
+    document (the FP8 backward's key tiles on the grid ``floor16(start) + 128 n``) must not write the
+    previous document's rows. A sibling rather than a ``row_start`` argument of :func:`_store_rows`,
+    whose callers' tiles never start before their rows."""
+    ROWS: gl.constexpr = x.type.shape[0]
+    COLS: gl.constexpr = x.type.shape[1]
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, x.type.layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, x.type.layout))
+    ok = ((rows >= row_start) & (rows < row_end))[:, None]
+    gl.store(ptr + rows.to(gl.int64)[:, None] * stride_row + col0 + cols[None, :], x, mask=ok)
+
+
+@gluon.jit
 def _item_span(items_ptr, num_items_ptr, cu_ptr, e, F: gl.constexpr, skip_len):
     """Entry ``e`` (item ``e // F``): its query range ``[qs, qe)``, its document ``[ds, de)`` and
     whether a Gluon program runs it (a valid row, not merged (qe > de), document longer than

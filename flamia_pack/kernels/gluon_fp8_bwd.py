@@ -52,7 +52,8 @@ from triton.runtime.jit import constexpr_function
 
 from flamia_pack.kernels.constants import LOG2E
 from flamia_pack.kernels.gluon_common import (
-    _tma_reduce_add, _rows_through_smem, _slot_barriers, check_stages, descriptor, CONSUMER_WARPS, MAXNREG)
+    _tma_reduce_add, _rows_through_smem, _slot_barriers, _store_doc_rows, check_stages, descriptor, CONSUMER_WARPS,
+    MAXNREG)
 from flamia_pack.kernels.gluon_fp8_fwd import (
     BOOST_LOG2, TABLE_PAD, _REF_FLOOR, _e4m3_words, _exp2_const, _qgmma_layout, _wgmma_cols, _words_operand,
     _zero_cols_outside, fp8_descriptor, fp8_descriptor_t)
@@ -284,18 +285,6 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
         gl.atomic_add(lock, 1, sem="release", scope="gpu")
     return dk, dv, sk_new, rho_new, sk_run, rho_run
 
-
-
-@gluon.jit
-def _store_doc_rows(ptr, x, row0, start, end, stride_row, col0):
-    """``ptr[row0 + r, col0 + c] = x[r, c]`` for the rows ``start <= row0 + r < end`` (x in the layout of
-    ``gluon_common._rows_through_smem``)."""
-    ROWS: gl.constexpr = x.type.shape[0]
-    COLS: gl.constexpr = x.type.shape[1]
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, x.type.layout))
-    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, x.type.layout))
-    ok = ((rows >= start) & (rows < end))[:, None]
-    gl.store(ptr + rows.to(gl.int64)[:, None] * stride_row + col0 + cols[None, :], x, mask=ok)
 
 
 @gluon.jit
