@@ -293,6 +293,9 @@ PATHS: dict[str, AttnFn] = {
     "fp8-emu-block": _make_fp8_emulated_path("block"),
 }
 
+#: :func:`probe_leak`'s default head dimension (also what :func:`probe_paths` checks the FP8 paths' rule on).
+DEFAULT_HEAD_DIM = 64
+
 #: Built-in paths that run the FP8 kernels' emulation: head_dim in ``fp8_emulation.HEAD_DIMS`` only,
 #: as for ``varlen_attention(precision="fp8")`` (:func:`probe_paths` checks it before running any path).
 FP8_PATHS = ("fp8-emu-token", "fp8-emu-block")
@@ -353,7 +356,7 @@ def probe_leak(
     total_tokens: int | None = None,
     num_heads: int = 4,
     num_kv_heads: int | None = None,
-    head_dim: int = 64,
+    head_dim: int = DEFAULT_HEAD_DIM,
     doc: int | None = None,
     cut: int | None = None,
     neg_doc: int | None = None,
@@ -576,7 +579,7 @@ def probe_paths(names: Sequence[str] | str | None = None, **kwargs) -> list[Leak
             raise FlamiaError(f"unknown path {n!r}; choose from {', '.join(PATHS)}")
     # the FP8 paths' head_dim rule, checked for every name before any path runs
     fp8 = [n for n in names if n in FP8_PATHS]
-    head_dim = kwargs.get("head_dim", 64)
+    head_dim = kwargs.get("head_dim", DEFAULT_HEAD_DIM)
     if fp8 and isinstance(head_dim, numbers.Integral) and not isinstance(head_dim, bool):
         from flamia_pack.kernels.fp8_emulation import HEAD_DIMS
 
