@@ -33,10 +33,12 @@ Boundaries derived on the device (1 and 3) cost one device-to-host copy; they ar
 forward and reused by every layer (memoised on the mask / ``position_ids`` tensor object).
 
 Options (:class:`FlamiaAttentionOptions`): ``precision`` (``"bf16"`` or ``"fp8"``, passed to
-``varlen_attention(precision=...)``: the FP8 forward on sm_90, no GPU backward yet, whose
-``NotImplementedError`` is passed on unchanged), ``granularity`` of the FP8 scales (``"block"`` or
-``"token"``, passed as ``scale_granularity``) and ``deterministic``. On CUDA the batch's work list
-is built once per forward and reused by every layer (no host synchronisation in the layers). Set the defaults with :func:`register`, per model with :func:`set_options`.
+``varlen_attention(precision=...)``: the FP8 forward and backward on sm_90, the CPU emulation
+elsewhere), ``granularity`` of the FP8 scales (``"block"`` or ``"token"``, passed as
+``scale_granularity``), ``qk_rotation`` (``"none"`` or ``"hadamard"``, FP8 only) and
+``deterministic``. On CUDA the batch's work list is built once per forward and reused by every layer
+(no host synchronisation in the layers). Set the defaults with :func:`register`, per model with
+:func:`set_options`.
 
 Dtypes: on CUDA the kernels take bfloat16, so float32 / float16 q, k, v are cast to bfloat16 and the
 output back to the input dtype; on the CPU the torch reference runs in the input dtype (float32
@@ -86,6 +88,7 @@ NAME = "flamia"
 
 _PRECISIONS = ("bf16", "fp8")
 _GRANULARITIES = ("block", "token")
+_QK_ROTATIONS = ("none", "hadamard")
 _CONFIG_ATTR = "flamia_attention_options"
 
 
@@ -98,14 +101,17 @@ class FlamiaAttentionOptions:
         granularity: FP8 scale granularity, ``"block"`` (token blocks inside a document) or
             ``"token"``; used only with ``precision="fp8"``.
         deterministic: bitwise reproducible gradients (``varlen_attention(deterministic=...)``).
+        qk_rotation: ``"none"`` or ``"hadamard"`` (``varlen_attention(qk_rotation=...)``: q and k
+            rotated before the FP8 quantization); used only with ``precision="fp8"``.
 
     Raises:
-        FlamiaError: an unknown precision or granularity, a non-bool ``deterministic``.
+        FlamiaError: an unknown precision, granularity or qk_rotation, a non-bool ``deterministic``.
     """
 
     precision: str = "bf16"
     granularity: str = "block"
     deterministic: bool = False
+    qk_rotation: str = "none"
 
     def __post_init__(self) -> None:
         if self.precision not in _PRECISIONS:
@@ -114,19 +120,22 @@ class FlamiaAttentionOptions:
             raise FlamiaError(f"granularity must be one of {_GRANULARITIES}, got {self.granularity!r}")
         if not isinstance(self.deterministic, bool):
             raise FlamiaError(f"deterministic must be a bool, got {self.deterministic!r}")
+        if self.qk_rotation not in _QK_ROTATIONS:
+            raise FlamiaError(f"qk_rotation must be one of {_QK_ROTATIONS}, got {self.qk_rotation!r}")
 
 
 _defaults = FlamiaAttentionOptions()
 
 
-def _updated(base: FlamiaAttentionOptions, precision, granularity, deterministic) -> FlamiaAttentionOptions:
+def _updated(base: FlamiaAttentionOptions, precision, granularity, deterministic,
+             qk_rotation=None) -> FlamiaAttentionOptions:
     changes = {k: v for k, v in (("precision", precision), ("granularity", granularity),
-                                 ("deterministic", deterministic)) if v is not None}
+                                 ("deterministic", deterministic), ("qk_rotation", qk_rotation)) if v is not None}
     return dataclasses.replace(base, **changes) if changes else base
 
 
 def register(*, precision: Optional[str] = None, granularity: Optional[str] = None,
-             deterministic: Optional[bool] = None) -> FlamiaAttentionOptions:
+             deterministic: Optional[bool] = None, qk_rotation: Optional[str] = None) -> FlamiaAttentionOptions:
     """Register ``"flamia"`` with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``.
 
     Idempotent: registering again re-installs the same two functions (nothing is wrapped twice).
@@ -140,7 +149,7 @@ def register(*, precision: Optional[str] = None, granularity: Optional[str] = No
         FlamiaError: invalid options (nothing is changed then).
     """
     global _defaults
-    new = _updated(_defaults, precision, granularity, deterministic)
+    new = _updated(_defaults, precision, granularity, deterministic, qk_rotation)
     AttentionInterface.register(NAME, flamia_attention_forward)
     AttentionMaskInterface.register(NAME, flamia_attention_mask)
     _defaults = new
@@ -154,7 +163,7 @@ def is_registered() -> bool:
 
 
 def set_options(model: torch.nn.Module, *, precision: Optional[str] = None, granularity: Optional[str] = None,
-                deterministic: Optional[bool] = None) -> FlamiaAttentionOptions:
+                deterministic: Optional[bool] = None, qk_rotation: Optional[str] = None) -> FlamiaAttentionOptions:
     """Options for one model (stored on ``model.config`` as ``flamia_attention_options``, a dict, so
     they are saved with the config); the unset ones keep the process-wide defaults of :func:`register`.
 
@@ -167,7 +176,7 @@ def set_options(model: torch.nn.Module, *, precision: Optional[str] = None, gran
     config = getattr(model, "config", None)
     if config is None:
         raise FlamiaError(f"set_options needs a transformers model with a .config, got {type(model).__name__}")
-    opts = _updated(get_options(model), precision, granularity, deterministic)
+    opts = _updated(get_options(model), precision, granularity, deterministic, qk_rotation)
     setattr(config, _CONFIG_ATTR, dataclasses.asdict(opts))
     return opts
 
@@ -329,6 +338,8 @@ def _varlen_call_kwargs(opts: FlamiaAttentionOptions) -> dict[str, Any]:
             _GRANULARITY_CHECKED = True
         if _GRANULARITY_PARAM is not None:
             out[_GRANULARITY_PARAM] = opts.granularity
+        if opts.qk_rotation != "none":
+            out["qk_rotation"] = opts.qk_rotation
     return out
 
 

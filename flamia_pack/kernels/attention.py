@@ -570,6 +570,7 @@ def varlen_attention(
     check_finite: bool | None = None,
     scale_granularity: str = "block",
     causal_dq_scale: bool = False,
+    qk_rotation: str | None = None,
 ):
     """Packed (document-masked) attention over one packed row, forward and backward.
 
@@ -643,6 +644,13 @@ def varlen_attention(
             keys (paper §3.4). Always satisfied: the dQ payload's scale of query i reads only the keys
             i sees and dQ accumulates in fp32 without a data-dependent scale
             (``kernels/fp8_emulation_bwd.py``), so the flag changes nothing.
+        qk_rotation: FP8 only: ``None`` (default) or ``"hadamard"``: q and k are multiplied by a
+            scaled Hadamard matrix before the quantization (scores unchanged up to rounding; a
+            channel's outliers spread over all D channels, so the E4M3 scales follow the tokens'
+            norms; FlashAttention-3 §3.3). Helps inputs with large channels (outlier channels,
+            trained models' RoPE pairs), neutral on N(0, 1); costs two matmuls a pass
+            (``kernels/qk_rotation.py``). Per token, so causal safety is unchanged. With
+            ``precision="bf16"`` it is an error (BF16 needs no rotation).
 
     Returns:
         ``o`` ``(T, H_q, D)`` in q's dtype (``precision="fp8"``: bf16), or ``(o, lse)`` if ``return_lse``.
@@ -657,6 +665,11 @@ def varlen_attention(
         raise FlamiaError(f"scale_granularity must be 'block' or 'token', got {scale_granularity!r}")
     if not isinstance(causal_dq_scale, bool):
         raise FlamiaError(f"causal_dq_scale must be a bool, got {causal_dq_scale!r}")
+    if qk_rotation not in (None, "hadamard"):
+        raise FlamiaError(f"qk_rotation must be None or 'hadamard', got {qk_rotation!r}")
+    if qk_rotation is not None and precision != "fp8":
+        raise FlamiaError("qk_rotation applies to precision='fp8' (it spreads outlier channels before the E4M3 "
+                          "quantization); leave it None with precision='bf16'")
     # numpy bools (e.g. from a config array) are bools too
     causal, return_lse, deterministic = (bool(x) if isinstance(x, np.bool_) else x
                                          for x in (causal, return_lse, deterministic))
@@ -680,6 +693,9 @@ def varlen_attention(
     if not _MIN_SOFTMAX_SCALE <= softmax_scale <= _MAX_SOFTMAX_SCALE:
         raise FlamiaError(f"softmax_scale must lie in [{_MIN_SOFTMAX_SCALE:.3g}, {_MAX_SOFTMAX_SCALE:.3g}] (its "
                           f"product with log2(e) must be a normal float32), got {softmax_scale!r}")
+    if qk_rotation is not None and softmax_scale * 0.5 < _MIN_SOFTMAX_SCALE:  # the rotation halves it at D 128
+        raise FlamiaError(f"softmax_scale {softmax_scale!r} is too small for qk_rotation (which halves it at "
+                          f"head_dim 128): it must be >= {2 * _MIN_SOFTMAX_SCALE:.3g}")
     max_seqlen = int(max_seqlen)
     _check_config_arg(config)
     # cu_seqlens values, checked once and as given (int64 before the int32 cast below, which would wrap
@@ -712,7 +728,7 @@ def varlen_attention(
         o, lse = fp8_varlen_attention(q, k, v, cu32, max_seqlen, causal=causal, softmax_scale=float(softmax_scale),
                                       scale_granularity=scale_granularity,
                                       use_kernels=use_kernels and fp8_kernels_available(q.device), work_list=work_list,
-                                      deterministic=deterministic)
+                                      deterministic=deterministic, qk_rotation=qk_rotation)
         if return_lse and lse is None:
             raise FlamiaError("return_lse=True with gradients is not supported by the FP8 CPU emulation; call it "
                               "under torch.no_grad() for the LSE")

@@ -250,12 +250,14 @@ class _FP8Attention(torch.autograd.Function):
 
 
 def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal: bool, softmax_scale: float,
-                         scale_granularity: str, use_kernels: bool, work_list=None, deterministic: bool = False):
+                         scale_granularity: str, use_kernels: bool, work_list=None, deterministic: bool = False,
+                         qk_rotation: str | None = None):
     """``varlen_attention(precision="fp8")`` after the common checks (``attention.py``): ``(o, lse)``.
 
     ``use_kernels``: the Gluon FP8 path (CUDA sm_90); else the differentiable CPU emulation.
     ``deterministic``: the GPU backward adds dQ partials in a fixed order (``gluon_fp8_bwd``); the
-    emulation is deterministic either way.
+    emulation is deterministic either way. ``qk_rotation="hadamard"``: q and k rotated before the
+    quantization and ``softmax_scale`` scaled to match (``kernels/qk_rotation.py``), on both paths.
     """
     if scale_granularity not in GRANULARITIES:
         raise FlamiaError(f"scale_granularity must be one of {GRANULARITIES}, got {scale_granularity!r}")
@@ -263,6 +265,13 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
     if D not in (64, 128) and use_kernels:
         raise FlamiaError(f"precision='fp8' on the GPU supports head_dim 64 and 128, got {D} (precision='bf16' runs 64 "
                           "and 128)")
+    if qk_rotation is not None:
+        from flamia_pack.kernels.qk_rotation import rotate_qk, rotation_scale_factor
+
+        if D not in (64, 128):
+            raise FlamiaError(f"FP8 attention supports head_dim in (64, 128), got {D}")
+        q, k = rotate_qk(q, k)
+        softmax_scale = softmax_scale * rotation_scale_factor(D)
     if not use_kernels:
         if work_list is not None:  # checked for the same mistakes as on the GPU, then unused by the emulation
             _check_fp8_list(work_list, causal, q.device, q.shape[0], cu32)

@@ -1,0 +1,88 @@
+"""Hadamard rotation of Q and K before FP8 quantization (``varlen_attention(qk_rotation="hadamard")``).
+
+Why: a per-token (or per-32-token) E4M3 scale is set by the token's largest channel, so a few large
+channels (outlier channels of K, RoPE's high-frequency pairs in trained models) leave the other
+channels with few significant bits, and the error of ``Q K^T`` grows with them. An orthogonal
+rotation of the head dimension applied to both Q and K leaves every score unchanged and spreads a
+channel's energy over all D channels ("incoherent processing", FlashAttention-3 §3.3), so the
+token's scale follows its norm instead of its largest channel. Measured on the CPU emulation
+(benchmarks/RESULTS.md "Session of 2026-12-06 (third)"): no change on N(0, 1) inputs, 1 - cos of O
+-35% with four K channels x 20, dK -27% on a trained model's layer.
+
+What it computes: ``q' = q M``, ``k' = k M`` with ``M = 2^-s H_D`` (``H_D`` the Sylvester Hadamard
+matrix of +-1 entries, ``s = floor(log2(D) / 2)``), so ``q' k'^T = 2^(log2(D) - 2s) q k^T`` and the
+call's ``softmax_scale`` is divided by that power of two (:func:`rotation_scale_factor`): scores,
+softmax, LSE and O are those of the unrotated call up to rounding. ``M``'s entries are exact in
+bf16 and the factor is a power of two, so the only new rounding is the product's (computed in fp32 by
+the matmul, rounded once to the input dtype: ~2^-9 relative in bf16, against E4M3's 2^-4). Gradients
+flow through the matmul (``dq = dq' M^T``).
+
+Causal safety: the rotation mixes the channels of one token of one head, never tokens, so it adds no
+dependency between positions; the leak probe's guarantees (``"token"``: bitwise, ``"block"``: the
+32-token group) hold unchanged (``tests/test_qk_rotation.py``).
+
+Cost: two (T H, D) x (D, D) matmuls in the forward and two in the backward, each streaming its tensor
+once more through HBM (not fused into the quantizer).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flamia_pack.errors import FlamiaError
+
+QK_ROTATIONS = ("hadamard",)
+
+
+def _check_head_dim(D: int) -> None:
+    if D < 1 or D & (D - 1):
+        raise FlamiaError(f"qk_rotation='hadamard' needs a power-of-two head_dim (a Sylvester Hadamard matrix), got "
+                          f"{D}")
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard_cpu(D: int) -> torch.Tensor:
+    h = torch.ones((1, 1), dtype=torch.float64)
+    while h.shape[0] < D:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h * 2.0 ** -((D.bit_length() - 1) // 2)
+
+
+def hadamard_matrix(D: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
+    """The rotation ``M = 2^-floor(log2(D) / 2) H_D``: ``(D, D)``, symmetric, ``M M^T = 2^(log2 D - 2s) I``.
+
+    Raises:
+        FlamiaError: ``D`` is not a power of two.
+    """
+    _check_head_dim(int(D))
+    return _hadamard_cpu(int(D)).to(device=device, dtype=dtype)
+
+
+def rotation_scale_factor(D: int) -> float:
+    """The power of two that ``softmax_scale`` is multiplied by after the rotation: ``2^-(log2 D - 2s)``
+    (0.5 for D = 128, 1.0 for D = 64)."""
+    _check_head_dim(int(D))
+    log2 = int(D).bit_length() - 1
+    return 2.0 ** -(log2 - 2 * (log2 // 2))
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q M, k M)`` for ``q (T, H_q, D)``, ``k (T, H_kv, D)`` of one dtype; differentiable.
+
+    The product runs in float32 for 16-bit inputs (then rounded once to the input dtype) and in the
+    input dtype otherwise. Returns contiguous tensors of the inputs' shapes and dtype.
+
+    Raises:
+        FlamiaError: ``D`` is not a power of two.
+    """
+    D = q.shape[-1]
+    acc = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    m = hadamard_matrix(D, acc if q.device.type == "cpu" else q.dtype, q.device)
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype != acc:  # CPU bf16 matmul: compute in fp32, round once
+            return (x.to(acc) @ m).to(x.dtype)
+        return x @ m  # CUDA: cuBLAS accumulates 16-bit products in fp32 and rounds once
+
+    return rot(q), rot(k)
