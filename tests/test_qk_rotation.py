@@ -108,15 +108,41 @@ def test_rotation_errors_are_clear():
     q, k, v, cu, m = _row(5)
     with pytest.raises(FlamiaError, match="qk_rotation applies to precision='fp8'"):
         varlen_attention(q, k, v, cu, m, qk_rotation="hadamard")
-    with pytest.raises(FlamiaError, match="qk_rotation must be None or 'hadamard'"):
-        varlen_attention(q, k, v, cu, m, precision="fp8", qk_rotation="random")
-    with pytest.raises(FlamiaError, match="too small for qk_rotation"):
+    for bad in ("random", "Hadamard", "", True, 1):
+        with pytest.raises(FlamiaError, match="qk_rotation must be None, 'none' or 'hadamard'"):
+            varlen_attention(q, k, v, cu, m, precision="fp8", qk_rotation=bad)
+    with pytest.raises(FlamiaError, match="too small for qk_rotation at head_dim 128"):
         varlen_attention(q, k, v, cu, m, precision="fp8", qk_rotation="hadamard", softmax_scale=2.0 ** -126)
+    q64, k64, v64 = (x[..., :64].contiguous() for x in (q, k, v))  # head_dim 64: the scale is kept, so any valid one
+    assert varlen_attention(q64, k64, v64, cu, m, precision="fp8", qk_rotation="hadamard", softmax_scale=1.2e-38).shape \
+        == q64.shape
+    big = torch.full_like(q, 3e38)  # finite bf16, but q M overflows
+    with pytest.raises(FlamiaError, match="qk_rotation='hadamard' overflowed"):
+        varlen_attention(big, k, v, cu, m, precision="fp8", qk_rotation="hadamard", softmax_scale=1e-37)
     q96, k96, v96 = (x[..., :96].contiguous() for x in (q, k, v))
     with pytest.raises(FlamiaError, match="head_dim"):
         varlen_attention(q96, k96, v96, cu, m, precision="fp8", qk_rotation="hadamard")
     with pytest.raises(FlamiaError, match="power-of-two head_dim"):
         hadamard_matrix(96)
+    for a, b_ in ((torch.randn(4, 1, 64), torch.randn(4, 1, 128)), (torch.ones(4, 1, 64, dtype=torch.int32),) * 2,
+                  (torch.randn(4, 1, 64).bfloat16(), torch.randn(4, 1, 64)), (torch.randn(4, 64),) * 2):
+        with pytest.raises(FlamiaError, match="rotate_qk needs"):
+            rotate_qk(a, b_)
+
+
+def test_none_spelling_and_float16_inputs():
+    """``"none"`` is off (the transformers options' spelling); float16 inputs whose rotated entries pass 65,504 are
+    rotated into float32 (no overflow; the CPU emulation takes float32) and give the same O as float32 inputs."""
+    q, k, v, cu, m = _row(7)
+    assert torch.equal(varlen_attention(q, k, v, cu, m, precision="fp8", qk_rotation="none"),
+                       varlen_attention(q, k, v, cu, m, precision="fp8"))
+    qh, kh, vh = (x.half() for x in (q, k, v))
+    qh[: 40] = 5000.0  # a constant row: its first rotated channel is 128 x 5,000 / 8 = 80,000 > 65,504
+    assert not torch.isfinite((qh.float() @ hadamard_matrix(128, torch.float32)).half()).all()
+    o16 = varlen_attention(qh, kh, vh, cu, m, precision="fp8", qk_rotation="hadamard", softmax_scale=1e-4)
+    o32 = varlen_attention(qh.float(), kh.float(), vh.float(), cu, m, precision="fp8", qk_rotation="hadamard",
+                           softmax_scale=1e-4)
+    assert torch.isfinite(o16).all() and torch.equal(o16, o32)
 
 
 def test_transformers_options_carry_the_rotation():

@@ -644,7 +644,7 @@ def varlen_attention(
             keys (paper §3.4). Always satisfied: the dQ payload's scale of query i reads only the keys
             i sees and dQ accumulates in fp32 without a data-dependent scale
             (``kernels/fp8_emulation_bwd.py``), so the flag changes nothing.
-        qk_rotation: FP8 only: ``None`` (default) or ``"hadamard"``: q and k are multiplied by a
+        qk_rotation: FP8 only: ``None`` (default; ``"none"`` too) or ``"hadamard"``: q and k are multiplied by a
             scaled Hadamard matrix before the quantization (scores unchanged up to rounding; a
             channel's outliers spread over all D channels, so the E4M3 scales follow the tokens'
             norms; FlashAttention-3 §3.3). Helps inputs with large channels (outlier channels,
@@ -665,8 +665,10 @@ def varlen_attention(
         raise FlamiaError(f"scale_granularity must be 'block' or 'token', got {scale_granularity!r}")
     if not isinstance(causal_dq_scale, bool):
         raise FlamiaError(f"causal_dq_scale must be a bool, got {causal_dq_scale!r}")
-    if qk_rotation not in (None, "hadamard"):
-        raise FlamiaError(f"qk_rotation must be None or 'hadamard', got {qk_rotation!r}")
+    if not (qk_rotation is None or (isinstance(qk_rotation, str) and qk_rotation in ("none", "hadamard"))):
+        raise FlamiaError(f"qk_rotation must be None, 'none' or 'hadamard', got {qk_rotation!r}")
+    if qk_rotation == "none":  # the transformers options' spelling of "off"
+        qk_rotation = None
     if qk_rotation is not None and precision != "fp8":
         raise FlamiaError("qk_rotation applies to precision='fp8' (it spreads outlier channels before the E4M3 "
                           "quantization); leave it None with precision='bf16'")
@@ -693,9 +695,13 @@ def varlen_attention(
     if not _MIN_SOFTMAX_SCALE <= softmax_scale <= _MAX_SOFTMAX_SCALE:
         raise FlamiaError(f"softmax_scale must lie in [{_MIN_SOFTMAX_SCALE:.3g}, {_MAX_SOFTMAX_SCALE:.3g}] (its "
                           f"product with log2(e) must be a normal float32), got {softmax_scale!r}")
-    if qk_rotation is not None and softmax_scale * 0.5 < _MIN_SOFTMAX_SCALE:  # the rotation halves it at D 128
-        raise FlamiaError(f"softmax_scale {softmax_scale!r} is too small for qk_rotation (which halves it at "
-                          f"head_dim 128): it must be >= {2 * _MIN_SOFTMAX_SCALE:.3g}")
+    if qk_rotation is not None and D in (64, 128):  # (other D: the FP8 path's head_dim error follows)
+        from flamia_pack.kernels.qk_rotation import rotation_scale_factor
+
+        if softmax_scale * rotation_scale_factor(D) < _MIN_SOFTMAX_SCALE:  # halved at head_dim 128
+            raise FlamiaError(f"softmax_scale {softmax_scale!r} is too small for qk_rotation at head_dim {D} (which "
+                              f"scales it by {rotation_scale_factor(D)}): it must be >= "
+                              f"{_MIN_SOFTMAX_SCALE / rotation_scale_factor(D):.3g}")
     max_seqlen = int(max_seqlen)
     _check_config_arg(config)
     # cu_seqlens values, checked once and as given (int64 before the int32 cast below, which would wrap

@@ -265,13 +265,19 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
     if D not in (64, 128) and use_kernels:
         raise FlamiaError(f"precision='fp8' on the GPU supports head_dim 64 and 128, got {D} (precision='bf16' runs 64 "
                           "and 128)")
+    if use_kernels and (q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16):
+        raise FlamiaError(f"precision='fp8' on the GPU takes bfloat16 q, k, v (quantized inside), got {q.dtype}")
     if qk_rotation is not None:
         from flamia_pack.kernels.qk_rotation import rotate_qk, rotation_scale_factor
 
         if D not in (64, 128):
             raise FlamiaError(f"FP8 attention supports head_dim in (64, 128), got {D}")
+        finite = not use_kernels and bool(torch.isfinite(q).all() and torch.isfinite(k).all())  # (CPU: no sync)
         q, k = rotate_qk(q, k)
         softmax_scale = softmax_scale * rotation_scale_factor(D)
+        if finite and not bool(torch.isfinite(q).all() and torch.isfinite(k).all()):
+            raise FlamiaError(f"qk_rotation='hadamard' overflowed {q.dtype}: a rotated entry is up to sum |x| / 8 over "
+                              "the head's channels; scale q and k down (and softmax_scale up) or leave qk_rotation off")
     if not use_kernels:
         if work_list is not None:  # checked for the same mistakes as on the GPU, then unused by the emulation
             _check_fp8_list(work_list, causal, q.device, q.shape[0], cu32)
@@ -296,8 +302,6 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
                                   f"{str(exc).split(';')[0]}") from None
             raise
         return o.to(q.device), lse.to(q.device)
-    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
-        raise FlamiaError(f"precision='fp8' on the GPU takes bfloat16 q, k, v (quantized inside), got {q.dtype}")
     return _fp8_gpu_call(q, k, v, cu32, causal, softmax_scale, scale_granularity, work_list, deterministic)
 
 

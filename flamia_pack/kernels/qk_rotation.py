@@ -26,8 +26,6 @@ once more through HBM (not fused into the quantizer).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from flamia_pack.errors import FlamiaError
@@ -41,22 +39,23 @@ def _check_head_dim(D: int) -> None:
                           f"{D}")
 
 
-@functools.lru_cache(maxsize=16)
-def _hadamard_cpu(D: int) -> torch.Tensor:
-    h = torch.ones((1, 1), dtype=torch.float64)
-    while h.shape[0] < D:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h * 2.0 ** -((D.bit_length() - 1) // 2)
-
-
 def hadamard_matrix(D: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
     """The rotation ``M = 2^-floor(log2(D) / 2) H_D``: ``(D, D)``, symmetric, ``M M^T = 2^(log2 D - 2s) I``.
+
+    ``H_D[i, j] = (-1)^popcount(i & j)`` (Sylvester's construction), built with a few integer ops and no
+    cache (so ``torch.compile`` traces it as a constant without guarding a cache).
 
     Raises:
         FlamiaError: ``D`` is not a power of two.
     """
-    _check_head_dim(int(D))
-    return _hadamard_cpu(int(D)).to(device=device, dtype=dtype)
+    D = int(D)
+    _check_head_dim(D)
+    i = torch.arange(D, device=device)
+    both = i[:, None] & i[None, :]
+    parity = torch.zeros_like(both)
+    for b in range(D.bit_length() - 1):
+        parity ^= (both >> b) & 1
+    return (1 - 2 * parity).to(dtype) * 2.0 ** -((D.bit_length() - 1) // 2)
 
 
 def rotation_scale_factor(D: int) -> float:
@@ -68,21 +67,32 @@ def rotation_scale_factor(D: int) -> float:
 
 
 def rotate_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q M, k M)`` for ``q (T, H_q, D)``, ``k (T, H_kv, D)`` of one dtype; differentiable.
+    """``(q M, k M)`` for ``q (T, H_q, D)``, ``k (T, H_kv, D)`` of one floating dtype; differentiable.
 
-    The product runs in float32 for 16-bit inputs (then rounded once to the input dtype) and in the
-    input dtype otherwise. Returns contiguous tensors of the inputs' shapes and dtype.
+    The product runs in float32 for 16-bit inputs and in the input dtype otherwise, then is rounded
+    once: to bfloat16 for bfloat16 inputs (what the GPU quantizer reads), kept in float32 for float16
+    inputs (a rotated entry can reach ``sum |x| / 8``, beyond float16's 65,504; the CPU emulation takes
+    float32). Returns contiguous tensors of the inputs' shapes.
 
     Raises:
-        FlamiaError: ``D`` is not a power of two.
+        FlamiaError: not floating tensors of one dtype with the same power-of-two last dim.
     """
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
+        raise FlamiaError(f"rotate_qk takes two tensors, got {type(q).__name__} and {type(k).__name__}")
+    if not q.dtype.is_floating_point or q.dtype != k.dtype:
+        raise FlamiaError(f"rotate_qk needs q and k of one floating dtype, got {q.dtype} and {k.dtype}")
+    if q.dim() != 3 or k.dim() != 3 or q.shape[-1] != k.shape[-1]:
+        raise FlamiaError(f"rotate_qk needs q (T, H_q, D) and k (T, H_kv, D) with one D, got {tuple(q.shape)} and "
+                          f"{tuple(k.shape)}")
     D = q.shape[-1]
     acc = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
-    m = hadamard_matrix(D, acc if q.device.type == "cpu" else q.dtype, q.device)
+    out = torch.float32 if q.dtype == torch.float16 else q.dtype
+    cuda_bf16 = q.device.type == "cuda" and q.dtype == torch.bfloat16
+    m = hadamard_matrix(D, q.dtype if cuda_bf16 else acc, q.device)
 
     def rot(x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype != acc:  # CPU bf16 matmul: compute in fp32, round once
-            return (x.to(acc) @ m).to(x.dtype)
-        return x @ m  # CUDA: cuBLAS accumulates 16-bit products in fp32 and rounds once
+        if cuda_bf16:
+            return x @ m  # cuBLAS accumulates the bf16 products in fp32 and rounds once
+        return (x.to(acc) @ m).to(out)
 
     return rot(q), rot(k)
