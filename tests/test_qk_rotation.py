@@ -186,3 +186,29 @@ def test_gpu_fp8_path_with_rotation_matches_the_emulation_and_beats_no_rotation(
     assert all(torch.isfinite(x).all() for x in gpu)
     assert _cos(gpu[0], o_ref) > _cos(plain[0], o_ref)
     assert _cos(gpu[2], ref[1]) > _cos(plain[2], ref[1])
+
+
+@pytest.mark.parametrize("lens, gran", [([300, 1, 77, 130], "block"), ([64, 64], "token"), ([200], "block")])
+def test_quantizer_fused_rotation_is_bitwise_the_torch_rotation(lens, gran):
+    """``quantize_qkv(rotate_qk=True)`` (the GPU path's quantizer, here in Triton's interpreter) rotates q and k inside
+    the kernel, halo rows of straddling groups included: codes (both layouts), exponents bitwise those of
+    ``rotate_qk`` then the reference quantizer; V untouched."""
+    from flamia_pack.kernels.quantize import quantize_qkv
+    from flamia_pack.quant import quantize_token_blocks
+
+    g = torch.Generator().manual_seed(len(lens))
+    T = sum(lens) + 5  # row-end padding
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn((T, 2, 128), generator=g).bfloat16()
+    k, v = (torch.randn((T, 1, 128), generator=g).bfloat16() for _ in range(2))
+    k[:, :, 5] *= 20
+    got = quantize_qkv(q, k, v, cu, gran, transposed=(True, True, True), wgmma_order=(False, False, False),
+                       transposed_store="triton", rotate_qk=True, hw_cvt=False)
+    qr, kr = rotate_qk(q, k)
+    for x, o in zip((qr, kr, v), got):
+        ref = quantize_token_blocks(x, cu, gran)
+        assert torch.equal(o.codes.view(torch.uint8), ref.codes.view(torch.uint8))
+        assert torch.equal(o.exponents, ref.exponents)
+        assert torch.equal(o.codes_t.view(torch.uint8), ref.codes.view(torch.uint8).permute(1, 2, 0))
+    with pytest.raises(FlamiaError, match="fused qk rotation takes bfloat16"):
+        quantize_qkv(q.float(), k.float(), v.float(), cu, gran, rotate_qk=True)

@@ -72,7 +72,7 @@ def fp8_kernels_available(device) -> bool:
 
 def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                  scale_granularity: str = "block", *, check_finite: bool = False,
-                 backward: bool = False) -> FP8Operands:
+                 backward: bool = False, rotate_qk: bool = False) -> FP8Operands:
     """Quantize Q, K, V for the FP8 forward in one launch (V also feature-major, in the wgmma order).
 
     ``quantize_qkv(transposed=(backward, backward, True), wgmma_order=(backward, False, True),
@@ -89,6 +89,9 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
         check_finite: raise on NaN / Inf (one sync); default off, as the BF16 GPU path.
         backward: also keep what the FP8 backward reads (Q^T, in the wgmma order, and K^T written by
             the same launch, V's row-major codes).
+        rotate_qk: quantize ``q M`` and ``k M`` (``qk_rotation.hadamard_matrix``, ``qk_rotation="hadamard"``),
+            rotated inside the quantizer (bf16 q, k; one more launch, for V); the caller scales
+            ``softmax_scale`` by ``qk_rotation.rotation_scale_factor``.
 
     Returns:
         :class:`FP8Operands`.
@@ -100,7 +103,7 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
         raise FlamiaError(f"fp8_quantize: backward must be a bool, got {backward!r}")
     qq, kq, vq = quantize_qkv(q, k, v, cu_seqlens, scale_granularity, transposed=(backward, backward, True),
                               wgmma_order=(backward, False, True), transposed_store="triton",
-                              check_finite=check_finite, validate=False)
+                              check_finite=check_finite, validate=False, rotate_qk=rotate_qk)
     return FP8Operands(qq.codes, kq.codes, vq.codes_t, qq.exponents, kq.exponents, vq.exponents,
                        exponent_table(kq.exponents), exponent_table(vq.exponents), scale_granularity,
                        qq.codes_t if backward else None, kq.codes_t if backward else None,
@@ -223,15 +226,15 @@ class _FP8Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu32, causal, softmax_scale, granularity, work_list, quantizer=None,
-                deterministic=False):
+                deterministic=False, rotate_qk=False):
         if quantizer is None:
-            ops = fp8_quantize(q, k, v, cu32, granularity, backward=True)
+            ops = fp8_quantize(q, k, v, cu32, granularity, backward=True, rotate_qk=rotate_qk)
         else:
             ops = quantizer(q, k, v, cu32)
         o, lse = fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)
         # V^T is the forward's operand only (the backward reads V row-major): not kept, T H_kv D bytes less
         ctx.save_for_backward(o, lse, cu32, ops.qc, ops.kc, *(ops[3:8]), ops.qt, ops.kt, ops.vc)
-        ctx.fp8 = (causal, float(softmax_scale), granularity, bool(deterministic))
+        ctx.fp8 = (causal, float(softmax_scale), granularity, bool(deterministic), bool(rotate_qk))
         ctx.entries = getattr(work_list, "bwd_entries", None)  # built for this cu_seqlens with the list
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -242,11 +245,16 @@ class _FP8Attention(torch.autograd.Function):
         from flamia_pack.kernels.fp8_backward import fp8_backward
 
         o, lse, cu32, qc, kc, *rest = ctx.saved_tensors
-        causal, scale, granularity, deterministic = ctx.fp8
+        causal, scale, granularity, deterministic, rotated = ctx.fp8
         ops = FP8Operands(qc, kc, None, *rest[:5], granularity, *rest[5:])
         dq, dk, dv = fp8_backward(do, ops, o, lse, cu32, causal=causal, softmax_scale=scale, dlse=dlse,
                                   entries=ctx.entries, deterministic=deterministic)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        if rotated:  # gradients of the rotated q M, k M: back through M (symmetric), a bf16 matmul each
+            from flamia_pack.kernels.quantize import _rotation
+
+            m = _rotation(dq.shape[-1], dq.device)
+            dq, dk = dq @ m, dk @ m
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal: bool, softmax_scale: float,
@@ -272,9 +280,10 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
 
         if D not in (64, 128):
             raise FlamiaError(f"FP8 attention supports head_dim in (64, 128), got {D}")
-        finite = not use_kernels and bool(torch.isfinite(q).all() and torch.isfinite(k).all())  # (CPU: no sync)
-        q, k = rotate_qk(q, k)
         softmax_scale = softmax_scale * rotation_scale_factor(D)
+    if qk_rotation is not None and not use_kernels:  # (the GPU path rotates inside its quantizer)
+        finite = bool(torch.isfinite(q).all() and torch.isfinite(k).all())  # (CPU: no sync)
+        q, k = rotate_qk(q, k)
         if finite and not bool(torch.isfinite(q).all() and torch.isfinite(k).all()):
             raise FlamiaError(f"qk_rotation='hadamard' overflowed {q.dtype}: a rotated entry is up to sum |x| / 8 over "
                               "the head's channels; scale q and k down (and softmax_scale up) or leave qk_rotation off")
@@ -302,15 +311,17 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
                                   f"{str(exc).split(';')[0]}") from None
             raise
         return o.to(q.device), lse.to(q.device)
-    return _fp8_gpu_call(q, k, v, cu32, causal, softmax_scale, scale_granularity, work_list, deterministic)
+    return _fp8_gpu_call(q, k, v, cu32, causal, softmax_scale, scale_granularity, work_list, deterministic,
+                         qk_rotation is not None)
 
 
 @torch.compiler.disable
-def _fp8_gpu_call(q, k, v, cu32, causal, softmax_scale, scale_granularity, work_list, deterministic=False):
+def _fp8_gpu_call(q, k, v, cu32, causal, softmax_scale, scale_granularity, work_list, deterministic=False,
+                  rotate_qk=False):
     """The Gluon FP8 path, eager under ``torch.compile`` (one graph break per call): Inductor would re-emit
     the Triton quantizer from source and loses its module-level combine functions."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FP8Attention.apply(q, k, v, cu32, bool(causal), float(softmax_scale), scale_granularity, work_list,
-                                   None, bool(deterministic))
-    ops = fp8_quantize(q, k, v, cu32, scale_granularity)
+                                   None, bool(deterministic), bool(rotate_qk))
+    ops = fp8_quantize(q, k, v, cu32, scale_granularity, rotate_qk=rotate_qk)
     return fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)

@@ -6,7 +6,8 @@ Two defects of the interpreter in triton 3.6 with numpy >= 2 and a CPU build of 
 patched here, in the interpreter only (nothing changes for compiled kernels):
 
 - ``tl.dot`` on bfloat16 operands multiplies their raw uint16 storage: we widen to float32
-  first (exact, and what the tensor cores do: bf16 products accumulated in fp32);
+  first (exact, and what the tensor cores do: bf16 products accumulated in fp32); also applied by
+  :func:`kernel_for`, whose in-process interpreter runs without ``TRITON_INTERPRET``;
 - a loaded scalar used as a ``range`` bound fails ``__index__`` (a 1-element array is no longer
   convertible to int);
 - tensor-descriptor ``atomic_add`` (TMA bulk reduce) is not implemented: emulated as a masked
@@ -26,11 +27,42 @@ def kernel_for(kernel, device):
     without ``TRITON_INTERPRET`` (the quantizer's and the FP8 backward's CPU path)."""
     if device.type == "cuda":
         return kernel
+    _patch_bf16_dot()  # the quantizer's fused qk rotation is a bf16 tl.dot
     if kernel not in _INTERPRETED:
         from triton.runtime.interpreter import InterpretedFunction
 
         _INTERPRETED[kernel] = InterpretedFunction(kernel.fn)
     return _INTERPRETED[kernel]
+
+
+_DOT_PATCHED = False
+
+
+def _patch_bf16_dot() -> None:
+    """The interpreter's ``tl.dot`` on bfloat16 operands multiplies their raw uint16 storage: widen them to
+    float32 first (exact; the tensor cores' bf16 products accumulated in fp32). Interpreter only."""
+    global _DOT_PATCHED
+    if _DOT_PATCHED:
+        return
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    orig_dot = interp.InterpreterBuilder.create_dot
+
+    def _widen(h):
+        if h.dtype == tl.bfloat16:
+            return (h.data.astype(np.uint32) << 16).view(np.float32)
+        return h.data.astype(np.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16:
+            out = np.matmul(_widen(a), _widen(b), dtype=np.float32).astype(d.data.dtype) + d.data
+            return interp.TensorHandle(out, d.dtype.scalar)
+        return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+    _DOT_PATCHED = True
 
 
 def patch_triton_interpreter() -> bool:
@@ -56,20 +88,7 @@ def patch_triton_interpreter() -> bool:
 
     interp._patch_lang_tensor = _patch_lang_tensor
 
-    orig_dot = interp.InterpreterBuilder.create_dot
-
-    def _widen(h):
-        if h.dtype == tl.bfloat16:
-            return (h.data.astype(np.uint32) << 16).view(np.float32)
-        return h.data.astype(np.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16:
-            out = np.matmul(_widen(a), _widen(b), dtype=np.float32).astype(d.data.dtype) + d.data
-            return interp.TensorHandle(out, d.dtype.scalar)
-        return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    interp.InterpreterBuilder.create_dot = create_dot
+    _patch_bf16_dot()
 
     if not hasattr(interp.InterpreterBuilder, "create_descriptor_reduce"):
         import inspect

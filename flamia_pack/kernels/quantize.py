@@ -201,7 +201,7 @@ if HAS_TRITON:
         c0, c1, c2,  # codes, uint8 views of (T, H, D) contiguous
         e0, e1, e2,  # exponents, uint8 (T, H) contiguous
         t0, t1, t2,  # transposed codes, uint8 (H, D, TP) contiguous (written where TRANSPOSED has the bit)
-        cu_ptr, gs_ptr,
+        cu_ptr, gs_ptr, rot_ptr,
         T, n_docs, TP,
         H0, H1, H2,
         sx0, sx1, sx2,  # row strides of the inputs in units of D (head stride == D)
@@ -215,6 +215,7 @@ if HAS_TRITON:
         HW_CVT: tl.constexpr,
         N_ITER: tl.constexpr,
         X_BF16: tl.constexpr,
+        ROTATE: tl.constexpr,  # bf16 inputs multiplied by rot_ptr's (D, D) bf16 matrix first (qk_rotation)
     ):
         pid = tl.program_id(0)
         NH = H0 + H1 + H2
@@ -261,7 +262,15 @@ if HAS_TRITON:
         else:
             mask = in_t[:, None] & (offs_d < D)[None, :]
         x = tl.load(x_ptr + (rows64[:, None] * sxt + h) * D + offs_d[None, :], mask=mask, other=0.0)
-        if X_BF16:
+        if ROTATE:  # x M in fp32, rounded once to bf16: the rows qk_rotation.rotate_qk gives (BLOCK_D == D)
+            rot = tl.load(rot_ptr + offs_d[:, None] * BLOCK_D + offs_d[None, :])
+            # rounded to the nearest bf16 (ties to even) by integer ops, kept as float32: Triton's
+            # interpreter (whose bf16 cast truncates) and the GPU agree; Inf / NaN stay Inf / NaN
+            rb = tl.dot(x, rot).to(tl.int32, bitcast=True)
+            rb = (rb + 0x7FFF + ((rb >> 16) & 1)) & -65536
+            x = rb.to(tl.float32, bitcast=True)
+            bits = rb & 0x7FFFFFFF
+        elif X_BF16:
             # |x| as float32 bits straight from the bf16 bits: x stays packed (half the registers)
             bits = (x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF) << 16
         else:
@@ -307,6 +316,10 @@ if HAS_TRITON:
             if BLOCK_D != D:
                 hb_mask = hb_mask & (f_d < D)
             xb = tl.load(x_ptr + (hb.to(tl.int64) * sxt + h) * D + f_d, mask=hb_mask, other=0.0)
+            if ROTATE:
+                xb = tl.reshape(tl.dot(tl.reshape(xb, (GROUP, BLOCK_D)), rot), (GROUP * BLOCK_D,))
+                xb = xb.to(tl.int32, bitcast=True)
+                xb = ((xb + 0x7FFF + ((xb >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # as above
             mb = tl.reduce(xb.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0, _MAX)
             ha = start + BLOCK_R + f_row
             if HAS_GS:
@@ -317,6 +330,10 @@ if HAS_TRITON:
             if BLOCK_D != D:
                 ha_mask = ha_mask & (f_d < D)
             xa = tl.load(x_ptr + (ha.to(tl.int64) * sxt + h) * D + f_d, mask=ha_mask, other=0.0)
+            if ROTATE:
+                xa = tl.reshape(tl.dot(tl.reshape(xa, (GROUP, BLOCK_D)), rot), (GROUP * BLOCK_D,))
+                xa = xa.to(tl.int32, bitcast=True)
+                xa = ((xa + 0x7FFF + ((xa >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # as above
             ma = tl.reduce(xa.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0, _MAX)
             amax = tl.where(gs == g_first, tl.maximum(amax, mb), amax)
             amax = tl.where(gs == g_last, tl.maximum(amax, ma), amax)
@@ -397,6 +414,19 @@ if HAS_TRITON:
                  mask=(offs_d < D)[:, None] & (rows < TP)[None, :])
 
 
+_ROTATIONS: dict = {}
+
+
+def _rotation(D: int, dev: torch.device) -> torch.Tensor:
+    """``qk_rotation.hadamard_matrix(D)`` in bf16 on ``dev`` (exact: entries +-2^-s), built once per (D, device)."""
+    key = (D, str(dev))
+    if key not in _ROTATIONS:
+        from flamia_pack.kernels.qk_rotation import hadamard_matrix
+
+        _ROTATIONS[key] = hadamard_matrix(D, torch.bfloat16, dev).contiguous()
+    return _ROTATIONS[key]
+
+
 def _search_steps(n_docs: int) -> int:
     """Binary-search steps over ``n_docs + 1`` boundaries, rounded up to a multiple of 8 so that
     only a handful of kernel variants get compiled (extra steps are no-ops once lo == hi; each is
@@ -448,8 +478,12 @@ def _quantize_many(
     transposed_store: str = "torch",
     group_size: int = GROUP_SIZE,
     wgmma_order=False,
+    rotate: bool = False,
 ) -> list[QuantizedOperand]:
     _check_inputs(xs)
+    if rotate and (xs[0].dtype != torch.bfloat16 or xs[0].shape[2] not in (64, 128)):
+        raise FlamiaError(f"the quantizer's fused qk rotation takes bfloat16 inputs of head_dim 64 or 128, got "
+                          f"{xs[0].dtype}, head_dim {xs[0].shape[2]}")
     want_t = _per_tensor_flags(transposed, len(xs))
     want_w = _per_tensor_flags(wgmma_order, len(xs), "wgmma_order")
     if any(w and not t for w, t in zip(want_w, want_t)):
@@ -469,6 +503,8 @@ def _quantize_many(
     if not HAS_TRITON:  # CPU build without triton: the reference is the same function
         if dev.type != "cpu":
             raise FlamiaError("the fused quantizer needs triton for CUDA tensors (pip install triton)")
+        if rotate:
+            xs = [(x.float() @ _rotation(D, dev).float()).bfloat16() for x in xs]
         outs = []
         for x in xs:
             qz = quantize_token_blocks(x, cu, granularity, group_size=group_size, group_start=group_start,
@@ -528,7 +564,7 @@ def _quantize_many(
     if grid[0] > 0:
         kernel_for(_quantize_kernel, dev)[grid](
             *xa, *ca, *ea, *ta,
-            cu, group_start if group_start is not None else cu,
+            cu, group_start if group_start is not None else cu, _rotation(D, dev) if rotate else cu,
             T, n_docs, tp,
             *hs, *strides,
             D=D, BLOCK_D=triton.next_power_of_2(D), GROUP=group, BLOCK_R=block_r,
@@ -536,6 +572,7 @@ def _quantize_many(
             WGMMA=w_bits if in_kernel_t else 0, HW_CVT=bool(hw_cvt),
             N_ITER=_search_steps(n_docs),
             X_BF16=x0.dtype == torch.bfloat16,
+            ROTATE=bool(rotate),
             num_warps=warps,
         )
     if transposed and transposed_store == "triton":  # one launch a tensor: 1 B read + 1 B written an element
@@ -649,6 +686,7 @@ def quantize_qkv(
     hw_cvt: bool | None = None,
     transposed_store: str = "torch",
     wgmma_order: bool | tuple[bool, bool, bool] = False,
+    rotate_qk: bool = False,
 ) -> tuple[QuantizedOperand, QuantizedOperand, QuantizedOperand]:
     """Quantize Q, K and V in ONE launch (DESIGN.md §4); arguments as in :func:`quantize`.
 
@@ -658,6 +696,9 @@ def quantize_qkv(
     inputs that ask for it (the forward: ``(False, False, True)``), with either ``transposed_store``
     (``"kernel"``: only the flagged inputs' programs write their copy). ``wgmma_order``, a bool or
     three: which transposed copies are in the order of :func:`to_wgmma_order` (the forward's V^T).
+    ``rotate_qk``: q and k are quantized as ``bf16(q M)``, ``bf16(k M)`` (``qk_rotation.hadamard_matrix``,
+    computed in the quantizer: an fp32 ``tl.dot`` a tile, halo rows included, so the rotated tensors
+    never reach memory); bfloat16 inputs of head_dim 64 / 128 only. Two launches then (q and k, then v).
 
     Returns:
         ``(q_quant, k_quant, v_quant)`` :class:`QuantizedOperand` each.
@@ -667,8 +708,14 @@ def quantize_qkv(
             that differ in T, D, dtype or device, a bad tile override, non-finite input (with
             ``check_finite``); MetadataError: bad ``cu_seqlens`` or ``group_start``.
     """
-    qq, kq, vq = _quantize_many([q, k, v], cu_seqlens, granularity, transposed=transposed,
-                                group_start=group_start, check_finite=check_finite, validate=validate,
-                                block_rows=block_rows, num_warps=num_warps, hw_cvt=hw_cvt,
-                                transposed_store=transposed_store, wgmma_order=wgmma_order)
+    kw = dict(group_start=group_start, check_finite=check_finite, validate=validate, block_rows=block_rows,
+              num_warps=num_warps, hw_cvt=hw_cvt, transposed_store=transposed_store)
+    if not rotate_qk:
+        qq, kq, vq = _quantize_many([q, k, v], cu_seqlens, granularity, transposed=transposed,
+                                    wgmma_order=wgmma_order, **kw)
+        return qq, kq, vq
+    _check_inputs([q, k, v])
+    t, w = _per_tensor_flags(transposed, 3), _per_tensor_flags(wgmma_order, 3, "wgmma_order")
+    qq, kq = _quantize_many([q, k], cu_seqlens, granularity, transposed=t[:2], wgmma_order=w[:2], rotate=True, **kw)
+    (vq,) = _quantize_many([v], cu_seqlens, granularity, transposed=t[2:], wgmma_order=w[2:], **kw)
     return qq, kq, vq
