@@ -329,6 +329,22 @@ def quantize_token_blocks(
     return Quantized(_encode(x, e[..., None]), ebyte)
 
 
+def residual_codes(x: torch.Tensor, quantized: Quantized) -> torch.Tensor:
+    """E4M3 codes of what ``quantized`` leaves out of ``x``: ``RNE(x 2^-e - codes)``, same exponents.
+
+    The second term of a two-term operand (``hi + lo``, both E4M3 on one scale; the FP8 emulation's
+    ``qk_terms=2``): ``x 2^-e`` and ``codes`` are both exact in float32 (bf16 x has 8 significant bits,
+    an E4M3 code 4, within 2^9 of each other), so their difference is exact and rounds once; it is at
+    most half a code ulp (<= 16), so it never saturates. Groups of non-finite input (exponent byte 255)
+    give NaN codes. Args / shapes as :func:`quantize_token_blocks`' output: ``x`` ``(T, H, D)``,
+    ``quantized`` its result for ``x``. Returns ``(T, H, D)`` ``torch.float8_e4m3fn``.
+    """
+    e = quantized.exponents.to(torch.int32) - UE8M0_BIAS
+    y = x.float() * _inv_pow2(e.clamp(max=126))[..., None]
+    r = torch.where((quantized.exponents == UE8M0_NAN)[..., None], float("nan"), y - quantized.codes.float())
+    return r.to(torch.float8_e4m3fn)
+
+
 def dequantize(codes: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
     """Decode ``x_hat = q * 2**e`` as float32 (exact; no rounding happens here).
 

@@ -15,6 +15,9 @@ tiny GPT of ``examples/train_tiny_gpt.py`` trained on the CPU (``fp8_numerics.gp
 64). Rows are shorter than the GPU probe's 4 x 4096 for CPU time (``--tokens``).
 
     PYTHONPATH=. python3 benchmarks/probes/fp8_bwd_numerics.py --tokens 1024 --heads 2 --gpt-steps 200
+
+``--qk-terms 1,2`` adds the emulation's two-term Q / K mode (``qk_terms=2``) beside the shipped one; the issues'
+row is ``--tokens 4096 --heads 4`` (about 10 minutes on 2 cores).
 """
 from __future__ import annotations
 
@@ -29,29 +32,33 @@ sys.path.insert(0, os.path.dirname(__file__))
 from flamia_pack.kernels.fp8_emulation import fp8_attention_forward  # noqa: E402
 from flamia_pack.kernels.fp8_emulation_bwd import fp8_attention_backward  # noqa: E402
 from flamia_pack.kernels.reference import packed_attention_reference, packed_attention_reference_bwd  # noqa: E402
-from flamia_pack.quant import quantize_token_blocks  # noqa: E402
+from flamia_pack.quant import quantize_token_blocks, residual_codes  # noqa: E402
 
 
 def _cos(a, b):
     return float(torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
 
 
-def _dequantized(x, cu, gran):
-    """float64 ``codes 2^e`` of ``x`` under the FP8 forward's quantization (what its attention sees)."""
+def _dequantized(x, cu, gran, two_term=False):
+    """float64 ``codes 2^e`` of ``x`` under the FP8 forward's quantization (what its attention sees);
+    ``two_term``: ``(codes + residual codes) 2^e`` (``qk_terms=2``'s Q and K)."""
     r = quantize_token_blocks(x, cu, gran)
-    return r.codes.double() * torch.exp2(r.exponents.double() - 127)[..., None]
+    c = r.codes.double() + (residual_codes(x, r).double() if two_term else 0.0)
+    return c * torch.exp2(r.exponents.double() - 127)[..., None]
 
 
-def row(name, q, k, v, cu, gran, seed=0):
+def row(name, q, k, v, cu, gran, seed=0, qk_terms=1):
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
     qd, kd, vd = (t.double() for t in (q, k, v))
     o_ref, lse_ref = packed_attention_reference(qd, kd, vd, cu, return_lse=True, compute_dtype=torch.float64)
     ref = packed_attention_reference_bwd(do.double(), qd, kd, vd, o_ref, lse_ref, cu, compute_dtype=torch.float64)
-    o, lse = fp8_attention_forward(q, k, v, cu, scale_granularity=gran)
+    o, lse = fp8_attention_forward(q, k, v, cu, scale_granularity=gran, qk_terms=qk_terms)
+    cos_o = _cos(o, o_ref)
     out = []
     for mismatch in (None, "bf16_scores"):
         st = {}
-        g = fp8_attention_backward(do, q, k, v, o, lse, cu, scale_granularity=gran, stats=st, mismatch=mismatch)
+        g = fp8_attention_backward(do, q, k, v, o, lse, cu, scale_granularity=gran, stats=st, mismatch=mismatch,
+                                   qk_terms=qk_terms)
         cos = [_cos(a, r) for a, r in zip(g, ref)]
         nr = [float(a.double().norm() / r.norm()) for a, r in zip(g, ref)]
         if mismatch is None:
@@ -59,13 +66,13 @@ def row(name, q, k, v, cu, gran, seed=0):
         out.append((mismatch, cos, nr, st))
     (_, c, n, st), (_, cc, nc, sc) = out
     # where the error comes from: exact attention on the forward's dequantized inputs q^, k^, v^
-    qh, kh, vh = (_dequantized(t, cu, gran) for t in (q, k, v))
+    qh, kh, vh = (_dequantized(t, cu, gran, two) for t, two in ((q, qk_terms == 2), (k, qk_terms == 2), (v, False)))
     oh, lseh = packed_attention_reference(qh, kh, vh, cu, return_lse=True, compute_dtype=torch.float64)
     refh = packed_attention_reference_bwd(do.double(), qh, kh, vh, oh, lseh, cu, compute_dtype=torch.float64)
     g = out[0][3].pop("_grads")
     vs_hat = " / ".join(f"{_cos(a, r):.5f}" for a, r in zip(g, refh))
     hat_vs_exact = " / ".join(f"{_cos(a, r):.5f}" for a, r in zip(refh, ref))
-    print(f"| {name} | {gran} | {c[0]:.5f} | {c[1]:.5f} | {c[2]:.5f} | {n[0]:.4f} / {n[1]:.4f} / {n[2]:.4f} | "
+    print(f"| {name} | {gran}{' two-term' if qk_terms == 2 else ''} | {cos_o:.6f} | {c[0]:.5f} | {c[1]:.5f} | {c[2]:.5f} | {n[0]:.4f} / {n[1]:.4f} / {n[2]:.4f} | "
           f"{st['ds_zero_fraction']:.2e} / {st['ds_zero_fraction_dk']:.2e} | {st['ds_row_residual']:+.2e} "
           f"(rms {st['ds_row_residual_rms']:.2e}) | control: dQ cos {cc[0]:.4f}, norm {nc[0]:.3f}, residual rms "
           f"{sc['ds_row_residual_rms']:.2e} | {vs_hat} | {hat_vs_exact} |", flush=True)
@@ -77,6 +84,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--gpt-steps", type=int, default=200, help="0: no trained-model row")
     ap.add_argument("--gpt-layer", type=int, default=1)
+    ap.add_argument("--qk-terms", default="1", help="1, 2 or 1,2: the emulation's qk_terms (2: two-term Q and K)")
     a = ap.parse_args(argv)
     L, H = a.tokens, a.heads
     cu = torch.tensor([0, L, 2 * L, 3 * L, 4 * L])
@@ -84,13 +92,15 @@ def main(argv=None):
     q, k, v = (torch.randn((4 * L, H, 128), generator=g).bfloat16() for _ in range(3))
     k_out = k.clone()
     k_out[:, :, [5, 17, 40, 99]] *= 20
-    print("| input | mode | cos dQ | cos dK | cos dV | norm ratio dQ / dK / dV | dS zero fraction dQ / dK payload |"
+    terms = [int(t) for t in a.qk_terms.split(",")]
+    print("| input | mode | cos O | cos dQ | cos dK | cos dV | norm ratio dQ / dK / dV | dS zero fraction dQ / dK payload |"
           " row residual | positive control (bf16 scores) | dQ / dK / dV vs exact on q^, k^, v^ |"
           " exact on q^, k^, v^ vs exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for gran in ("block", "token"):
-        row("N(0,1)", q, k, v, cu, gran)
-    row("K ch x20", q, k_out, v, cu, "block")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for t in terms:
+        for gran in ("block", "token"):
+            row("N(0,1)", q, k, v, cu, gran, qk_terms=t)
+        row("K ch x20", q, k_out, v, cu, "block", qk_terms=t)
     if a.gpt_steps:
         from fp8_numerics import gpt_capture
 
@@ -99,7 +109,8 @@ def main(argv=None):
         n = min(int(gcu[-1]), 4 * L)
         keep = gcu[gcu <= n]
         gcu = torch.cat([keep, torch.tensor([n])]) if int(keep[-1]) < n else keep
-        row(f"GPT L{a.gpt_layer}", gq[:n], gk[:n], gv[:n], gcu, "block")
+        for t in terms:
+            row(f"GPT L{a.gpt_layer}", gq[:n], gk[:n], gv[:n], gcu, "block", qk_terms=t)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,15 @@ cut's 32-token group see the whole group (the documented within-group dependency
 document's keys of the tile, which reads future keys on diagonal tiles and leaks through the E4M3
 subnormal boundary (seed 001 §4).
 
+``qk_terms=2`` (a numerics mode, no GPU kernel yet): Q and K are each an E4M3 code plus the E4M3 code
+of its residual on the same exponent, ``x 2^-e ~ qc + qc_lo`` (``quant.residual_codes``: ~8 significant
+bits instead of 4), and ``dot_ij = fp32( qc_i.kc_j + qc_i.kc_lo_j + qc_lo_i.kc_j )`` (three FP8 products
+into one accumulator, exact in fp64 and rounded once; ``lo.lo`` left out). The backward recomputes S the
+same way and contracts its dQ / dK payloads against ``kc + kc_lo`` / ``qc + qc_lo``. V, P~, dO and the
+payloads keep one term. It meets issues 27 / 28's cosine targets where one term cannot (E4M3's 3-bit
+mantissa on Q and K; benchmarks/RESULTS.md "Session of 2026-12-06 (third)"), for 1.5x the forward's and
+1.8x the backward's MMA work.
+
 ``pv_accumulator``: ``"fp32"`` (default) promotes each tile's exact product into the fp32
 accumulator as above. ``"promote14"`` forms each tile's P~V in 32-key k-steps whose running sum is
 truncated (round toward zero) to ``MMA_ACC_BITS = 14`` significant bits -- a *model* of the FP8
@@ -76,7 +85,7 @@ import torch
 
 from flamia_pack.errors import FlamiaError, MetadataError
 from flamia_pack.kernels.constants import FOLD_REF_MIN_OFFSET, REF_FLOOR_LOG2
-from flamia_pack.quant import GRANULARITIES, UE8M0_BIAS, UE8M0_NAN, quantize_token_blocks
+from flamia_pack.quant import GRANULARITIES, UE8M0_BIAS, UE8M0_NAN, quantize_token_blocks, residual_codes
 from flamia_pack.varlen import validate_cu_seqlens
 
 __all__ = [
@@ -112,10 +121,12 @@ TILE_ALIGN = 16
 
 class OperandCodes(NamedTuple):
     """E4M3 codes ``(T, H, D)`` and UE8M0 exponent bytes ``(T, H)`` (``quant.Quantized`` or
-    ``kernels.quantize.QuantizedOperand`` fit: only ``codes`` and ``exponents`` are read)."""
+    ``kernels.quantize.QuantizedOperand`` fit: only ``codes`` and ``exponents`` are read), and for a
+    two-term operand (``qk_terms=2``) the residual's codes on the same exponents (``quant.residual_codes``)."""
 
     codes: torch.Tensor
     exponents: torch.Tensor
+    codes_lo: Optional[torch.Tensor] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,6 +138,13 @@ def _check_int(name: str, val, lo: int, hi: int) -> int:
     if isinstance(val, bool) or not isinstance(val, numbers.Integral) or not lo <= int(val) <= hi:
         raise FlamiaError(f"{name} must be an int in [{lo}, {hi}], got {val!r}")
     return int(val)
+
+
+def _check_qk_terms(qk_terms) -> int:
+    if isinstance(qk_terms, bool) or not isinstance(qk_terms, int) or qk_terms not in (1, 2):
+        raise FlamiaError(f"qk_terms must be 1 (Q and K as one E4M3 code each) or 2 (code + residual code), got "
+                          f"{qk_terms!r}")
+    return int(qk_terms)
 
 
 def _check_options(scale_granularity, block_m, block_n, boost_log2, pv_accumulator="fp32") -> None:
@@ -174,8 +192,11 @@ def _check_tensor(name: str, x) -> torch.Tensor:
     return x
 
 
-def _prepare(q, k, v, cu_seqlens, max_seqlen, scale_granularity, quantized, kernel_head_dims=True):
-    """Validate and quantize; returns (cu list, (qo, ko, vo) OperandCodes, T, H, Hkv, D)."""
+def _prepare(q, k, v, cu_seqlens, max_seqlen, scale_granularity, quantized, kernel_head_dims=True, qk_terms=1):
+    """Validate and quantize; returns (cu list, (qo, ko, vo) OperandCodes, T, H, Hkv, D); ``qk_terms=2``:
+    q's and k's operands also carry their residual codes (from q, k; not available with ``quantized``)."""
+    if _check_qk_terms(qk_terms) == 2 and quantized is not None:
+        raise FlamiaError("qk_terms=2 quantizes q and k itself (code + residual code): pass q, k, v, not quantized=")
     if quantized is not None:
         if not isinstance(quantized, (tuple, list)) or len(quantized) != 3:
             raise FlamiaError("quantized must be a (q, k, v) triple of codes + exponents")
@@ -206,6 +227,8 @@ def _prepare(q, k, v, cu_seqlens, max_seqlen, scale_granularity, quantized, kern
         cu_t = torch.as_tensor(cu_arr)
         qo, ko, vo = (OperandCodes(*quantize_token_blocks(x, cu_t, scale_granularity, validate=False))
                       for x in (q, k, v))
+        if qk_terms == 2:
+            qo, ko = (OperandCodes(op.codes, op.exponents, residual_codes(x, op)) for op, x in ((qo, q), (ko, k)))
     return [int(c) for c in cu_arr], (qo, ko, vo), T, H, Hkv, D
 
 
@@ -302,18 +325,29 @@ def qk_scale_f32(softmax_scale: float) -> torch.Tensor:
 
 
 def scores(qc: torch.Tensor, eq: torch.Tensor, kc: torch.Tensor, ek: torch.Tensor,
-           qk: torch.Tensor) -> torch.Tensor:
+           qk: torch.Tensor, qc_lo: Optional[torch.Tensor] = None, kc_lo: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Base-2 scaled scores of one tile pair, ``s_ij = fp32(fp32(qc_i . kc_j) * 2^(e_q+e_k) * qk)``.
 
     Args:
         qc: ``(H, m, D)`` codes as float (E4M3 values). eq: ``(H, m)`` int exponents.
         kc: ``(H, n, D)``. ek: ``(H, n)``. qk: 0-d float32 (:func:`qk_scale_f32`).
+        qc_lo, kc_lo: the residual codes of two-term operands (``qk_terms=2``) or None: the dot is
+            then ``qc.kc + qc.kc_lo + qc_lo.kc`` (three FP8 products into one accumulator; ``lo.lo``,
+            2^-8 of the rest, left out), exact in fp64 (<= 3 x 128 products, module docs (1)), rounded once.
 
     Returns:
         ``(H, m, n)`` float32. The forward and the backward both call this: S is recomputed
         bitwise (replication, DESIGN.md §4).
     """
-    dot = exact_mm(qc, kc.transpose(-1, -2))
+    if qc_lo is None and kc_lo is None:
+        dot = exact_mm(qc, kc.transpose(-1, -2))
+    else:
+        d = torch.matmul(qc.double(), kc.double().transpose(-1, -2))
+        if kc_lo is not None:
+            d = d + torch.matmul(qc.double(), kc_lo.double().transpose(-1, -2))
+        if qc_lo is not None:
+            d = d + torch.matmul(qc_lo.double(), kc.double().transpose(-1, -2))
+        dot = d.float()
     # exact power-of-two factors, then the only rounding: the product with qk (module docs (2))
     f = pow2(eq)[..., :, None] * pow2(ek)[..., None, :]
     return (dot * f) * qk
@@ -366,6 +400,11 @@ def _fold_p(p: torch.Tensor, e: torch.Tensor, r: torch.Tensor, vis: torch.Tensor
     return y.to(torch.float8_e4m3fn)
 
 
+def _heads_lo(op: OperandCodes, lo: int, hi: int, g: int) -> Optional[torch.Tensor]:
+    """:func:`_heads`' codes of the operand's residual term (``(H * g, L, D)`` float64), or None."""
+    return None if op.codes_lo is None else _heads(op.codes_lo, op.exponents, lo, hi, g)[0]
+
+
 def _heads(codes: torch.Tensor, ex: torch.Tensor, lo: int, hi: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Segment ``[lo, hi)`` of an operand as ``(H * g, L, D)`` float64 codes and ``(H * g, L)``
     int32 exponents (kv heads repeated for their ``g`` query heads)."""
@@ -398,6 +437,7 @@ def _forward_impl(cu, ops, T, H, Hkv, D, *, causal, softmax_scale, block_m, bloc
         qc, eq = _heads(qo.codes, qo.exponents, lo, hi, 1)
         kc, ek = _heads(ko.codes, ko.exponents, lo, hi, g)
         vc, ev = _heads(vo.codes, vo.exponents, lo, hi, g)
+        qcl, kcl = _heads_lo(qo, lo, hi, 1), _heads_lo(ko, lo, hi, g)
         m = torch.full((H, L), -math.inf, dtype=torch.float32)
         l = torch.zeros((H, L), dtype=torch.float32)
         acc = torch.zeros((H, L, D), dtype=torch.float32)
@@ -406,7 +446,8 @@ def _forward_impl(cu, ops, T, H, Hkv, D, *, causal, softmax_scale, block_m, bloc
         for k0, k1, r0 in _steps(L, single, block_n, causal, lo % TILE_ALIGN):
             rows, keys = slice(r0, L), slice(k0, k1)
             vis = visibility(doc, dpos, rows, keys, causal)
-            s = scores(qc[:, rows], eq[:, rows], kc[:, keys], ek[:, keys], qk)
+            s = scores(qc[:, rows], eq[:, rows], kc[:, keys], ek[:, keys], qk,
+                       None if qcl is None else qcl[:, rows], None if kcl is None else kcl[:, keys])
             s = s.masked_fill(~vis, -math.inf)
             m_old = m[:, rows]
             m_new = torch.maximum(m_old, s.amax(-1))
@@ -467,6 +508,7 @@ def fp8_attention_forward(
     leaky_reference: bool = False,
     stats: Optional[dict] = None,
     _kernel_head_dims: bool = True,
+    qk_terms: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Emulated FP8 attention forward on packed rows (module docs give every formula).
 
@@ -490,6 +532,10 @@ def fp8_attention_forward(
         leaky_reference: positive control only: ``r_i`` over all the tile's keys of the document.
         stats: optional dict, filled with ``ptilde_max`` (largest P~, <= 2^boost) and
             ``p_zero_fraction`` (share of p > 0 whose P~ rounded to 0).
+        qk_terms: 1 (default) or 2: Q and K each as an E4M3 code plus an E4M3 residual code on the
+            same exponent (``quant.residual_codes``), S from three FP8 products (:func:`scores`);
+            V and P~ unchanged. Not with ``quantized``. A numerics mode of this emulation only (no
+            GPU kernel runs it yet): benchmarks/RESULTS.md "Session of 2026-12-06 (third)".
 
     Returns:
         ``(o, lse)``: ``(T, H, D)`` bfloat16 and ``(H, T)`` float32 natural-log LSE (the BF16
@@ -504,11 +550,17 @@ def fp8_attention_forward(
     if quantized is None:
         q, k, v = (x.detach().cpu() if isinstance(x, torch.Tensor) else x for x in (q, k, v))
     cu, ops, T, H, Hkv, D = _prepare(q, k, v, cu_seqlens, max_seqlen, scale_granularity, quantized,
-                                     _kernel_head_dims)
-    ops = tuple(OperandCodes(x.codes.cpu(), x.exponents.cpu()) for x in ops)
+                                     _kernel_head_dims, qk_terms)
+    ops = tuple(_on_cpu(x) for x in ops)
     return _forward_impl(cu, ops, T, H, Hkv, D, causal=bool(causal), softmax_scale=softmax_scale,
                          block_m=block_m, block_n=block_n, boost=int(boost_log2),
                          pv_accumulator=pv_accumulator, leaky_reference=bool(leaky_reference), stats=stats)
+
+
+def _on_cpu(op) -> OperandCodes:
+    """An operand's tensors on the CPU (``codes_lo`` kept where it has one)."""
+    lo = getattr(op, "codes_lo", None)
+    return OperandCodes(op.codes.cpu(), op.exponents.cpu(), None if lo is None else lo.cpu())
 
 
 def fp8_attention_backward(*args, **kwargs):
@@ -530,12 +582,13 @@ class _FP8Emulated(torch.autograd.Function):
         dev = q.device
         qc, kc, vc = (x.detach().cpu() for x in (q, k, v))
         cu, ops, T, H, Hkv, D = _prepare(qc, kc, vc, cu_seqlens, max_seqlen, opts["scale_granularity"], None,
-                                         opts["kernel_head_dims"])
+                                         opts["kernel_head_dims"], opts["qk_terms"])
         o, lse = _forward_impl(cu, ops, T, H, Hkv, D, causal=opts["causal"], softmax_scale=opts["softmax_scale"],
                                block_m=opts["block_m"], block_n=opts["block_n"], boost=opts["boost_log2"],
                                pv_accumulator=opts["pv_accumulator"], leaky_reference=False, stats=None)
         # the forward's codes are saved for the backward (no re-quantization; same bits either way)
-        ctx.save_for_backward(*(t for op in ops for t in op), o, lse)
+        ctx.save_for_backward(*(t for op in ops for t in op[:2]), o, lse)
+        ctx.lo = (ops[0].codes_lo, ops[1].codes_lo)  # None, or the two-term residual codes (not graph inputs)
         ctx.cu, ctx.opts, ctx.shape = cu, opts, (T, H, Hkv, D)
         ctx.dtypes, ctx.dev = (q.dtype, k.dtype, v.dtype), dev
         return o.to(dev)
@@ -548,7 +601,7 @@ class _FP8Emulated(torch.autograd.Function):
         qc, qe, kc, ke, vc, ve, o, lse = ctx.saved_tensors
         T, H, Hkv, D = ctx.shape
         opts = ctx.opts
-        ops = (OperandCodes(qc, qe), OperandCodes(kc, ke), OperandCodes(vc, ve))
+        ops = (OperandCodes(qc, qe, ctx.lo[0]), OperandCodes(kc, ke, ctx.lo[1]), OperandCodes(vc, ve))
         if not bool(torch.isfinite(do).all()):
             raise FlamiaError("the gradient reaching varlen_attention(precision='fp8') holds NaN / Inf: the FP8 "
                               "backward quantizes dO to E4M3 and needs it finite (check the loss and the layers "
@@ -577,6 +630,7 @@ def fp8_varlen_attention_emulated(
     boost_log2: int = DEFAULT_BOOST_LOG2,
     pv_accumulator: str = "fp32",
     _kernel_head_dims: bool = True,
+    qk_terms: int = 1,
 ) -> torch.Tensor:
     """Differentiable emulated FP8 attention: :func:`fp8_attention_forward` forward and
     :func:`~flamia_pack.kernels.fp8_emulation_bwd.fp8_attention_backward` backward (issue 27/28).
@@ -589,7 +643,7 @@ def fp8_varlen_attention_emulated(
     ``block_m`` (the forward's query tile, which does not change the forward's bits)."""
     opts = dict(causal=bool(causal), softmax_scale=softmax_scale, scale_granularity=scale_granularity,
                 block_m=block_m, block_n=block_n, boost_log2=boost_log2, pv_accumulator=pv_accumulator,
-                kernel_head_dims=bool(_kernel_head_dims))
+                kernel_head_dims=bool(_kernel_head_dims), qk_terms=_check_qk_terms(qk_terms))
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
     return _FP8Emulated.apply(q, k, v, cu_seqlens, max_seqlen, opts)

@@ -88,12 +88,13 @@ from flamia_pack.kernels.fp8_emulation import (
     BLOCK,
     DEFAULT_BOOST_LOG2,
     LOG2E,
-    OperandCodes,
     _check_options,
     _check_tensor,
     _doc_local,
     _fold_p,
     _heads,
+    _heads_lo,
+    _on_cpu,
     _prepare,
     TILE_ALIGN,
     _segments,
@@ -200,6 +201,9 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
         kc, ek = _heads(ko.codes, ko.exponents, lo, hi, g)
         vc, ev = _heads(vo.codes, vo.exponents, lo, hi, g)
         dc, edo = _heads(dq_.codes, dq_.exponents, lo, hi, 1)
+        qcl, kcl = _heads_lo(qo, lo, hi, 1), _heads_lo(ko, lo, hi, g)  # two-term residuals, or None
+        qcp = qc if qcl is None else qc + qcl  # the dK / dQ products' operands (exact sums of two codes)
+        kcp = kc if kcl is None else kc + kcl
         # query step m = (i - f) // block_m of each row; a chunk's documents each fit one step (and
         # each key sees its own document only), so a chunk is one step: the bits are the same
         step = (dpos + phase) // block_m if single else torch.zeros(L, dtype=torch.long)
@@ -213,7 +217,8 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
             rows, keys = slice(r0, L), slice(k0, k1)  # rows before r0 see no key of the tile
             vis = visibility(doc, dpos, rows, keys, causal)
             if bf16_scores is None:
-                s = scores(qc[:, rows], eq[:, rows], kc[:, keys], ek[:, keys], qk)
+                s = scores(qc[:, rows], eq[:, rows], kc[:, keys], ek[:, keys], qk,
+                           None if qcl is None else qcl[:, rows], None if kcl is None else kcl[:, keys])
             else:  # positive control: S from the unquantized q, k (does not match the saved LSE)
                 qf, kf = bf16_scores
                 qs = qf[lo:hi].float().transpose(0, 1)[:, rows]
@@ -230,7 +235,7 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
             sig_q = _sigma(uq, -1)
             codes_q = _encode(uq, sig_q)
             fac_q = pow2(sig_q) * scale32
-            dq_acc[:, rows] += exact_mm(codes_q.float(), kc[:, keys]) * fac_q
+            dq_acc[:, rows] += exact_mm(codes_q.float(), kcp[:, keys]) * fac_q
             # dK / dV: per query step of the rows, ascending; one partial per (query head, step)
             parts = []
             srow = step[rows]
@@ -249,7 +254,7 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
             _floor_references(steps, g, boost)
             for sel, ia, um, vis_m, sig_k, _, rho, _, _ in steps:
                 codes_k = _encode(um, sig_k)
-                pk = exact_mm(codes_k.float().transpose(-1, -2), qc[:, ia]) * pow2(sig_k).transpose(-1, -2)
+                pk = exact_mm(codes_k.float().transpose(-1, -2), qcp[:, ia]) * pow2(sig_k).transpose(-1, -2)
                 pvt = _fold_p(p[:, sel].transpose(-1, -2), edo[:, ia], rho, vis_m.transpose(0, 1), boost).float()
                 pv = exact_mm(pvt, dc[:, ia]) * pow2(rho - boost)[..., None]
                 parts.append((pk, pv))
@@ -315,6 +320,7 @@ def fp8_attention_backward(
     stats: Optional[dict] = None,
     mismatch: Optional[str] = None,
     _kernel_head_dims: bool = True,
+    qk_terms: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Emulated FP8 attention backward (module docs give every formula).
 
@@ -331,6 +337,8 @@ def fp8_attention_backward(
         dlse: optional ``(H, T)`` gradient of ``lse``.
         stats: optional dict, filled with the diagnostics of the module docs.
         mismatch: None, ``"bf16_scores"`` (positive control: needs q, k) or ``"bf16_delta"``.
+        qk_terms: the forward's (1 or 2): with 2, S is recomputed from the two-term Q and K and the
+            dQ / dK products contract dS against both terms (``K^ = K_hi + K_lo``), module docs.
 
     Returns:
         ``(dq, dk, dv)`` bfloat16 ``(T, H, D)``, ``(T, H_kv, D)``, ``(T, H_kv, D)``; padding rows 0.
@@ -347,8 +355,8 @@ def fp8_attention_backward(
     if quantized is None:
         q, k, v = (x.detach().cpu() if isinstance(x, torch.Tensor) else x for x in (q, k, v))
     cu, ops, T, H, Hkv, D = _prepare(q, k, v, cu_seqlens, max_seqlen, scale_granularity, quantized,
-                                     _kernel_head_dims)
-    ops = tuple(OperandCodes(x.codes.cpu(), x.exponents.cpu()) for x in ops)
+                                     _kernel_head_dims, qk_terms)
+    ops = tuple(_on_cpu(x) for x in ops)
     do = _check_tensor("do", do).detach().cpu()
     if tuple(do.shape) != (T, H, D):
         raise FlamiaError(f"do must be (T, H, D) = {(T, H, D)}, got {tuple(do.shape)}")

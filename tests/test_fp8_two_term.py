@@ -1,0 +1,110 @@
+"""The FP8 emulation's two-term Q / K mode (``qk_terms=2``: each of Q and K an E4M3 code plus an E4M3 residual code
+on the same exponent; S from three FP8 products): residual codes, exact scores, accuracy against fp64, the
+autograd wrapper, causality, errors (CPU)."""
+import pytest
+import torch
+
+from flamia_pack import FlamiaError
+from flamia_pack.kernels.fp8_emulation import fp8_attention_forward, fp8_varlen_attention_emulated, scores
+from flamia_pack.kernels.fp8_emulation_bwd import fp8_attention_backward
+from flamia_pack.kernels.reference import packed_attention_reference, packed_attention_reference_bwd
+from flamia_pack.quant import UE8M0_BIAS, quantize_token_blocks, residual_codes
+
+
+def _cos(a, b):
+    return float(torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+
+
+def _row(seed, lens=(300, 1, 211, 400), outliers=True, heads=(2, 1)):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens) + 3  # row-end padding
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    q = torch.randn((T, heads[0], 128), generator=g).bfloat16()
+    k, v = (torch.randn((T, heads[1], 128), generator=g).bfloat16() for _ in range(2))
+    if outliers:
+        k[:, :, [5, 17, 40, 99]] *= 20
+    return q, k, v, cu
+
+
+def test_residual_codes_capture_what_the_codes_leave_out():
+    q, k, _, cu = _row(0)
+    qz = quantize_token_blocks(k, cu, "block")
+    lo = residual_codes(k, qz)
+    y = k.double() * torch.exp2(-(qz.exponents.double() - UE8M0_BIAS))[..., None]
+    hi = qz.codes.double()
+    err1, err2 = (y - hi).abs(), (y - hi - lo.double()).abs()
+    assert lo.dtype == torch.float8_e4m3fn and lo.shape == k.shape
+    assert float(lo.double().abs().max()) <= 16.0  # half a code ulp at the top binade
+    assert torch.all(err2 <= err1) and float(err2.sum()) < float(err1.sum()) / 8
+    # the residual is the E4M3 rounding of an exact difference: its own error is at most half its ulp
+    assert torch.all(err2 <= (y - hi).abs() * 2.0 ** -4 + 2.0 ** -10)
+    bad = k.clone()
+    bad[7, 0, 3] = float("nan")
+    qb = quantize_token_blocks(bad, cu, "block", check_finite=False)
+    assert torch.isnan(residual_codes(bad, qb)[7].float()).all()  # the NaN group's residual is NaN
+
+
+def test_two_term_scores_are_the_three_products_rounded_once():
+    g = torch.Generator().manual_seed(1)
+    q, k = ((torch.randn((1, 40, 128), generator=g) * 30).to(torch.float8_e4m3fn).double() for _ in range(2))
+    ql, kl = (torch.randn((1, 40, 128), generator=g).to(torch.float8_e4m3fn).double() for _ in range(2))
+    e = torch.zeros((1, 40), dtype=torch.int32)
+    qk = torch.tensor(0.125, dtype=torch.float32)
+    got = scores(q, e, k, e, qk, ql, kl)
+    exact = q[0] @ k[0].T + q[0] @ kl[0].T + ql[0] @ k[0].T  # fp64: exact for E4M3 codes
+    assert torch.equal(got[0], exact.float() * qk)
+    assert torch.equal(scores(q, e, k, e, qk), scores(q, e, k, e, qk, None, None))
+
+
+@pytest.mark.parametrize("outliers", [False, True])
+def test_two_terms_reach_the_issues_cosines_where_one_term_does_not(outliers):
+    """Issues 27 / 28 ask cos(O) >= 0.9990 and dQ / dK / dV >= 0.9980 / 0.9980 / 0.9985 against fp32, on N(0, 1)
+    and with four K channels x 20. One term misses them (E4M3 rounding of Q and K); two terms meet them here."""
+    q, k, v, cu = _row(2, outliers=outliers)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    o_ref, lse_ref = packed_attention_reference(qd, kd, vd, cu, return_lse=True, compute_dtype=torch.float64)
+    ref = packed_attention_reference_bwd(do.double(), qd, kd, vd, o_ref, lse_ref, cu, compute_dtype=torch.float64)
+    got = {}
+    for terms in (1, 2):
+        o, lse = fp8_attention_forward(q, k, v, cu, qk_terms=terms)
+        grads = fp8_attention_backward(do, q, k, v, o, lse, cu, qk_terms=terms)
+        got[terms] = [_cos(o, o_ref)] + [_cos(a, r) for a, r in zip(grads, ref)]
+    assert all(x >= t for x, t in zip(got[2], (0.9990, 0.9980, 0.9980, 0.9985))), got
+    assert all(b > a for a, b in zip(got[1], got[2])), got
+    if outliers:
+        assert got[1][0] < 0.9990 and got[1][1] < 0.9980, got  # one term misses there
+
+
+def test_autograd_wrapper_is_the_forward_and_backward():
+    q, k, v, cu = _row(4, lens=(200, 70))
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).bfloat16()
+    o, lse = fp8_attention_forward(q, k, v, cu, qk_terms=2)
+    grads = fp8_attention_backward(do, q, k, v, o, lse, cu, qk_terms=2)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    oa = fp8_varlen_attention_emulated(*leaves, cu, qk_terms=2)
+    oa.backward(do)
+    assert torch.equal(oa, o)
+    assert all(torch.equal(x.grad, g) for x, g in zip(leaves, grads))
+    assert not torch.equal(o, fp8_attention_forward(q, k, v, cu)[0])  # the mode changes the bits
+
+
+def test_two_terms_keep_token_mode_causal():
+    q, k, v, cu = _row(6, lens=(500,), outliers=False)
+    cut = 233
+    k2, v2 = k.clone(), v.clone()
+    k2[cut:500] = torch.randn_like(k2[cut:500].float()).bfloat16() * 40
+    v2[cut:500] = -v2[cut:500]
+    a, _ = fp8_attention_forward(q, k, v, cu, scale_granularity="token", qk_terms=2)
+    b, _ = fp8_attention_forward(q, k2, v2, cu, scale_granularity="token", qk_terms=2)
+    assert torch.equal(a[:cut], b[:cut]) and not torch.equal(a[cut:500], b[cut:500])
+
+
+def test_two_term_errors():
+    q, k, v, cu = _row(7, lens=(64,))
+    for bad in (0, 3, True, "2", 2.0):
+        with pytest.raises(FlamiaError, match="qk_terms must be 1"):
+            fp8_attention_forward(q, k, v, cu, qk_terms=bad)
+    quant = tuple(quantize_token_blocks(x, cu, "block") for x in (q, k, v))
+    with pytest.raises(FlamiaError, match="not quantized="):
+        fp8_attention_forward(None, None, None, cu, quantized=quant, qk_terms=2)
