@@ -188,13 +188,20 @@ def test_gpu_fp8_path_with_rotation_matches_the_emulation_and_beats_no_rotation(
     assert _cos(gpu[2], ref[1]) > _cos(plain[2], ref[1])
 
 
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
 @pytest.mark.parametrize("lens, gran", [([300, 1, 77, 130], "block"), ([64, 64], "token"), ([200], "block")])
-def test_quantizer_fused_rotation_is_bitwise_the_torch_rotation(lens, gran):
-    """``quantize_qkv(rotate_qk=True)`` (the GPU path's quantizer, here in Triton's interpreter) rotates q and k inside
-    the kernel, halo rows of straddling groups included: codes (both layouts), exponents bitwise those of
-    ``rotate_qk`` then the reference quantizer; V untouched."""
+def test_quantizer_fused_rotation_is_bitwise_the_torch_rotation(lens, gran, device):
+    """``quantize_qkv(rotate_qk=True)`` (the GPU path's quantizer; on the CPU in Triton's interpreter) rotates q and k
+    inside the kernel, halo rows of straddling groups included: codes (both layouts), exponents bitwise those of
+    ``rotate_qk`` (CPU, fp32) then the reference quantizer; V untouched; a NaN token's group gets the non-finite
+    exponent byte (255) on every path (the GPU's canonical NaN, 0x7FFFFFFF, must survive the kernel's integer
+    rounding to bf16)."""
     from flamia_pack.kernels.quantize import quantize_qkv
-    from flamia_pack.quant import quantize_token_blocks
+    from flamia_pack.quant import UE8M0_NAN, quantize_token_blocks
 
     g = torch.Generator().manual_seed(len(lens))
     T = sum(lens) + 5  # row-end padding
@@ -202,13 +209,30 @@ def test_quantizer_fused_rotation_is_bitwise_the_torch_rotation(lens, gran):
     q = torch.randn((T, 2, 128), generator=g).bfloat16()
     k, v = (torch.randn((T, 1, 128), generator=g).bfloat16() for _ in range(2))
     k[:, :, 5] *= 20
-    got = quantize_qkv(q, k, v, cu, gran, transposed=(True, True, True), wgmma_order=(False, False, False),
-                       transposed_store="triton", rotate_qk=True, hw_cvt=False)
+    q[lens[0] // 2, 1, 7] = float("nan")
+    got = quantize_qkv(*(x.to(device) for x in (q, k, v)), cu.to(device), gran, transposed=(True, True, True),
+                       wgmma_order=(False, False, False), transposed_store="triton", rotate_qk=True,
+                       hw_cvt=None if device == "cuda" else False, check_finite=False)
     qr, kr = rotate_qk(q, k)
     for x, o in zip((qr, kr, v), got):
-        ref = quantize_token_blocks(x, cu, gran)
-        assert torch.equal(o.codes.view(torch.uint8), ref.codes.view(torch.uint8))
-        assert torch.equal(o.exponents, ref.exponents)
-        assert torch.equal(o.codes_t.view(torch.uint8), ref.codes.view(torch.uint8).permute(1, 2, 0))
+        ref = quantize_token_blocks(x, cu, gran, check_finite=False)
+        ok = (ref.exponents != UE8M0_NAN)[..., None].expand(ref.codes.shape)
+        assert torch.equal(o.exponents.cpu(), ref.exponents)
+        assert torch.equal(o.codes.cpu().view(torch.uint8)[ok], ref.codes.view(torch.uint8)[ok])
+        assert torch.equal(o.codes_t.cpu().view(torch.uint8).permute(2, 0, 1)[ok], ref.codes.view(torch.uint8)[ok])
+    assert int((got[0].exponents.cpu() == UE8M0_NAN).sum()) >= 1
     with pytest.raises(FlamiaError, match="fused qk rotation takes bfloat16"):
         quantize_qkv(q.float(), k.float(), v.float(), cu, gran, rotate_qk=True)
+
+
+def test_rotation_overflow_check_reads_the_documents_only():
+    """Finite huge values in the row-end padding (never read) are no overflow error; in a document they are."""
+    q, k, v, cu, m = _row(8, lens=(40, 24))
+    q = torch.cat([q, torch.zeros_like(q[:6])])
+    k, v = (torch.cat([x, torch.zeros_like(x[:6])]) for x in (k, v))
+    q[66:] = 3e38
+    o = varlen_attention(q, k, v, cu, m, precision="fp8", qk_rotation="hadamard")
+    assert torch.isfinite(o).all() and torch.equal(o[64:], torch.zeros_like(o[64:]))
+    q[10] = 3e38
+    with pytest.raises(FlamiaError, match="overflowed"):
+        varlen_attention(q, k, v, cu, m, precision="fp8", qk_rotation="hadamard")

@@ -229,6 +229,9 @@ class _FP8Attention(torch.autograd.Function):
                 deterministic=False, rotate_qk=False):
         if quantizer is None:
             ops = fp8_quantize(q, k, v, cu32, granularity, backward=True, rotate_qk=rotate_qk)
+        elif rotate_qk:
+            raise FlamiaError("_FP8Attention: a custom quantizer with rotate_qk=True (the quantizer must rotate; "
+                              "pass the rotation in it and rotate_qk=False)")
         else:
             ops = quantizer(q, k, v, cu32)
         o, lse = fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)
@@ -282,9 +285,14 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
             raise FlamiaError(f"FP8 attention supports head_dim in (64, 128), got {D}")
         softmax_scale = softmax_scale * rotation_scale_factor(D)
     if qk_rotation is not None and not use_kernels:  # (the GPU path rotates inside its quantizer)
-        finite = bool(torch.isfinite(q).all() and torch.isfinite(k).all())  # (CPU: no sync)
+        n = int(cu32[-1]) if cu32.numel() else 0  # the documents' tokens: the row-end padding is never read
+
+        def finite(*xs):
+            return all(bool(torch.isfinite(x[:n]).all()) for x in xs)  # (CPU: no sync)
+
+        was_finite = finite(q, k)
         q, k = rotate_qk(q, k)
-        if finite and not bool(torch.isfinite(q).all() and torch.isfinite(k).all()):
+        if was_finite and not finite(q, k):
             raise FlamiaError(f"qk_rotation='hadamard' overflowed {q.dtype}: a rotated entry is up to sum |x| / 8 over "
                               "the head's channels; scale q and k down (and softmax_scale up) or leave qk_rotation off")
     if not use_kernels:

@@ -587,8 +587,9 @@ class _FP8Emulated(torch.autograd.Function):
                                block_m=opts["block_m"], block_n=opts["block_n"], boost=opts["boost_log2"],
                                pv_accumulator=opts["pv_accumulator"], leaky_reference=False, stats=None)
         # the forward's codes are saved for the backward (no re-quantization; same bits either way)
-        ctx.save_for_backward(*(t for op in ops for t in op[:2]), o, lse)
-        ctx.lo = (ops[0].codes_lo, ops[1].codes_lo)  # None, or the two-term residual codes (not graph inputs)
+        ctx.two_term = ops[0].codes_lo is not None
+        lo = (ops[0].codes_lo, ops[1].codes_lo) if ctx.two_term else ()  # qk_terms=2: the residual codes
+        ctx.save_for_backward(*(t for op in ops for t in op[:2]), o, lse, *lo)
         ctx.cu, ctx.opts, ctx.shape = cu, opts, (T, H, Hkv, D)
         ctx.dtypes, ctx.dev = (q.dtype, k.dtype, v.dtype), dev
         return o.to(dev)
@@ -598,10 +599,11 @@ class _FP8Emulated(torch.autograd.Function):
     def backward(ctx, do):
         from flamia_pack.kernels.fp8_emulation_bwd import BWD_BLOCK_M, _backward_impl
 
-        qc, qe, kc, ke, vc, ve, o, lse = ctx.saved_tensors
+        qc, qe, kc, ke, vc, ve, o, lse, *lo = ctx.saved_tensors
+        lo = lo if ctx.two_term else (None, None)
         T, H, Hkv, D = ctx.shape
         opts = ctx.opts
-        ops = (OperandCodes(qc, qe, ctx.lo[0]), OperandCodes(kc, ke, ctx.lo[1]), OperandCodes(vc, ve))
+        ops = (OperandCodes(qc, qe, lo[0]), OperandCodes(kc, ke, lo[1]), OperandCodes(vc, ve))
         if not bool(torch.isfinite(do).all()):
             raise FlamiaError("the gradient reaching varlen_attention(precision='fp8') holds NaN / Inf: the FP8 "
                               "backward quantizes dO to E4M3 and needs it finite (check the loss and the layers "

@@ -13,9 +13,11 @@ What it computes: ``q' = q M``, ``k' = k M`` with ``M = 2^-s H_D`` (``H_D`` the 
 matrix of +-1 entries, ``s = floor(log2(D) / 2)``), so ``q' k'^T = 2^(log2(D) - 2s) q k^T`` and the
 call's ``softmax_scale`` is divided by that power of two (:func:`rotation_scale_factor`): scores,
 softmax, LSE and O are those of the unrotated call up to rounding. ``M``'s entries are exact in
-bf16 and the factor is a power of two, so the only new rounding is the product's (computed in fp32 by
-the matmul, rounded once to the input dtype: ~2^-9 relative in bf16, against E4M3's 2^-4). Gradients
-flow through the matmul (``dq = dq' M^T``).
+bf16 and the factor is a power of two, so the only new rounding is the product's: summed in fp32 (each
+term ``x_d 2^-s`` is exact; the sum of 128 of them is exact unless their binades span more than fp32's
+24 bits, which bf16 rows almost never do), rounded once to bf16 (~2^-9 relative, against E4M3's 2^-4);
+float16 inputs keep the fp32 product (no 65,504 overflow). Gradients flow through the matmul
+(``dq = dq' M^T``; on the GPU path the backward multiplies the bf16 dQ and dK by ``M``).
 
 Causal safety: the rotation mixes the channels of one token of one head, never tokens, so it adds no
 dependency between positions; the leak probe's guarantees (``"token"``: bitwise, ``"block"``: the

@@ -265,9 +265,10 @@ if HAS_TRITON:
         if ROTATE:  # x M in fp32, rounded once to bf16: the rows qk_rotation.rotate_qk gives (BLOCK_D == D)
             rot = tl.load(rot_ptr + offs_d[:, None] * BLOCK_D + offs_d[None, :])
             # rounded to the nearest bf16 (ties to even) by integer ops, kept as float32: Triton's
-            # interpreter (whose bf16 cast truncates) and the GPU agree; Inf / NaN stay Inf / NaN
+            # interpreter (whose bf16 cast truncates) and the GPU agree; Inf stays Inf, and a NaN (whose
+            # bits the rounding could carry into the sign: the GPU's 0x7FFFFFFF) becomes 0x7FC00000
             rb = tl.dot(x, rot).to(tl.int32, bitcast=True)
-            rb = (rb + 0x7FFF + ((rb >> 16) & 1)) & -65536
+            rb = tl.where((rb & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, (rb + 0x7FFF + ((rb >> 16) & 1)) & -65536)
             x = rb.to(tl.float32, bitcast=True)
             bits = rb & 0x7FFFFFFF
         elif X_BF16:
@@ -319,7 +320,8 @@ if HAS_TRITON:
             if ROTATE:
                 xb = tl.reshape(tl.dot(tl.reshape(xb, (GROUP, BLOCK_D)), rot), (GROUP * BLOCK_D,))
                 xb = xb.to(tl.int32, bitcast=True)
-                xb = ((xb + 0x7FFF + ((xb >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # as above
+                xb = tl.where((xb & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000,
+                              (xb + 0x7FFF + ((xb >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # as above
             mb = tl.reduce(xb.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0, _MAX)
             ha = start + BLOCK_R + f_row
             if HAS_GS:
@@ -333,7 +335,8 @@ if HAS_TRITON:
             if ROTATE:
                 xa = tl.reshape(tl.dot(tl.reshape(xa, (GROUP, BLOCK_D)), rot), (GROUP * BLOCK_D,))
                 xa = xa.to(tl.int32, bitcast=True)
-                xa = ((xa + 0x7FFF + ((xa >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # as above
+                xa = tl.where((xa & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000,
+                              (xa + 0x7FFF + ((xa >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # as above
             ma = tl.reduce(xa.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0, _MAX)
             amax = tl.where(gs == g_first, tl.maximum(amax, mb), amax)
             amax = tl.where(gs == g_last, tl.maximum(amax, ma), amax)
@@ -418,13 +421,19 @@ _ROTATIONS: dict = {}
 
 
 def _rotation(D: int, dev: torch.device) -> torch.Tensor:
-    """``qk_rotation.hadamard_matrix(D)`` in bf16 on ``dev`` (exact: entries +-2^-s), built once per (D, device)."""
-    key = (D, str(dev))
-    if key not in _ROTATIONS:
-        from flamia_pack.kernels.qk_rotation import hadamard_matrix
+    """``qk_rotation.hadamard_matrix(D)`` in bf16 on ``dev`` (exact: entries +-2^-s), built once per (D, device).
 
-        _ROTATIONS[key] = hadamard_matrix(D, torch.bfloat16, dev).contiguous()
-    return _ROTATIONS[key]
+    While a CUDA graph is being captured it is built inside the graph and not cached (a tensor made during
+    capture holds its values only once the graph replays)."""
+    from flamia_pack.kernels.qk_rotation import hadamard_matrix
+
+    key = (D, str(dev))
+    if key in _ROTATIONS:
+        return _ROTATIONS[key]
+    m = hadamard_matrix(D, torch.bfloat16, dev).contiguous()
+    if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _ROTATIONS[key] = m
+    return m
 
 
 def _search_steps(n_docs: int) -> int:
