@@ -22,16 +22,16 @@ from flamia_pack.kernels.gluon_compile import compile_sm90, loop_chains, mma_ste
 
 
 def run(D=128, BM=None, BN=None, STAGES=None, GROUP=1, dump=False, KIND="dkdv", CAUSAL=True,
-        DQ_REDUCE=False, PERSISTENT=False, PINGPONG=False, PV_PROMOTE=False):
+        DQ_REDUCE=False, PERSISTENT=False, PINGPONG=False, PV_PROMOTE=False, QK_LO=False):
     name = (f"{KIND} D{D} BM{BM or 'default'} BN{BN or 'default'} S{STAGES or 'default'} G{GROUP}"
             f"{' persistent' if PERSISTENT else ''}"
             f"{' pingpong' if PINGPONG and KIND in ('fwd', 'fp8_fwd') else ''}"
-            f"{' pv_promote' if PV_PROMOTE and KIND == 'fp8_fwd' else ''}"
+            f"{' pv_promote' if PV_PROMOTE and KIND == 'fp8_fwd' else ''}{' qk_lo' if QK_LO else ''}"
             f"{' dq_reduce' if DQ_REDUCE else ''}{' noncausal' if KIND in ('fwd', 'fp8_fwd') and not CAUSAL else ''}")
     try:
         r = compile_sm90(KIND, head_dim=D, block_m=BM, block_n=BN, stages=STAGES, group=GROUP,
                          causal=CAUSAL, dq_reduce=DQ_REDUCE, persistent=PERSISTENT, pingpong=PINGPONG,
-                         **({"pv_promote": True} if PV_PROMOTE else {}))
+                         **({"pv_promote": True} if PV_PROMOTE else {}), **({"qk_lo": True} if QK_LO else {}))
     except Exception as e:
         print(f"{name}: COMPILE ERROR {type(e).__name__}: {str(e)[:3000]}")
         return

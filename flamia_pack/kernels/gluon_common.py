@@ -295,7 +295,8 @@ def _rows_geometry(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, GROU
 @gluon.jit
 def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
                         rs, o_lo, h, hk, n_steps, c, j0, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                        HAS_DO: gl.constexpr, V_T: gl.constexpr = False):
+                        HAS_DO: gl.constexpr, V_T: gl.constexpr = False, qlo_desc=None, klo_desc=None,
+                        qlo_smem=None, klo_bufs=None, QK_LO: gl.constexpr = False):
     """One entry's loads for programs that own query rows (dQ, forward): its Q (and dO) tile once
     (``qo_bar``), then its K / V tiles ``j0, ..., n_steps - 1`` into the ring at positions ``c + j``
     (``c + n_steps`` returned; ``j0 > 0``: the forward's item-sharing entries, whose first tiles the
@@ -304,15 +305,20 @@ def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs
     and released through barriers ``STAGES + s``, since its consumer frees K slot ``r`` once ``S_r``
     retired, in step ``r``, and V slot ``r`` only in step ``r + 1``, after ``P_r V_r`` (``_fwd_step``).
     ``V_T``: ``v_desc`` is the feature-major copy (``(H_kv * D, T)``, the FP8 forward's V^T), so a V tile
-    is the ``D x BLOCK_N`` box at ``[hk * D, row]``."""
+    is the ``D x BLOCK_N`` box at ``[hk * D, row]``. ``QK_LO`` (the FP8 forward's two-term Q and K): each Q
+    tile's residual codes ride on the Q barrier and each K tile's on the K barrier."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     if HAS_DO:
         mbarrier.expect(qo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    elif QK_LO:
+        mbarrier.expect(qo_bar, q_desc.block_type.nbytes + qlo_desc.block_type.nbytes)
     else:
         mbarrier.expect(qo_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [rs, h * HEAD_DIM], qo_bar, q_smem)
     if HAS_DO:
         tma.async_copy_global_to_shared(do_desc, [rs, h * HEAD_DIM], qo_bar, do_smem)
+    if QK_LO:
+        tma.async_copy_global_to_shared(qlo_desc, [rs, h * HEAD_DIM], qo_bar, qlo_smem)
     for j in range(j0, n_steps):
         r = c + j  # ring position (c is the literal 0 for one-entry programs)
         s = r % STAGES
@@ -323,7 +329,11 @@ def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs
             tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], ready.index(s), k_bufs.index(s))
             tma.async_copy_global_to_shared(v_desc, [row, hk * HEAD_DIM], ready.index(s), v_bufs.index(s))
         else:  # forward: K slot s (barriers s) frees a step before V slot s (barriers STAGES + s)
-            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes)
+            if QK_LO:
+                mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + klo_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(klo_desc, [row, hk * HEAD_DIM], ready.index(s), klo_bufs.index(s))
+            else:
+                mbarrier.expect(ready.index(s), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], ready.index(s), k_bufs.index(s))
             mbarrier.wait(empty.index(STAGES + s), ((r // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(STAGES + s), v_desc.block_type.nbytes)
@@ -341,7 +351,8 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
                         qo_ready, qo_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr, max_entries,
                         skip_len, total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr, IS_FWD: gl.constexpr,
-                        V_T: gl.constexpr = False):
+                        V_T: gl.constexpr = False, qlo_desc=None, klo_desc=None, qlo_bufs=None, klo_bufs=None,
+                        QK_LO: gl.constexpr = False):
     """Persistent dQ / forward programs' producer: as ``_dkdv_producer_loop`` (global counter, the
     index and geometry handed over in ``t_smem``), the Q (and dO) tiles in slot ``n % 2``, the K / V ring
     running on. ``V_T`` (the FP8 forward, ``v_desc`` over V^T, as ``_rows_produce_entry``): each entry's
@@ -371,9 +382,15 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
                 ph = 0  # the tenth hand-over value (rel) is read only by ITEMS consumers
             slot = _claim_slot(qo_empty, n)
             _handoff_store(t_smem.index(slot), idx_layout, t, h, hk, rs, re, o_lo, o_hi, u1, n_steps, ph)
-            c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
-                                    k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
-                                    c, 0, HEAD_DIM, BLOCK_N, not IS_FWD, V_T)
+            if QK_LO:
+                c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
+                                        k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
+                                        c, 0, HEAD_DIM, BLOCK_N, not IS_FWD, V_T, qlo_desc, klo_desc,
+                                        qlo_bufs.index(slot), klo_bufs, True)
+            else:
+                c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
+                                        k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
+                                        c, 0, HEAD_DIM, BLOCK_N, not IS_FWD, V_T)
             n += 1
         t = t_next
     slot = _claim_slot(qo_empty, n)

@@ -96,7 +96,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
                  stages: int | None = None, group: int = 1, causal: bool = True, dq_reduce: bool = False,
                  persistent: bool = False, pingpong: bool = False, items_whole: bool = False,
                  wl_block_m: int = 128, part_skip: bool = False, pv_promote: bool = False,
-                 masked_tile0: bool = False, deterministic: bool = False) -> dict:
+                 masked_tile0: bool = False, deterministic: bool = False, qk_lo: bool = False) -> dict:
     """Compile one Gluon attention kernel for sm_90a and report (no GPU needed).
 
     Pointer and stride arguments are marked divisible by 16 as the launcher's specialization does at
@@ -115,6 +115,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         pv_promote: ``gluon_fp8_fwd(pv_promote=)``.
         masked_tile0: ``gluon_fp8_fwd(masked_tile0=)``.
         deterministic: ``gluon_fp8_bwd(deterministic=)``.
+        qk_lo: ``gluon_fp8_fwd(qc_lo=, kc_lo=)`` given (two-term Q and K).
 
     Returns:
         dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
@@ -172,14 +173,15 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         extra = {"qt_desc": mangle_type(fp8_descriptor_t(xt8, bm)), "dot_desc": mangle_type(fp8_descriptor_t(xt8, bm)),
                  "kt_desc": mangle_type(fp8_descriptor_t(xt8, bn)), "FQ": "*fp32", "FDO": "*fp32", "ENTRIES": "*i32",
                  "n_entries_ptr": "*i32", "SEM": "*i32", "SEM_BASE": "*i32"}
-    types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": v_desc, "LSE": "*fp32", "DELTA": "*fp32",
+    types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": v_desc, "qlo_desc": rows, "klo_desc": walked, "LSE": "*fp32", "DELTA": "*fp32",
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",
              "cu_ptr": "*i32", "counter_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc,
              "EQ": "*u8", "FK": "*fp32", "FV": "*fp32", **extra}
     consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, WL_BM=wl_block_m, STAGES=st,
                   CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce), PERSISTENT=bool(persistent),
                   PINGPONG=bool(pingpong), ITEMS=bool(items_whole), PART_SKIP=bool(part_skip), BOOST=BOOST_LOG2,
-                  PV_PROMOTE=bool(pv_promote), MASKED_TILE0=bool(masked_tile0), DETERMINISTIC=bool(deterministic))
+                  PV_PROMOTE=bool(pv_promote), MASKED_TILE0=bool(masked_tile0), DETERMINISTIC=bool(deterministic),
+                  QK_LO=bool(qk_lo))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

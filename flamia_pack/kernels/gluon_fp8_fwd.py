@@ -370,11 +370,24 @@ def _promote(acc, pv, alpha, r, BOOST: gl.constexpr, acc_layout: gl.constexpr):
 
 
 @gluon.jit
+def _s_issue(q_smem, qlo_smem, k_bufs, klo_bufs, s, zero, QK_LO: gl.constexpr):
+    """Issue ``S = Q K^T`` for ring slot ``s`` (asynchronous FP8 wgmma into a zero accumulator); ``QK_LO``
+    (two-term Q and K, ``fp8_emulation.scores(qc_lo=, kc_lo=)``): ``+ Q K_lo^T + Q_lo K^T`` onto the same
+    accumulator, three products in flight (``lo.lo`` left out)."""
+    st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    if QK_LO:
+        st = warpgroup_mma(q_smem, klo_bufs.index(s).permute((1, 0)), st, is_async=True)
+        st = warpgroup_mma(qlo_smem, k_bufs.index(s).permute((1, 0)), st, is_async=True)
+    return st
+
+
+@gluon.jit
 def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi, lim, row_f,
               j, c, n_steps, acc, p_prev, m_i, l_i, r_i, r_run, a_i, turn, k_turn, MASKED: gl.constexpr,
               BOOST: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr,
               s_layout: gl.constexpr, op_layout: gl.constexpr, acc_layout: gl.constexpr, WG: gl.constexpr,
-              PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr):
+              PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr, qlo_smem=None, klo_bufs=None,
+              QK_LO: gl.constexpr = False):
     """Walked tile ``j >= 1``: ``P~_{j-1} V_{j-1}`` issued first, then ``S_j``, both in flight together;
     tile ``j``'s softmax and fold once both retired (with ``PINGPONG`` under the other partition's
     products). Returns ``(acc, P~_j, m, l, r, r_run, alpha)``. ``PINGPONG``: the two products are issued in
@@ -386,6 +399,7 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, str
     pipeline stage (ptxas serializes the products otherwise, C7513: the softmax would write the next
     product's A registers while this one is in flight)."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
+    S_GROUPS: gl.constexpr = 3 if QK_LO else 1  # wgmma groups of S still in flight when P~V retires
     f_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     r = c + j
     s = r % STAGES
@@ -402,9 +416,9 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, str
         if not PINGPONG:
             mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
         pv = _pv_issue(_words_operand(p_prev, op_layout), v_bufs.index(sp), acc, PV_PROMOTE)
-        st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        st = _s_issue(q_smem, qlo_smem, k_bufs, klo_bufs, s, zero, QK_LO)
         _turn_pass(turn, WG, PINGPONG)
-        pv = warpgroup_mma_wait(1, deps=(pv,))
+        pv = warpgroup_mma_wait(S_GROUPS, deps=(pv,))
         mbarrier.arrive(empty.index(STAGES + sp), count=1)
         acc = _promote(acc, pv, a_i, r_i, BOOST, acc_layout)
         st = warpgroup_mma_wait(0, deps=(st,))
@@ -419,9 +433,9 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, str
         if not PINGPONG:
             mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
         acc = _pv_issue(_words_operand(p_prev, op_layout), v_bufs.index(sp), acc, PV_PROMOTE)
-        st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        st = _s_issue(q_smem, qlo_smem, k_bufs, klo_bufs, s, zero, QK_LO)
         _turn_pass(turn, WG, PINGPONG)
-        acc = warpgroup_mma_wait(1, deps=(acc,))
+        acc = warpgroup_mma_wait(S_GROUPS, deps=(acc,))
         mbarrier.arrive(empty.index(STAGES + sp), count=1)
         st = warpgroup_mma_wait(0, deps=(st,))
         mbarrier.arrive(empty.index(s), count=1)
@@ -439,7 +453,7 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, o_smem, ready, e
                        u1, qk_scale, c, T, turn, k_turn, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr,
                        BOOST: gl.constexpr, PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr,
-                       MASKED_TILE0: gl.constexpr):
+                       MASKED_TILE0: gl.constexpr, qlo_smem=None, klo_bufs=None, QK_LO: gl.constexpr = False):
     """One entry's FP8 forward from ring position ``c`` (returned advanced) by consumer partition ``WG``
     (rows ``WG * BLOCK_M / 2`` on): ``gluon_fwd._fwd_consume_entry`` with the FP8 softmax / fold, O
     through the partition's own bf16 staging rows ``o_smem``. ``PINGPONG``: the entry's products are
@@ -452,6 +466,10 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, o_smem, ready, e
     acc_layout: gl.constexpr = _qgmma_layout(NW, HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
     q_part = q_smem.slice(WG * PART_M, PART_M, dim=0)
+    if QK_LO:
+        qlo_part = qlo_smem.slice(WG * PART_M, PART_M, dim=0)
+    else:
+        qlo_part = q_part
     r0 = rs + WG * PART_M
     q_pos = r0 + gl.arange(0, PART_M, layout=gl.SliceLayout(1, s_layout))
     if CAUSAL:
@@ -474,7 +492,7 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, o_smem, ready, e
     mbarrier.wait(ready.index(s0), (c // STAGES) & 1)
     zero = gl.zeros([PART_M, BLOCK_N], gl.float32, s_layout)
     _turn_wait(turn, k_turn, WG, PINGPONG)
-    st = warpgroup_mma(q_part, k_bufs.index(s0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    st = _s_issue(q_part, qlo_part, k_bufs, klo_bufs, s0, zero, QK_LO)
     _turn_pass(turn, WG, PINGPONG)
     st = warpgroup_mma_wait(0, deps=(st,))
     mbarrier.arrive(empty.index(s0), count=1)
@@ -496,13 +514,13 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, o_smem, ready, e
                                                       stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p,
                                                       m_i, l_i, r_i, r_run, a_i, turn, k_turn, False, BOOST, PART_M,
                                                       BLOCK_N, NW, s_layout, op_layout, acc_layout, WG, PINGPONG,
-                                                      PV_PROMOTE)
+                                                      PV_PROMOTE, qlo_part, klo_bufs, QK_LO)
     for j in range(gl.maximum(u1, 1), n_steps):
         acc, p, m_i, l_i, r_i, r_run, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV,
                                                       stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p,
                                                       m_i, l_i, r_i, r_run, a_i, turn, k_turn, True, BOOST, PART_M,
                                                       BLOCK_N, NW, s_layout, op_layout, acc_layout, WG, PINGPONG,
-                                                      PV_PROMOTE)
+                                                      PV_PROMOTE, qlo_part, klo_bufs, QK_LO)
     a = _words_operand(p, op_layout)
     r = c + n_steps - 1
     sl = r % STAGES
@@ -540,7 +558,7 @@ def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, f_smem, v_fsmem, o_smem, ready, e
                        total, T, turn, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        WL_BM: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr,
                        BOOST: gl.constexpr, PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr,
-                       MASKED_TILE0: gl.constexpr):
+                       MASKED_TILE0: gl.constexpr, qlo_bufs, klo_bufs, QK_LO: gl.constexpr):
     """Consumer partition ``WG`` of the persistent FP8 forward: the entries the producer hands over
     (both partitions run every entry, so with ``PINGPONG`` their turns stay paired: entry ``n`` from
     ring position ``c`` takes turns ``c + n, ..., c + n + n_steps``)."""
@@ -559,17 +577,18 @@ def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, f_smem, v_fsmem, o_smem, ready, e
                                qo_ready.index(slot), (n // QO_STAGES) & 1, qo_empty.index(slot), O, LSE, EQ, FK, FV,
                                stride_ot, stride_lh, stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1,
                                qk_scale, c, T, turn, c + n, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, WG, NW, BOOST, PINGPONG,
-                               PV_PROMOTE, MASKED_TILE0)
+                               PV_PROMOTE, MASKED_TILE0, qlo_bufs.index(slot), klo_bufs, QK_LO)
         n += 1
         t = _next_entry(qo_ready, t_smem, n, idx_layout)
 
 
 @gluon.jit
-def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, FK, FV, items_ptr, num_items_ptr, cu_ptr, max_entries,
-                    skip_len, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, total, T, counter_ptr,
+def _fp8_fwd_kernel(q_desc, k_desc, v_desc, qlo_desc, klo_desc, O, LSE, EQ, FK, FV, items_ptr, num_items_ptr, cu_ptr,
+                    max_entries, skip_len, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, total, T, counter_ptr,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr,
-                    PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr, MASKED_TILE0: gl.constexpr):
+                    PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr, MASKED_TILE0: gl.constexpr,
+                    QK_LO: gl.constexpr):
     # one program per SM; two Q slots; the K / V^T ring (split barriers, as the BF16 forward); two 4-warp
     # consumer partitions (PINGPONG: taking turns to issue their products) and the producer warp
     # (gluon_common._rows_producer_loop, V^T boxes on the 16-token grid)
@@ -578,6 +597,12 @@ def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, FK, FV, items_ptr, num_i
     q_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
+    if QK_LO:  # two-term Q and K: the residual codes' tiles beside Q's slots and K's ring
+        qlo_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, HEAD_DIM], qlo_desc.layout)
+        klo_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], klo_desc.layout)
+    else:
+        qlo_bufs = q_bufs
+        klo_bufs = k_bufs
     o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PART_M, HEAD_DIM], gl.bfloat16)
     o_smem = gl.allocate_shared_memory(gl.bfloat16, [PARTS, PART_M, HEAD_DIM], o_layout)
     q_ready, q_empty = _slot_barriers(2, True, PARTS)
@@ -594,15 +619,15 @@ def _fp8_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, EQ, FK, FV, items_ptr, num_i
         (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem0, v_fsmem0, o_smem, ready, empty, q_ready, q_empty, t_smem,
                               O, LSE, EQ, FK, FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr,
                               max_entries, total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 0, 4, BOOST,
-                              PINGPONG, PV_PROMOTE, MASKED_TILE0)),
+                              PINGPONG, PV_PROMOTE, MASKED_TILE0, qlo_bufs, klo_bufs, QK_LO)),
         (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem1, v_fsmem1, o_smem, ready, empty, q_ready, q_empty, t_smem,
                               O, LSE, EQ, FK, FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr,
                               max_entries, total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST,
-                              PINGPONG, PV_PROMOTE, MASKED_TILE0)),
+                              PINGPONG, PV_PROMOTE, MASKED_TILE0, qlo_bufs, klo_bufs, QK_LO)),
         (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
                                q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
                                max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
-                               True, True)),
+                               True, True, qlo_desc, klo_desc, qlo_bufs, klo_bufs, QK_LO)),
     ], [4, 1], [240, 24])
 
 
@@ -673,7 +698,8 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
                   softmax_scale: float, *, causal: bool = True, block_m: int = 128, block_n: int = 128,
                   wl_block_m: int = 128, stages: int = 2, skip_len: int = 1, o: torch.Tensor | None = None,
                   lse: torch.Tensor | None = None, pingpong: bool = True, pv_promote: bool = False,
-                  masked_tile0: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  masked_tile0: bool | None = None, qc_lo: torch.Tensor | None = None,
+                  kc_lo: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed FP8 attention forward, warp-specialized Gluon, sm_90 (module docs: the numerics).
 
     Args:
@@ -701,6 +727,9 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
             on where the mean document length ``T / n_docs`` is at most :data:`MASKED_TILE0_MAX_MEAN`
             tokens (known on the host: no sync; ``scheduler.cost.fp8_masked_tile0``, the rule the cost model
             applies too).
+        qc_lo, kc_lo: two-term Q and K (``fp8_emulation`` ``qk_terms=2``): the residual codes of ``qc`` and
+            ``kc`` (``quant.residual_codes``), same shapes and layout; S is then three FP8 products.
+            Both or neither.
 
     Returns:
         ``(o, lse)``: ``(T, H_q, 128)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
@@ -726,12 +755,19 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
     total = max_entries * H
     if masked_tile0 is None:
         masked_tile0 = fp8_masked_tile0(T, cu_seqlens.numel() - 1, MASKED_TILE0_MAX_MEAN)
+    if (qc_lo is None) != (kc_lo is None) or (qc_lo is not None and (
+            qc_lo.shape != qc.shape or kc_lo.shape != kc.shape or qc_lo.dtype != qc.dtype or kc_lo.dtype != kc.dtype
+            or not qc_lo.is_contiguous() or not kc_lo.is_contiguous())):
+        raise ValueError("gluon_fp8_fwd: qc_lo and kc_lo come together, contiguous, in qc's and kc's shapes and dtype")
     grid = min(total, torch.cuda.get_device_properties(qc.device).multi_processor_count)
+    q_d, k_d = fp8_descriptor(qc, block_m), fp8_descriptor(kc, block_n)
+    two = qc_lo is not None
     _fp8_fwd_kernel[(grid,)](
-        fp8_descriptor(qc, block_m), fp8_descriptor(kc, block_n), fp8_descriptor_t(vt, block_n), o, lse, eq, ek, ev,
+        q_d, k_d, fp8_descriptor_t(vt, block_n), fp8_descriptor(qc_lo, block_m) if two else q_d,
+        fp8_descriptor(kc_lo, block_n) if two else k_d, o, lse, eq, ek, ev,
         items, num_items, cu_seqlens, max_entries, int(skip_len), o.stride(0), lse.stride(0), eq.stride(0),
         ek.stride(0), float(softmax_scale) * LOG2E, total, T, torch.zeros(1, dtype=torch.int32, device=qc.device),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
         CAUSAL=bool(causal), BOOST=BOOST_LOG2, PINGPONG=bool(pingpong), PV_PROMOTE=bool(pv_promote),
-        MASKED_TILE0=bool(masked_tile0), num_warps=CONSUMER_WARPS.value // 2, maxnreg=MAXNREG)
+        MASKED_TILE0=bool(masked_tile0), QK_LO=two, num_warps=CONSUMER_WARPS.value // 2, maxnreg=MAXNREG)
     return o, lse

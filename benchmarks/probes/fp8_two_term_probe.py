@@ -1,0 +1,122 @@
+"""The FP8 forward kernel with two-term Q and K (``gluon_fp8_fwd(qc_lo=, kc_lo=)``) on the GPU: correct, and what it costs.
+
+    PYTHONPATH=. python3 benchmarks/probes/fp8_two_term_probe.py [--rows W1,W3,W7] [--rep 100]
+
+1. **check** (unaligned rows, MHA and GQA, causal and not, "block" and "token"): the kernel with the residual codes
+   (``quant.residual_codes`` of the forward's own codes, made with torch on the GPU) against the CPU emulation's
+   ``qk_terms=2`` forward (cosine of O > 0.9999, |dLSE| < 2e-3: the codes are bitwise the same, the rest differs by
+   MUFU ex2 and the MMA's accumulation, as for one term), and both against the fp32 reference (two terms must be
+   closer than one: printed);
+2. **time**: ``triton.testing.do_bench`` medians of the kernel alone, one term against two terms, same process,
+   on the WORKLOADS rows (16 heads, D 128), with the TFLOP/s of the one-term product count.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from flamia_pack.kernels.fp8_attention import build_fp8_work_list, fp8_quantize  # noqa: E402
+from flamia_pack.kernels.fp8_emulation import fp8_attention_forward as emulated  # noqa: E402
+from flamia_pack.kernels.gluon_fp8_fwd import gluon_fp8_fwd  # noqa: E402
+from flamia_pack.kernels.reference import packed_attention_reference  # noqa: E402
+from flamia_pack.quant import Quantized, residual_codes  # noqa: E402
+
+
+def _cos(a, b):
+    return float(torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+
+
+def residuals(q, k, ops):
+    """The residual codes of the forward's own Q and K codes (two-term operands), on q's device."""
+    return (residual_codes(q, Quantized(ops.qc, ops.eq)).contiguous(),
+            residual_codes(k, Quantized(ops.kc, ops.ek)).contiguous())
+
+
+def run_kernel(q, k, v, cu, causal, gran, two, wl=None):
+    ops = fp8_quantize(q, k, v, cu, gran)
+    wl = wl or build_fp8_work_list(cu, q.shape[0], causal=causal, validate=False)
+    lo = residuals(q, k, ops) if two else (None, None)
+    o, lse = gluon_fp8_fwd(ops.qc, ops.kc, ops.vt, ops.eq, ops.ekt, ops.evt, cu, wl.items, wl.num_items,
+                           q.shape[2] ** -0.5, causal=causal, skip_len=0, qc_lo=lo[0], kc_lo=lo[1])
+    return o, lse, ops, lo, wl
+
+
+def check() -> bool:
+    ok = True
+    rows = [([300, 1, 77, 700, 129], 4, 2), ([1024] * 2, 4, 4), ([5, 250, 1, 600], 2, 1)]
+    for lens, H, Hkv in rows:
+        for causal in (True, False):
+            for gran in ("block", "token"):
+                g = torch.Generator(device="cuda").manual_seed(len(lens))
+                T = sum(lens) + 7
+                cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                q = torch.randn((T, H, 128), generator=g, device="cuda").bfloat16()
+                k, v = (torch.randn((T, Hkv, 128), generator=g, device="cuda").bfloat16() for _ in range(2))
+                k[:, :, [5, 17, 40, 99]] *= 20
+                n = int(cu[-1])
+                o2, lse2, *_ = run_kernel(q, k, v, cu, causal, gran, True)
+                o1, *_ = run_kernel(q, k, v, cu, causal, gran, False)
+                oe, lsee = emulated(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), causal=causal, scale_granularity=gran,
+                                    qk_terms=2)
+                ref = packed_attention_reference(q.float(), k.float(), v.float(), cu.long(), causal=causal)
+                c_em = _cos(o2[:n].cpu(), oe[:n])
+                dl = float((lse2[:, :n].cpu() - lsee[:, :n]).abs().max())
+                good = c_em > 0.9999 and dl < 2e-3 and bool(torch.isfinite(o2[:n]).all())
+                ok &= good
+                print(f"| {lens[:5]} H {H}/{Hkv} | {'causal' if causal else 'full'} | {gran} | kernel vs emulation "
+                      f"cos {c_em:.6f}, max |dLSE| {dl:.1e} | vs fp32: two terms {_cos(o2[:n], ref[:n]):.6f}, one term "
+                      f"{_cos(o1[:n], ref[:n]):.6f} | {'ok' if good else 'FAIL'} |", flush=True)
+    return ok
+
+
+def speed(rows, rep):
+    import triton
+
+    import bench_attention as B
+    from flamia_pack.scheduler.cost import attention_flops
+    from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
+
+    print("| row | one term ms | two terms ms | ratio | one term TFLOP/s |\n|---|---|---|---|---|")
+    for name in rows:
+        inp = B.make_inputs(workload_lengths(name), WORKLOADS[name]["num_heads"], WORKLOADS[name]["num_kv_heads"],
+                            seed=3, device="cuda")
+        q, k, v, cu = inp["q"], inp["k"], inp["v"], inp["cu"]
+        wl = build_fp8_work_list(cu, q.shape[0], causal=True, validate=False)
+        ops = fp8_quantize(q, k, v, cu, "block")
+        qlo, klo = residuals(q, k, ops)
+        t = {}
+        for two in (False, True):
+            kw = dict(qc_lo=qlo, kc_lo=klo) if two else {}
+
+            def fn(kw=kw):
+                return gluon_fp8_fwd(ops.qc, ops.kc, ops.vt, ops.eq, ops.ekt, ops.evt, cu, wl.items, wl.num_items,
+                                     q.shape[2] ** -0.5, skip_len=0, **kw)
+            fn()
+            t[two] = triton.testing.do_bench(fn, rep=rep)
+        flops = attention_flops(workload_lengths(name), WORKLOADS[name]["num_heads"], 128)
+        print(f"| {name} | {t[False]:.3f} | {t[True]:.3f} | {t[True] / t[False]:.3f} | "
+              f"{flops / t[False] / 1e9:.0f} |", flush=True)
+        del inp
+        torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="W1,W3,W7")
+    ap.add_argument("--rep", type=int, default=100)
+    a = ap.parse_args(argv)
+    print(torch.cuda.get_device_name())
+    ok = check()
+    print("check:", "all ok" if ok else "FAILED")
+    if ok:
+        speed(a.rows.split(","), a.rep)
+
+
+if __name__ == "__main__":
+    main()
