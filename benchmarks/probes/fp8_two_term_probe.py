@@ -6,7 +6,8 @@
    (``quant.residual_codes`` of the forward's own codes, made with torch on the GPU) against the CPU emulation's
    ``qk_terms=2`` forward (cosine of O > 0.9999, |dLSE| < 2e-3: the codes are bitwise the same, the rest differs by
    MUFU ex2 and the MMA's accumulation, as for one term), and both against the fp32 reference (two terms must be
-   closer than one: printed);
+   closer than one: printed); the backward kernel with the same codes (``gluon_fp8_bwd(qc_lo=, kc_lo=, kt_lo=)``)
+   against the emulation's ``qk_terms=2`` backward (gradient cosines > 0.999);
 2. **time**: ``triton.testing.do_bench`` medians of the kernel alone, one term against two terms, same process,
    on the WORKLOADS rows (16 heads, D 128), with the TFLOP/s of the one-term product count.
 """
@@ -47,6 +48,35 @@ def run_kernel(q, k, v, cu, causal, gran, two, wl=None):
     return o, lse, ops, lo, wl
 
 
+def run_backward(q, k, v, do, cu, two):
+    """The FP8 forward and backward kernels, one or two terms (block granularity, causal): ``(o, lse, dq, dk, dv)``.
+    dO's codes, Delta and the tables as ``fp8_backward`` makes them; K^T's residual codes in K^T's layout."""
+    from fp8_bwd_probe import quantize_do
+
+    from flamia_pack.kernels.flash_fwd import fill_tails
+    from flamia_pack.kernels.fp8_bwd_prep import fp8_bwd_delta
+    from flamia_pack.kernels.gluon_fp8_bwd import fp8_bwd_entries, gluon_fp8_bwd
+    from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
+
+    T = q.shape[0]
+    ops = fp8_quantize(q, k, v, cu, "block", backward=True)
+    wl = build_fp8_work_list(cu, T, causal=True, validate=False)
+    qlo, klo = residuals(q, k, ops) if two else (None, None)
+    ktlo = None
+    if two:
+        ktlo = torch.zeros(ops.kt.shape[:2] + (ops.kt.stride(1),), dtype=klo.dtype, device=q.device)[:, :, :T]
+        ktlo.copy_(klo.permute(1, 2, 0))
+    o, lse = gluon_fp8_fwd(ops.qc, ops.kc, ops.vt, ops.eq, ops.ekt, ops.evt, cu, wl.items, wl.num_items,
+                           q.shape[2] ** -0.5, skip_len=0, qc_lo=qlo, kc_lo=klo)
+    fill_tails([(o, 0.0, 0), (lse, float("inf"), 1)], cu)
+    d8 = quantize_do(do, cu)
+    delta = fp8_bwd_delta(d8.codes, d8.exponents, o)
+    dq, dk, dv = gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, d8.codes, d8.codes_t, exponent_table(ops.eq),
+                               ops.ekt, ops.evt, exponent_table(d8.exponents), lse, delta, cu, q.shape[2] ** -0.5,
+                               entries=fp8_bwd_entries(cu, T), qc_lo=qlo, kc_lo=klo, kt_lo=ktlo)
+    return o, lse, dq, dk, dv
+
+
 def check() -> bool:
     ok = True
     rows = [([300, 1, 77, 700, 129], 4, 2), ([1024] * 2, 4, 4), ([5, 250, 1, 600], 2, 1)]
@@ -72,6 +102,24 @@ def check() -> bool:
                 print(f"| {lens[:5]} H {H}/{Hkv} | {'causal' if causal else 'full'} | {gran} | kernel vs emulation "
                       f"cos {c_em:.6f}, max |dLSE| {dl:.1e} | vs fp32: two terms {_cos(o2[:n], ref[:n]):.6f}, one term "
                       f"{_cos(o1[:n], ref[:n]):.6f} | {'ok' if good else 'FAIL'} |", flush=True)
+    from flamia_pack.kernels.fp8_emulation_bwd import fp8_attention_backward
+
+    for lens, H, Hkv in rows:
+        g = torch.Generator(device="cuda").manual_seed(7 + len(lens))
+        T = sum(lens) + 7
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q, do = (torch.randn((T, H, 128), generator=g, device="cuda").bfloat16() for _ in range(2))
+        k, v = (torch.randn((T, Hkv, 128), generator=g, device="cuda").bfloat16() for _ in range(2))
+        k[:, :, [5, 17, 40, 99]] *= 20
+        n = int(cu[-1])
+        got = run_backward(q, k, v, do, cu, True)
+        oe, lsee = emulated(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), qk_terms=2)
+        ge = fp8_attention_backward(do.cpu(), q.cpu(), k.cpu(), v.cpu(), oe, lsee, cu.cpu(), qk_terms=2)
+        cs = [_cos(a[:n].cpu(), b[:n]) for a, b in zip(got[2:], ge)]
+        good = min(cs) > 0.999 and all(bool(torch.isfinite(x[:n]).all()) for x in got[2:])
+        ok &= good
+        print(f"| {lens[:5]} H {H}/{Hkv} | backward, kernel vs emulation: dQ / dK / dV cos "
+              f"{' / '.join(f'{c:.5f}' for c in cs)} | {'ok' if good else 'FAIL'} |", flush=True)
     return ok
 
 

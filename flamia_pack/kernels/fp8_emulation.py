@@ -58,10 +58,11 @@ subnormal boundary (seed 001 §4).
 of its residual on the same exponent, ``x 2^-e ~ qc + qc_lo`` (``quant.residual_codes``: ~8 significant
 bits instead of 4), and ``dot_ij = fp32( qc_i.kc_j + qc_i.kc_lo_j + qc_lo_i.kc_j )`` (three FP8 products
 into one accumulator, exact in fp64 and rounded once; ``lo.lo`` left out). The backward recomputes S the
-same way and contracts its dQ / dK payloads against ``kc + kc_lo`` / ``qc + qc_lo``. V, P~, dO and the
-payloads keep one term. It meets issues 27 / 28's cosine targets where one term cannot (E4M3's 3-bit
+same way and contracts its dQ payload against ``kc + kc_lo``; dK's product reads ``qc`` only (a second
+register-A product there makes ptxas serialize the backward's wgmmas; it buys < 4e-4 of cosine). V, P~,
+dO and the payloads keep one term. It meets issues 27 / 28's cosine targets where one term cannot (E4M3's 3-bit
 mantissa on Q and K; benchmarks/RESULTS.md "Session of 2026-12-06 (third)"), for 1.5x the forward's and
-1.8x the backward's MMA work.
+1.6x the backward's MMA work.
 
 ``pv_accumulator``: ``"fp32"`` (default) promotes each tile's exact product into the fp32
 accumulator as above. ``"promote14"`` forms each tile's P~V in 32-key k-steps whose running sum is

@@ -202,8 +202,7 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
         vc, ev = _heads(vo.codes, vo.exponents, lo, hi, g)
         dc, edo = _heads(dq_.codes, dq_.exponents, lo, hi, 1)
         qcl, kcl = _heads_lo(qo, lo, hi, 1), _heads_lo(ko, lo, hi, g)  # two-term residuals, or None
-        qcp = qc if qcl is None else qc + qcl  # the dK / dQ products' operands (exact sums of two codes)
-        kcp = kc if kcl is None else kc + kcl
+        kcp = kc if kcl is None else kc + kcl  # the dQ product's operand (an exact sum of two codes)
         # query step m = (i - f) // block_m of each row; a chunk's documents each fit one step (and
         # each key sees its own document only), so a chunk is one step: the bits are the same
         step = (dpos + phase) // block_m if single else torch.zeros(L, dtype=torch.long)
@@ -254,7 +253,7 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
             _floor_references(steps, g, boost)
             for sel, ia, um, vis_m, sig_k, _, rho, _, _ in steps:
                 codes_k = _encode(um, sig_k)
-                pk = exact_mm(codes_k.float().transpose(-1, -2), qcp[:, ia]) * pow2(sig_k).transpose(-1, -2)
+                pk = exact_mm(codes_k.float().transpose(-1, -2), qc[:, ia]) * pow2(sig_k).transpose(-1, -2)
                 pvt = _fold_p(p[:, sel].transpose(-1, -2), edo[:, ia], rho, vis_m.transpose(0, 1), boost).float()
                 pv = exact_mm(pvt, dc[:, ia]) * pow2(rho - boost)[..., None]
                 parts.append((pk, pv))
@@ -338,7 +337,8 @@ def fp8_attention_backward(
         stats: optional dict, filled with the diagnostics of the module docs.
         mismatch: None, ``"bf16_scores"`` (positive control: needs q, k) or ``"bf16_delta"``.
         qk_terms: the forward's (1 or 2): with 2, S is recomputed from the two-term Q and K and the
-            dQ / dK products contract dS against both terms (``K^ = K_hi + K_lo``), module docs.
+            dQ product contracts dS against both of K's terms (``K_hi + K_lo``); dK reads Q's codes only
+            (its second term costs the kernel its asynchronous wgmmas and buys < 4e-4 of cosine).
 
     Returns:
         ``(dq, dk, dv)`` bfloat16 ``(T, H, D)``, ``(T, H_kv, D)``, ``(T, H_kv, D)``; padding rows 0.

@@ -115,7 +115,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         pv_promote: ``gluon_fp8_fwd(pv_promote=)``.
         masked_tile0: ``gluon_fp8_fwd(masked_tile0=)``.
         deterministic: ``gluon_fp8_bwd(deterministic=)``.
-        qk_lo: ``gluon_fp8_fwd(qc_lo=, kc_lo=)`` given (two-term Q and K).
+        qk_lo: two-term Q and K (``gluon_fp8_fwd(qc_lo=, kc_lo=)``, ``gluon_fp8_bwd(qc_lo=, kc_lo=, kt_lo=)``).
 
     Returns:
         dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
@@ -171,7 +171,8 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         v_desc = walked
         acc = mangle_type(descriptor(x.float(), bm))
         extra = {"qt_desc": mangle_type(fp8_descriptor_t(xt8, bm)), "dot_desc": mangle_type(fp8_descriptor_t(xt8, bm)),
-                 "kt_desc": mangle_type(fp8_descriptor_t(xt8, bn)), "FQ": "*fp32", "FDO": "*fp32", "ENTRIES": "*i32",
+                 "kt_desc": mangle_type(fp8_descriptor_t(xt8, bn)), "ktlo_desc": mangle_type(fp8_descriptor_t(xt8, bn)),
+                 "FQ": "*fp32", "FDO": "*fp32", "ENTRIES": "*i32",
                  "n_entries_ptr": "*i32", "SEM": "*i32", "SEM_BASE": "*i32"}
     types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": v_desc, "qlo_desc": rows, "klo_desc": walked, "LSE": "*fp32", "DELTA": "*fp32",
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",

@@ -126,14 +126,21 @@ def _bulk_wait_all():
 def _bwd_produce(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_bufs, do_bufs, qt_bufs, dot_bufs,
                  k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs, LSE, DELTA, FQ, FDO, stride_lh, stride_f,
                  a, f, m0, n_steps, end, hk, qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_M: gl.constexpr):
+                 BLOCK_M: gl.constexpr, lo, QK_LO: gl.constexpr):
     """The producer warp: K, V, K^T of the tile (``kv_bar``), then per step ``(g, j)`` the query step's
     four tiles into ring slot ``s`` and its vectors into ``ld_bufs[5 s + (0..4)]``: ``LSE log2 e``,
     ``Delta``, ``qk 2^e_q`` (the forward's row factor), ``2^e_q``, ``2^e_do`` (stored before the
-    slot's ``ready`` arrive)."""
+    slot's ``ready`` arrive). ``QK_LO`` (two-term Q and K): ``lo`` = the residual codes' descriptors
+    ``(Q, K, K^T)`` and buffers ``(Q ring, K, K^T)``, loaded on the same barriers."""
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     ld_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes)
+    if QK_LO:
+        qlo_desc, klo_desc, ktlo_desc, qlo_bufs, klo_smem, ktlo_smem = lo
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes + 2 * kt_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(klo_desc, [a, hk * HEAD_DIM], kv_bar, klo_smem)
+        tma.async_copy_global_to_shared(ktlo_desc, [hk * HEAD_DIM, a], kv_bar, ktlo_smem)
+    else:
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [a, hk * HEAD_DIM], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [a, hk * HEAD_DIM], kv_bar, v_smem)
     tma.async_copy_global_to_shared(kt_desc, [hk * HEAD_DIM, a], kv_bar, kt_smem)
@@ -156,7 +163,11 @@ def _bwd_produce(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_
             ld_bufs.index(5 * s + 3).store(fq)
             ld_bufs.index(5 * s + 4).store(fdo)
             gl.thread_barrier()
-            mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes + 2 * qt_desc.block_type.nbytes)
+            if QK_LO:
+                mbarrier.expect(ready.index(s), 3 * q_desc.block_type.nbytes + 2 * qt_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(qlo_desc, [q0, h * HEAD_DIM], ready.index(s), qlo_bufs.index(s))
+            else:
+                mbarrier.expect(ready.index(s), 2 * q_desc.block_type.nbytes + 2 * qt_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [q0, h * HEAD_DIM], ready.index(s), q_bufs.index(s))
             tma.async_copy_global_to_shared(do_desc, [q0, h * HEAD_DIM], ready.index(s), do_bufs.index(s))
             tma.async_copy_global_to_shared(qt_desc, [h * HEAD_DIM, q0], ready.index(s), qt_bufs.index(s))
@@ -169,10 +180,13 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
               dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
               sem_doc, stride_sem, rank,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, DETERMINISTIC: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, DETERMINISTIC: gl.constexpr,
+              lo, QK_LO: gl.constexpr):
     """One query step (module docs); returns ``(dk, dv, sk, rho, sk_run, rho_run)`` with the dK / dV
     products in flight (``sk_run``: per key, the largest dK reference so far; ``rho_run``: a scalar, the
-    largest 2^e_do so far; the floors of the references)."""
+    largest 2^e_do so far; the floors of the references). ``QK_LO`` (two-term Q and K, the emulation's
+    ``qk_terms=2``; ``lo``: the residual codes' buffers ``(Q ring, K, K^T)``): S^T is three products
+    (``K Q^T + K Q_lo^T + K_lo Q^T``) and the dQ partial ``dS (K + K_lo)`` two; dK reads Q's codes only."""
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     s_layout: gl.constexpr = _qgmma_layout(NW, BLOCK_M)
     acc_layout: gl.constexpr = _qgmma_layout(NW, HEAD_DIM)
@@ -200,6 +214,9 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=c > 0)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    if QK_LO:  # the forward's three S products, replicated
+        st = warpgroup_mma(k_smem, lo[0].index(s).permute((1, 0)), st, is_async=True)
+        st = warpgroup_mma(lo[1], q_bufs.index(s).permute((1, 0)), st, is_async=True)
     dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     if MASKED:
         q_pos = q0 + gl.arange(0, BLOCK_M, layout=col)
@@ -257,6 +274,8 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     gl.thread_barrier()
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     dqp = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)), dq_zero, use_acc=False, is_async=True)
+    if QK_LO:
+        dqp = warpgroup_mma(ds_smem, lo[2].permute((1, 0)), dqp, is_async=True)
     dv = dv * gl.convert_layout(gl.minimum(rho * _inv(rho_new), 1.7014118346046923e38), row_acc)[:, None]
     dv = warpgroup_mma(pv8, dot_bufs.index(s).permute((1, 0)), dv, is_async=True)
     dk = dk * gl.convert_layout(gl.minimum(sk * _inv(sk_new), 1.7014118346046923e38), row_acc)[:, None]
@@ -292,8 +311,9 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
                  dq_stage, dq_desc, DK, DV, FK, FV, stride_f, stride_dkt, stride_dvt, a, f, m0, n_steps, u0, u1,
                  start, end, hk, sm_scale, sem_doc, stride_sem, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                  BOOST: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 DETERMINISTIC: gl.constexpr):
-    """The 8-warp consumer of one program: every step of every head of the group, then dK, dV."""
+                 DETERMINISTIC: gl.constexpr, lo, QK_LO: gl.constexpr):
+    """The 8-warp consumer of one program: every step of every head of the group, then dK, dV
+    (``QK_LO``: ``lo`` the residual codes' buffers, :func:`_bwd_step`)."""
     NW: gl.constexpr = CONSUMER_WARPS
     s_layout: gl.constexpr = _qgmma_layout(NW, BLOCK_M)
     acc_layout: gl.constexpr = _qgmma_layout(NW, HEAD_DIM)
@@ -312,6 +332,8 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
     if (a < start) | (a + BLOCK_N > end):  # other documents' keys: 0 in K^T (the dQ partial reads every key)
         if k_nan:  # only where one of their groups' codes may be NaN
             _zero_cols_outside(kt_smem, start - a, end - a, NW)
+            if QK_LO:
+                _zero_cols_outside(lo[2], start - a, end - a, NW)
     rank = (a - f) // BLOCK_N  # the tile's place among its document's programs (the dQ turn order)
     c = 0
     for g in range(GROUP):
@@ -320,19 +342,19 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
                 q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
                 dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
-                sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC)
+                sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC, lo, QK_LO)
             c += 1
         for j in range(u0, u1):
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
                 q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
                 dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
-                sem_doc, stride_sem, rank, False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC)
+                sem_doc, stride_sem, rank, False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC, lo, QK_LO)
             c += 1
         for j in range(u1, n_steps):
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
                 q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
                 dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
-                sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC)
+                sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC, lo, QK_LO)
             c += 1
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     tma.store_wait(0)  # the last reduce has read its staging tile before the program exits
@@ -351,11 +373,12 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
 
 
 @gluon.jit
-def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, dq_desc, LSE, DELTA, FQ, FDO, FK,
-                    FV, DK, DV, ENTRIES, n_entries_ptr, max_entries, stride_lh, stride_f, stride_dkt, stride_dvt,
-                    qk_scale, sm_scale, SEM, SEM_BASE, stride_sem, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    BOOST: gl.constexpr, DETERMINISTIC: gl.constexpr):
+def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, dq_desc, qlo_desc, klo_desc,
+                    ktlo_desc, LSE, DELTA, FQ, FDO, FK, FV, DK, DV, ENTRIES, n_entries_ptr, max_entries, stride_lh,
+                    stride_f, stride_dkt, stride_dvt, qk_scale, sm_scale, SEM, SEM_BASE, stride_sem,
+                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                    QK_LO: gl.constexpr):
     # head-major: entry e of kv head hk (fp8_bwd_entries' decreasing-cost order)
     pid = gl.program_id(0)
     e = pid % max_entries
@@ -393,6 +416,15 @@ def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc,
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, BLOCK_N], ds_layout)
     dq_stage = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_desc.layout)
     ld_bufs = gl.allocate_shared_memory(gl.float32, [5 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    if QK_LO:  # two-term Q and K: the residual codes' tiles (Q ring, K, K^T)
+        qlo_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, HEAD_DIM], qlo_desc.layout)
+        klo_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_N, HEAD_DIM], klo_desc.layout)
+        ktlo_smem = gl.allocate_shared_memory(gl.float8e4nv, [HEAD_DIM, BLOCK_N], ktlo_desc.layout)
+        lo_bufs = (qlo_bufs, klo_smem, ktlo_smem)
+        lo_prod = (qlo_desc, klo_desc, ktlo_desc, qlo_bufs, klo_smem, ktlo_smem)
+    else:
+        lo_bufs = (q_bufs, k_smem, kt_smem)  # unread
+        lo_prod = (q_desc, k_desc, kt_desc, q_bufs, k_smem, kt_smem)
     ready, empty = _slot_barriers(STAGES, True)
     kv_ready, _kv_empty = _slot_barriers(1, False)
     kv_bar = kv_ready.index(0)
@@ -400,10 +432,11 @@ def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc,
         (_bwd_consume, (q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs,
                         ds_smem, dq_stage, dq_desc, DK, DV, FK, FV, stride_f, stride_dkt, stride_dvt, a, f, m0,
                         n_steps, u0, u1, start, end, hk, sm_scale, sem_doc, stride_sem, GROUP, CAUSAL, BOOST,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, DETERMINISTIC)),
+                        HEAD_DIM, BLOCK_M, BLOCK_N, DETERMINISTIC, lo_bufs, QK_LO)),
         (_bwd_produce, (q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_bufs, do_bufs, qt_bufs,
                         dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs, LSE, DELTA, FQ, FDO,
-                        stride_lh, stride_f, a, f, m0, n_steps, end, hk, qk_scale, GROUP, HEAD_DIM, BLOCK_M)),
+                        stride_lh, stride_f, a, f, m0, n_steps, end, hk, qk_scale, GROUP, HEAD_DIM, BLOCK_M,
+                        lo_prod, QK_LO)),
     ], [1], [24])
 
 
@@ -462,7 +495,9 @@ def _turn_counters(cu_seqlens: torch.Tensor, entries: torch.Tensor, T: int, H: i
 
 def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_seqlens, softmax_scale,
                   *, causal: bool = True, stages: int = 2, entries=None, dq_acc: torch.Tensor | None = None,
-                  cast_dq: bool = True, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  cast_dq: bool = True, deterministic: bool = False, qc_lo: torch.Tensor | None = None,
+                  kc_lo: torch.Tensor | None = None,
+                  kt_lo: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 attention backward (module docs), warp-specialized Gluon, sm_90.
 
     Args:
@@ -486,6 +521,9 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
             there; dK and dV are reproducible either way. A program waits only on programs of lower
             index (``fp8_bwd_entries`` orders a document's tiles first to last), which cannot deadlock as
             long as the GPU starts programs in index order (it does on Hopper; CUDA does not promise it).
+        qc_lo, kc_lo, kt_lo: two-term Q and K (``fp8_emulation_bwd`` ``qk_terms=2``, the forward's
+            ``gluon_fp8_fwd(qc_lo=, kc_lo=)``): the residual codes of ``qc``, ``kc`` and ``kt``, same shapes
+            and layouts; S^T is then three FP8 products and the dQ partial two. All three or none.
 
     Returns:
         ``(dq, dk, dv)``: bf16 (``cast_dq=False``: float32) ``(T, H_q, 128)`` and bf16 ``(T, H_kv, 128)`` x 2;
@@ -519,6 +557,11 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
     for name, x in (("lse", lse), ("delta", delta)):
         if x.dtype != torch.float32 or x.shape != (H, T) or x.stride(1) != 1:
             raise ValueError(f"gluon_fp8_bwd: {name} must be float32 ({H}, {T}), got {x.dtype} {tuple(x.shape)}")
+    lo = (qc_lo, kc_lo, kt_lo)
+    if any(x is None for x in lo) != all(x is None for x in lo) or (qc_lo is not None and any(
+            x.dtype != y.dtype or x.shape != y.shape or x.stride() != y.stride() for x, y in zip(lo, (qc, kc, kt)))):
+        raise ValueError("gluon_fp8_bwd: qc_lo, kc_lo, kt_lo come together, in qc's, kc's and kt's dtype, shape and "
+                         "strides")
     dq_acc = torch.zeros((T, H, D), dtype=torch.float32, device=qc.device) if dq_acc is None else dq_acc
     dk = torch.empty((T, Hkv, D), dtype=torch.bfloat16, device=qc.device)
     dv = torch.empty((T, Hkv, D), dtype=torch.bfloat16, device=qc.device)
@@ -532,14 +575,19 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
     else:
         sem, sem_base = n_ent, n_ent  # unread
     if T > 0 and max_entries > 0:
+        q_d, k_d, kt_d = fp8_descriptor(qc, BWD_BLOCK_M), fp8_descriptor(kc, BWD_BLOCK_N), fp8_descriptor_t(kt, BWD_BLOCK_N)
+        two = qc_lo is not None
         _fp8_bwd_kernel[(max_entries * Hkv,)](
-            fp8_descriptor(qc, BWD_BLOCK_M), fp8_descriptor(dc, BWD_BLOCK_M), fp8_descriptor_t(qt, BWD_BLOCK_M),
-            fp8_descriptor_t(dct, BWD_BLOCK_M), fp8_descriptor(kc, BWD_BLOCK_N), fp8_descriptor(vc, BWD_BLOCK_N),
-            fp8_descriptor_t(kt, BWD_BLOCK_N), descriptor(dq_acc, BWD_BLOCK_M), lse, delta, fq, fdo, fk, fv, dk, dv,
+            q_d, fp8_descriptor(dc, BWD_BLOCK_M), fp8_descriptor_t(qt, BWD_BLOCK_M),
+            fp8_descriptor_t(dct, BWD_BLOCK_M), k_d, fp8_descriptor(vc, BWD_BLOCK_N), kt_d,
+            descriptor(dq_acc, BWD_BLOCK_M), fp8_descriptor(qc_lo, BWD_BLOCK_M) if two else q_d,
+            fp8_descriptor(kc_lo, BWD_BLOCK_N) if two else k_d, fp8_descriptor_t(kt_lo, BWD_BLOCK_N) if two else kt_d,
+            lse, delta, fq, fdo, fk, fv, dk, dv,
             ent, n_ent, max_entries, lse.stride(0), fq.stride(0), dk.stride(0), dv.stride(0),
             float(softmax_scale) * LOG2E, float(softmax_scale), sem, sem_base, H,
             GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=stages,
-            CAUSAL=bool(causal), BOOST=BOOST_LOG2, DETERMINISTIC=deterministic, num_warps=CONSUMER_WARPS.value,
+            CAUSAL=bool(causal), BOOST=BOOST_LOG2, DETERMINISTIC=deterministic, QK_LO=two,
+            num_warps=CONSUMER_WARPS.value,
             maxnreg=MAXNREG)
     from flamia_pack.kernels.flash_fwd import fill_tails
 
