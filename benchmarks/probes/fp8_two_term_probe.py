@@ -8,8 +8,9 @@
    MUFU ex2 and the MMA's accumulation, as for one term), and both against the fp32 reference (two terms must be
    closer than one: printed); the backward kernel with the same codes (``gluon_fp8_bwd(qc_lo=, kc_lo=, kt_lo=)``)
    against the emulation's ``qk_terms=2`` backward (gradient cosines > 0.999);
-2. **time**: ``triton.testing.do_bench`` medians of the kernel alone, one term against two terms, same process,
-   on the WORKLOADS rows (16 heads, D 128), with the TFLOP/s of the one-term product count.
+2. **time**: ``triton.testing.do_bench`` medians of each kernel alone (the forward; the backward incl. its dQ
+   accumulator's allocation and cast), one term against two terms, same process, on the WORKLOADS rows (16 heads,
+   D 128), with the forward's TFLOP/s of the one-term product count.
 """
 from __future__ import annotations
 
@@ -48,9 +49,10 @@ def run_kernel(q, k, v, cu, causal, gran, two, wl=None):
     return o, lse, ops, lo, wl
 
 
-def run_backward(q, k, v, do, cu, two):
-    """The FP8 forward and backward kernels, one or two terms (block granularity, causal): ``(o, lse, dq, dk, dv)``.
-    dO's codes, Delta and the tables as ``fp8_backward`` makes them; K^T's residual codes in K^T's layout."""
+def backward_launch(q, k, v, do, cu, two):
+    """The FP8 forward kernel (one or two terms, block granularity, causal) run once, and a closure that launches
+    the backward kernel on its outputs: ``(launch, o, lse)``, ``launch() -> (dq, dk, dv)``. dO's codes, Delta and the
+    tables as ``fp8_backward`` makes them; K^T's residual codes in K^T's layout."""
     from fp8_bwd_probe import quantize_do
 
     from flamia_pack.kernels.flash_fwd import fill_tails
@@ -71,10 +73,19 @@ def run_backward(q, k, v, do, cu, two):
     fill_tails([(o, 0.0, 0), (lse, float("inf"), 1)], cu)
     d8 = quantize_do(do, cu)
     delta = fp8_bwd_delta(d8.codes, d8.exponents, o)
-    dq, dk, dv = gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, d8.codes, d8.codes_t, exponent_table(ops.eq),
-                               ops.ekt, ops.evt, exponent_table(d8.exponents), lse, delta, cu, q.shape[2] ** -0.5,
-                               entries=fp8_bwd_entries(cu, T), qc_lo=qlo, kc_lo=klo, kt_lo=ktlo)
-    return o, lse, dq, dk, dv
+    tables = (exponent_table(ops.eq), ops.ekt, ops.evt, exponent_table(d8.exponents))
+    entries = fp8_bwd_entries(cu, T)
+
+    def launch():
+        return gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, d8.codes, d8.codes_t, *tables, lse, delta, cu,
+                             q.shape[2] ** -0.5, entries=entries, qc_lo=qlo, kc_lo=klo, kt_lo=ktlo)
+    return launch, o, lse
+
+
+def run_backward(q, k, v, do, cu, two):
+    """``(o, lse, dq, dk, dv)`` of the FP8 forward and backward kernels, one or two terms (:func:`backward_launch`)."""
+    launch, o, lse = backward_launch(q, k, v, do, cu, two)
+    return (o, lse, *launch())
 
 
 def check() -> bool:
@@ -130,7 +141,8 @@ def speed(rows, rep):
     from flamia_pack.scheduler.cost import attention_flops
     from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
 
-    print("| row | one term ms | two terms ms | ratio | one term TFLOP/s |\n|---|---|---|---|---|")
+    print("| row | forward one term ms | two terms ms | ratio | one term TFLOP/s | backward one term ms | two terms ms | "
+          "ratio |\n|---|---|---|---|---|---|---|---|")
     for name in rows:
         inp = B.make_inputs(workload_lengths(name), WORKLOADS[name]["num_heads"], WORKLOADS[name]["num_kv_heads"],
                             seed=3, device="cuda")
@@ -148,8 +160,14 @@ def speed(rows, rep):
             fn()
             t[two] = triton.testing.do_bench(fn, rep=rep)
         flops = attention_flops(workload_lengths(name), WORKLOADS[name]["num_heads"], 128)
+        tb = {}
+        for two in (False, True):
+            launch, _, _ = backward_launch(q, k, v, inp["do"], cu, two)
+            launch()
+            tb[two] = triton.testing.do_bench(launch, rep=rep)
         print(f"| {name} | {t[False]:.3f} | {t[True]:.3f} | {t[True] / t[False]:.3f} | "
-              f"{flops / t[False] / 1e9:.0f} |", flush=True)
+              f"{flops / t[False] / 1e9:.0f} | {tb[False]:.3f} | {tb[True]:.3f} | {tb[True] / tb[False]:.3f} |",
+              flush=True)
         del inp
         torch.cuda.empty_cache()
 
