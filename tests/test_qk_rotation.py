@@ -236,3 +236,15 @@ def test_rotation_overflow_check_reads_the_documents_only():
     q[10] = 3e38
     with pytest.raises(FlamiaError, match="overflowed"):
         varlen_attention(q, k, v, cu, m, precision="fp8", qk_rotation="hadamard")
+
+
+def test_quantizer_with_rotation_names_the_non_finite_tensor():
+    """``quantize_qkv(rotate_qk=True, check_finite=True)`` (two launches) names the tensor holding a NaN as the one-launch
+    path does (``k`` here, with its token and head), once for the three."""
+    from flamia_pack.kernels.quantize import quantize_qkv
+
+    q, k, v, cu, _ = _row(12, lens=(64, 40))
+    k[50, 0, 3] = float("nan")
+    for rot in (False, True):
+        with pytest.raises(FlamiaError, match=r"quantize_qkv \(k\).*50"):
+            quantize_qkv(q, k, v, cu, "block", rotate_qk=rot, hw_cvt=False)

@@ -606,13 +606,19 @@ def _quantize_many(
         ct = (codes_t[i] if want_w[i] else codes_t[i][:, :, :T]).view(torch.float8_e4m3fn) if want_t[i] else None
         outs.append(QuantizedOperand(codes[i].view(torch.float8_e4m3fn), exps[i], ct))
     if check_finite:
-        if len(outs) == 1:
-            _check_finite(outs[0].exponents, "quantize")
-        elif bool((torch.cat([o.exponents.reshape(-1) for o in outs]) == UE8M0_NAN).any()):  # one sync
-            names = ("q", "k", "v") if len(outs) == 3 else tuple(f"input {i}" for i in range(len(outs)))
-            for name, o, x in zip(names, outs, xs):  # the error path: name the first tensor that holds it
-                _check_finite(o.exponents, f"quantize_qkv ({name})", x)
+        _check_outputs_finite(outs, xs)
     return outs
+
+
+def _check_outputs_finite(outs: list, xs: list) -> None:
+    """FlamiaError naming the first input (``q``, ``k``, ``v`` for three) whose exponents hold the non-finite
+    byte, and where; one device sync."""
+    if len(outs) == 1:
+        _check_finite(outs[0].exponents, "quantize")
+    elif bool((torch.cat([o.exponents.reshape(-1) for o in outs]) == UE8M0_NAN).any()):  # one sync
+        names = ("q", "k", "v") if len(outs) == 3 else tuple(f"input {i}" for i in range(len(outs)))
+        for name, o, x in zip(names, outs, xs):  # the error path: name the first tensor that holds it
+            _check_finite(o.exponents, f"quantize_qkv ({name})", x)
 
 
 def quantize(
@@ -725,6 +731,9 @@ def quantize_qkv(
         return qq, kq, vq
     _check_inputs([q, k, v])
     t, w = _per_tensor_flags(transposed, 3), _per_tensor_flags(wgmma_order, 3, "wgmma_order")
+    kw["check_finite"] = False  # checked once below, over the three, with their names
     qq, kq = _quantize_many([q, k], cu_seqlens, granularity, transposed=t[:2], wgmma_order=w[:2], rotate=True, **kw)
     (vq,) = _quantize_many([v], cu_seqlens, granularity, transposed=t[2:], wgmma_order=w[2:], **kw)
+    if check_finite:
+        _check_outputs_finite([qq, kq, vq], [q, k, v])
     return qq, kq, vq
