@@ -54,8 +54,8 @@ cut's 32-token group see the whole group (the documented within-group dependency
 document's keys of the tile, which reads future keys on diagonal tiles and leaks through the E4M3
 subnormal boundary (seed 001 §4).
 
-``qk_terms=2`` (a numerics mode, no GPU kernel yet): Q and K are each an E4M3 code plus the E4M3 code
-of its residual on the same exponent, ``x 2^-e ~ qc + qc_lo`` (``quant.residual_codes``: ~8 significant
+``qk_terms=2`` (a numerics mode; ``gluon_fp8_fwd`` / ``gluon_fp8_bwd`` take its residual codes): Q and K are
+each an E4M3 code plus the E4M3 code of its residual on the same exponent, ``x 2^-e ~ qc + qc_lo`` (``quant.residual_codes``: ~8 significant
 bits instead of 4), and ``dot_ij = fp32( qc_i.kc_j + qc_i.kc_lo_j + qc_lo_i.kc_j )`` (three FP8 products
 into one accumulator, exact in fp64 and rounded once; ``lo.lo`` left out). The backward recomputes S the
 same way and contracts its dQ payload against ``kc + kc_lo``; dK's product reads ``qc`` only (a second
@@ -535,8 +535,8 @@ def fp8_attention_forward(
             ``p_zero_fraction`` (share of p > 0 whose P~ rounded to 0).
         qk_terms: 1 (default) or 2: Q and K each as an E4M3 code plus an E4M3 residual code on the
             same exponent (``quant.residual_codes``), S from three FP8 products (:func:`scores`);
-            V and P~ unchanged. Not with ``quantized``. A numerics mode of this emulation only (no
-            GPU kernel runs it yet): benchmarks/RESULTS.md "Session of 2026-12-06 (third)".
+            V and P~ unchanged. Not with ``quantized``. ``varlen_attention`` does not expose it yet
+            (its kernels' GPU run is pending): benchmarks/RESULTS.md "Session of 2026-12-06 (third)".
 
     Returns:
         ``(o, lse)``: ``(T, H, D)`` bfloat16 and ``(H, T)`` float32 natural-log LSE (the BF16
