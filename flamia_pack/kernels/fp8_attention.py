@@ -253,9 +253,9 @@ class _FP8Attention(torch.autograd.Function):
         dq, dk, dv = fp8_backward(do, ops, o, lse, cu32, causal=causal, softmax_scale=scale, dlse=dlse,
                                   entries=ctx.entries, deterministic=deterministic)
         if rotated:  # gradients of the rotated q M, k M: back through M (symmetric), a bf16 matmul each
-            from flamia_pack.kernels.quantize import _rotation
+            from flamia_pack.kernels.qk_rotation import device_matrix
 
-            m = _rotation(dq.shape[-1], dq.device)
+            m = device_matrix(dq.shape[-1], dq.device)
             dq, dk = dq @ m, dk @ m
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
@@ -284,17 +284,6 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
         if D not in (64, 128):
             raise FlamiaError(f"FP8 attention supports head_dim in (64, 128), got {D}")
         softmax_scale = softmax_scale * rotation_scale_factor(D)
-    if qk_rotation is not None and not use_kernels:  # (the GPU path rotates inside its quantizer)
-        n = int(cu32[-1]) if cu32.numel() else 0  # the documents' tokens: the row-end padding is never read
-
-        def finite(*xs):
-            return all(bool(torch.isfinite(x[:n]).all()) for x in xs)  # (CPU: no sync)
-
-        was_finite = finite(q, k)
-        q, k = rotate_qk(q, k)
-        if was_finite and not finite(q, k):
-            raise FlamiaError(f"qk_rotation='hadamard' overflowed {q.dtype}: a rotated entry is up to sum |x| / 8 over "
-                              "the head's channels; scale q and k down (and softmax_scale up) or leave qk_rotation off")
     if not use_kernels:
         if work_list is not None:  # checked for the same mistakes as on the GPU, then unused by the emulation
             _check_fp8_list(work_list, causal, q.device, q.shape[0], cu32)
@@ -305,6 +294,13 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
         n = int(cu32[-1]) if cu32.numel() else 0  # (the emulation reads cu_seqlens on the host anyway)
         if n < q.shape[0]:  # the row-end padding's values are never read: zeros, so a NaN there is no error
             q, k, v = (torch.cat([x[:n], x.new_zeros((x.shape[0] - n,) + tuple(x.shape[1:]))]) for x in (q, k, v))
+        if qk_rotation is not None:  # (the GPU path rotates inside its quantizer)
+            was_finite = bool(torch.isfinite(q).all() and torch.isfinite(k).all())
+            q, k = rotate_qk(q, k)
+            if was_finite and not bool(torch.isfinite(q).all() and torch.isfinite(k).all()):
+                raise FlamiaError(f"qk_rotation='hadamard' overflowed {q.dtype}: a rotated entry is up to sum |x| / 8 "
+                                  "over the head's channels; scale q and k down (and softmax_scale up) or leave "
+                                  "qk_rotation off")
         try:
             if grad:
                 o = fp8_varlen_attention_emulated(q, k, v, cu32, max_seqlen, causal=causal,

@@ -5,9 +5,8 @@ channels (outlier channels of K, RoPE's high-frequency pairs in trained models) 
 channels with few significant bits, and the error of ``Q K^T`` grows with them. An orthogonal
 rotation of the head dimension applied to both Q and K leaves every score unchanged and spreads a
 channel's energy over all D channels ("incoherent processing", FlashAttention-3 §3.3), so the
-token's scale follows its norm instead of its largest channel. Measured on the CPU emulation
-(benchmarks/RESULTS.md "Session of 2026-12-06 (third)"): no change on N(0, 1) inputs, 1 - cos of O
--35% with four K channels x 20, dK -27% on a trained model's layer.
+token's scale follows its norm instead of its largest channel (no change on N(0, 1) inputs; what it buys
+and costs: benchmarks/RESULTS.md "Session of 2026-12-06 (third)").
 
 What it computes: ``q' = q M``, ``k' = k M`` with ``M = 2^-s H_D`` (``H_D`` the Sylvester Hadamard
 matrix of +-1 entries, ``s = floor(log2(D) / 2)``), so ``q' k'^T = 2^(log2(D) - 2s) q k^T`` and the
@@ -24,20 +23,15 @@ dependency between positions; the leak probe's guarantees (``"token"``: bitwise,
 32-token group) hold unchanged (``tests/test_qk_rotation.py``).
 
 Where it runs: on the GPU FP8 path the quantizer rotates q and k itself (``quantize_qkv(rotate_qk=True)``:
-an fp32 ``tl.dot`` a tile, rounded to bf16 by integer ops, bitwise :func:`rotate_qk` then the quantizer on
-the H100), so the rotated tensors never reach memory; the backward multiplies dQ and dK by ``M`` (two bf16
-matmuls). The CPU emulation calls :func:`rotate_qk`. Cost on an H100 (RESULTS.md "Session of 2026-12-06
-(third)"): about +0.46 ms on a 65,536-token row's forward (the quantizer's dot), +7% to +23% on the
-training call.
+an fp32 ``tl.dot`` a tile, rounded to bf16 by integer ops: the bits of :func:`rotate_qk` then the
+quantizer), so the rotated tensors never reach memory; the backward multiplies dQ and dK by ``M`` (two bf16
+matmuls, :func:`device_matrix`). The CPU emulation calls :func:`rotate_qk`.
 """
 from __future__ import annotations
 
 import torch
 
 from flamia_pack.errors import FlamiaError
-
-QK_ROTATIONS = ("hadamard",)
-
 
 def _check_head_dim(D: int) -> None:
     if D < 1 or D & (D - 1):
@@ -62,6 +56,23 @@ def hadamard_matrix(D: int, dtype: torch.dtype = torch.float64, device=None) -> 
     for b in range(D.bit_length() - 1):
         parity ^= (both >> b) & 1
     return (1 - 2 * parity).to(dtype) * 2.0 ** -((D.bit_length() - 1) // 2)
+
+
+_DEVICE_MATRICES: dict = {}
+
+
+def device_matrix(D: int, device) -> torch.Tensor:
+    """:func:`hadamard_matrix` in bf16 on ``device`` (exact: entries +-2^-s), what the GPU quantizer and the GPU
+    backward multiply by; built once per (D, device). While a CUDA graph is being captured it is built inside
+    the graph and not cached (a tensor made during capture holds its values only once the graph replays)."""
+    device = torch.device(device)
+    key = (int(D), str(device))
+    if key in _DEVICE_MATRICES:
+        return _DEVICE_MATRICES[key]
+    m = hadamard_matrix(D, torch.bfloat16, device).contiguous()
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _DEVICE_MATRICES[key] = m
+    return m
 
 
 def rotation_scale_factor(D: int) -> float:

@@ -52,6 +52,7 @@ import torch
 
 from flamia_pack.errors import FlamiaError, MetadataError
 from flamia_pack.kernels.interpret import kernel_for
+from flamia_pack.kernels.qk_rotation import device_matrix, rotate_qk
 from flamia_pack.quant import (
     GROUP_SIZE,
     UE8M0_NAN,
@@ -417,25 +418,6 @@ if HAS_TRITON:
                  mask=(offs_d < D)[:, None] & (rows < TP)[None, :])
 
 
-_ROTATIONS: dict = {}
-
-
-def _rotation(D: int, dev: torch.device) -> torch.Tensor:
-    """``qk_rotation.hadamard_matrix(D)`` in bf16 on ``dev`` (exact: entries +-2^-s), built once per (D, device).
-
-    While a CUDA graph is being captured it is built inside the graph and not cached (a tensor made during
-    capture holds its values only once the graph replays)."""
-    from flamia_pack.kernels.qk_rotation import hadamard_matrix
-
-    key = (D, str(dev))
-    if key in _ROTATIONS:
-        return _ROTATIONS[key]
-    m = hadamard_matrix(D, torch.bfloat16, dev).contiguous()
-    if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _ROTATIONS[key] = m
-    return m
-
-
 def _search_steps(n_docs: int) -> int:
     """Binary-search steps over ``n_docs + 1`` boundaries, rounded up to a multiple of 8 so that
     only a handful of kernel variants get compiled (extra steps are no-ops once lo == hi; each is
@@ -512,8 +494,8 @@ def _quantize_many(
     if not HAS_TRITON:  # CPU build without triton: the reference is the same function
         if dev.type != "cpu":
             raise FlamiaError("the fused quantizer needs triton for CUDA tensors (pip install triton)")
-        if rotate:
-            xs = [(x.float() @ _rotation(D, dev).float()).bfloat16() for x in xs]
+        if rotate:  # (q, k: the only inputs quantize_qkv rotates)
+            xs = list(rotate_qk(*xs))
         outs = []
         for x in xs:
             qz = quantize_token_blocks(x, cu, granularity, group_size=group_size, group_start=group_start,
@@ -573,7 +555,7 @@ def _quantize_many(
     if grid[0] > 0:
         kernel_for(_quantize_kernel, dev)[grid](
             *xa, *ca, *ea, *ta,
-            cu, group_start if group_start is not None else cu, _rotation(D, dev) if rotate else cu,
+            cu, group_start if group_start is not None else cu, device_matrix(D, dev) if rotate else cu,
             T, n_docs, tp,
             *hs, *strides,
             D=D, BLOCK_D=triton.next_power_of_2(D), GROUP=group, BLOCK_R=block_r,
