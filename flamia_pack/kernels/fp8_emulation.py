@@ -55,9 +55,10 @@ document's keys of the tile, which reads future keys on diagonal tiles and leaks
 subnormal boundary (seed 001 §4).
 
 ``qk_terms=2`` (a numerics mode; ``gluon_fp8_fwd`` / ``gluon_fp8_bwd`` take its residual codes): Q and K are
-each an E4M3 code plus the E4M3 code of its residual on the same exponent, ``x 2^-e ~ qc + qc_lo`` (``quant.residual_codes``: ~8 significant
-bits instead of 4), and ``dot_ij = fp32( qc_i.kc_j + qc_i.kc_lo_j + qc_lo_i.kc_j )`` (three FP8 products
-into one accumulator, exact in fp64 and rounded once; ``lo.lo`` left out). The backward recomputes S the
+each an E4M3 code plus the E4M3 code of its residual on the same exponent, ``x 2^-e ~ qc + qc_lo``
+(``quant.residual_codes``: ~8 significant bits instead of 4), and
+``dot_ij = fp32( qc_i.kc_j + qc_i.kc_lo_j + qc_lo_i.kc_j )`` (three FP8 products into one accumulator,
+exact in fp64 and rounded once; ``lo.lo`` left out). The backward recomputes S the
 same way and contracts its dQ payload against ``kc + kc_lo``; dK's product reads ``qc`` only (a second
 register-A product there makes ptxas serialize the backward's wgmmas; it buys < 4e-4 of cosine). V, P~,
 dO and the payloads keep one term. It meets issues 27 / 28's cosine targets where one term cannot (E4M3's 3-bit
@@ -326,7 +327,8 @@ def qk_scale_f32(softmax_scale: float) -> torch.Tensor:
 
 
 def scores(qc: torch.Tensor, eq: torch.Tensor, kc: torch.Tensor, ek: torch.Tensor,
-           qk: torch.Tensor, qc_lo: Optional[torch.Tensor] = None, kc_lo: Optional[torch.Tensor] = None) -> torch.Tensor:
+           qk: torch.Tensor, qc_lo: Optional[torch.Tensor] = None,
+           kc_lo: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Base-2 scaled scores of one tile pair, ``s_ij = fp32(fp32(qc_i . kc_j) * 2^(e_q+e_k) * qk)``.
 
     Args:

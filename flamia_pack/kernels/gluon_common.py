@@ -383,14 +383,13 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
             slot = _claim_slot(qo_empty, n)
             _handoff_store(t_smem.index(slot), idx_layout, t, h, hk, rs, re, o_lo, o_hi, u1, n_steps, ph)
             if QK_LO:
-                c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
-                                        k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
-                                        c, 0, HEAD_DIM, BLOCK_N, not IS_FWD, V_T, qlo_desc, klo_desc,
-                                        qlo_bufs.index(slot), klo_bufs, True)
+                qlo_slot = qlo_bufs.index(slot)
             else:
-                c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
-                                        k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
-                                        c, 0, HEAD_DIM, BLOCK_N, not IS_FWD, V_T)
+                qlo_slot = None
+            c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
+                                    k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
+                                    c, 0, HEAD_DIM, BLOCK_N, not IS_FWD, V_T, qlo_desc, klo_desc, qlo_slot, klo_bufs,
+                                    QK_LO)
             n += 1
         t = t_next
     slot = _claim_slot(qo_empty, n)

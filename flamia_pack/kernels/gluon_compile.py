@@ -174,7 +174,8 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
                  "kt_desc": mangle_type(fp8_descriptor_t(xt8, bn)), "ktlo_desc": mangle_type(fp8_descriptor_t(xt8, bn)),
                  "FQ": "*fp32", "FDO": "*fp32", "ENTRIES": "*i32",
                  "n_entries_ptr": "*i32", "SEM": "*i32", "SEM_BASE": "*i32"}
-    types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": v_desc, "qlo_desc": rows, "klo_desc": walked, "LSE": "*fp32", "DELTA": "*fp32",
+    types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": v_desc, "qlo_desc": rows, "klo_desc": walked,
+             "LSE": "*fp32", "DELTA": "*fp32",
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",
              "cu_ptr": "*i32", "counter_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc,
              "EQ": "*u8", "FK": "*fp32", "FV": "*fp32", **extra}

@@ -342,19 +342,22 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
                 q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
                 dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
-                sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC, lo, QK_LO)
+                sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC, lo,
+                QK_LO)
             c += 1
         for j in range(u0, u1):
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
                 q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
                 dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
-                sem_doc, stride_sem, rank, False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC, lo, QK_LO)
+                sem_doc, stride_sem, rank, False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC, lo,
+                QK_LO)
             c += 1
         for j in range(u1, n_steps):
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
                 q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
                 dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
-                sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC, lo, QK_LO)
+                sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC, lo,
+                QK_LO)
             c += 1
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     tma.store_wait(0)  # the last reduce has read its staging tile before the program exits
@@ -575,7 +578,8 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
     else:
         sem, sem_base = n_ent, n_ent  # unread
     if T > 0 and max_entries > 0:
-        q_d, k_d, kt_d = fp8_descriptor(qc, BWD_BLOCK_M), fp8_descriptor(kc, BWD_BLOCK_N), fp8_descriptor_t(kt, BWD_BLOCK_N)
+        q_d, k_d = fp8_descriptor(qc, BWD_BLOCK_M), fp8_descriptor(kc, BWD_BLOCK_N)
+        kt_d = fp8_descriptor_t(kt, BWD_BLOCK_N)
         two = qc_lo is not None
         _fp8_bwd_kernel[(max_entries * Hkv,)](
             q_d, fp8_descriptor(dc, BWD_BLOCK_M), fp8_descriptor_t(qt, BWD_BLOCK_M),
