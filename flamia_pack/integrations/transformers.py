@@ -61,6 +61,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from flamia_pack.errors import FlamiaError, MetadataError
+from flamia_pack.kernels.qk_rotation import QK_ROTATIONS
 
 try:  # the optional dependency: a clear error rather than a bare ImportError deep in a model
     from transformers import AttentionInterface
@@ -88,7 +89,6 @@ NAME = "flamia"
 
 _PRECISIONS = ("bf16", "fp8")
 _GRANULARITIES = ("block", "token")
-_QK_ROTATIONS = ("none", "hadamard")
 _CONFIG_ATTR = "flamia_attention_options"
 
 
@@ -120,8 +120,8 @@ class FlamiaAttentionOptions:
             raise FlamiaError(f"granularity must be one of {_GRANULARITIES}, got {self.granularity!r}")
         if not isinstance(self.deterministic, bool):
             raise FlamiaError(f"deterministic must be a bool, got {self.deterministic!r}")
-        if self.qk_rotation not in _QK_ROTATIONS:
-            raise FlamiaError(f"qk_rotation must be one of {_QK_ROTATIONS}, got {self.qk_rotation!r}")
+        if self.qk_rotation not in QK_ROTATIONS:
+            raise FlamiaError(f"qk_rotation must be one of {QK_ROTATIONS}, got {self.qk_rotation!r}")
 
 
 _defaults = FlamiaAttentionOptions()

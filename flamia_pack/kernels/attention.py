@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from flamia_pack.errors import FlamiaError, MetadataError
 from flamia_pack.kernels.config import (AttentionKernelConfig, GluonFwdConfig, check_row_hints, env_candidate,
                                         gluon_bwd_min_len, host_cache, kernel_config, work_list_tile_config)
+from flamia_pack.kernels.qk_rotation import QK_ROTATIONS
 
 __all__ = ["varlen_attention", "build_attention_work_list", "check_attention_inputs", "kernels_available"]
 
@@ -665,7 +666,7 @@ def varlen_attention(
         raise FlamiaError(f"scale_granularity must be 'block' or 'token', got {scale_granularity!r}")
     if not isinstance(causal_dq_scale, bool):
         raise FlamiaError(f"causal_dq_scale must be a bool, got {causal_dq_scale!r}")
-    if not (qk_rotation is None or (isinstance(qk_rotation, str) and qk_rotation in ("none", "hadamard"))):
+    if not (qk_rotation is None or (isinstance(qk_rotation, str) and qk_rotation in QK_ROTATIONS)):
         raise FlamiaError(f"qk_rotation must be None, 'none' or 'hadamard', got {qk_rotation!r}")
     if qk_rotation == "none":  # the transformers options' spelling of "off"
         qk_rotation = None
