@@ -116,8 +116,8 @@ def test_two_term_errors():
 @pytest.mark.parametrize("gran", ["block", "token"])
 def test_gpu_forward_kernel_with_two_terms_matches_the_emulation(causal, gran):
     """``gluon_fp8_fwd(qc_lo=, kc_lo=)`` (three FP8 products for S) against the emulation's ``qk_terms=2`` forward on
-    unaligned rows with GQA and row-end padding: O cosine > 0.9999 and LSE within 2e-3 (codes bitwise, MUFU and MMA
-    accumulation aside), padding rows untouched by the launch, and closer to fp32 than one term on outlier channels."""
+    unaligned rows with GQA, row-end padding and outlier channels (``fp8_two_term_probe.lse_ok``: O cosine > 0.9999,
+    LSE as close to the emulation as one term's kernel is to its own, and closer to fp64 than one term in O and LSE)."""
     import os
     import sys
 
@@ -126,21 +126,11 @@ def test_gpu_forward_kernel_with_two_terms_matches_the_emulation(causal, gran):
     if not fp8_kernels_available("cuda"):
         pytest.skip("the FP8 kernels need sm_90 and triton's Gluon")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes"))
-    from fp8_two_term_probe import run_kernel
+    from fp8_two_term_probe import forward_errors, lse_ok
 
     q, k, v, cu = (x.cuda() for x in _row(9, lens=(300, 1, 77, 700, 129), heads=(4, 2)))
-    cu = cu.to(torch.int32)
-    n = int(cu[-1])
-    o2, lse2, *_ = run_kernel(q, k, v, cu, causal, gran, True)
-    o1, *_ = run_kernel(q, k, v, cu, causal, gran, False)
-    oe, lsee = fp8_attention_forward(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), causal=causal, scale_granularity=gran,
-                                     qk_terms=2)
-    ref = packed_attention_reference(q.double().cpu(), k.double().cpu(), v.double().cpu(), cu.long().cpu(),
-                                     causal=causal, compute_dtype=torch.float64)
-    assert torch.isfinite(o2[:n]).all()
-    assert _cos(o2[:n].cpu(), oe[:n]) > 0.9999
-    assert float((lse2[:, :n].cpu() - lsee[:, :n]).abs().max()) < 2e-3
-    assert _cos(o2[:n].cpu(), ref[:n]) > _cos(o1[:n].cpu(), ref[:n])
+    r = forward_errors(q, k, v, cu.to(torch.int32), causal, gran)
+    assert lse_ok(r), r
 
 
 @pytest.mark.gpu

@@ -213,10 +213,12 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=c > 0)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-    if QK_LO:  # the forward's three S products, replicated
-        st = warpgroup_mma(k_smem, lo[0].index(s).permute((1, 0)), st, is_async=True)
+    if QK_LO:  # the forward's three S products, replicated in its order (the residual products first)
+        st = warpgroup_mma(k_smem, lo[0].index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
         st = warpgroup_mma(lo[1], q_bufs.index(s).permute((1, 0)), st, is_async=True)
+        st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), st, is_async=True)
+    else:
+        st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     if MASKED:
         q_pos = q0 + gl.arange(0, BLOCK_M, layout=col)
@@ -273,9 +275,11 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     fence_async_shared()
     gl.thread_barrier()
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    dqp = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)), dq_zero, use_acc=False, is_async=True)
-    if QK_LO:
-        dqp = warpgroup_mma(ds_smem, lo[2].permute((1, 0)), dqp, is_async=True)
+    if QK_LO:  # dS (K + K_lo), the residual product first (as S)
+        dqp = warpgroup_mma(ds_smem, lo[2].permute((1, 0)), dq_zero, use_acc=False, is_async=True)
+        dqp = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)), dqp, is_async=True)
+    else:
+        dqp = warpgroup_mma(ds_smem, kt_smem.permute((1, 0)), dq_zero, use_acc=False, is_async=True)
     dv = dv * gl.convert_layout(gl.minimum(rho * _inv(rho_new), 1.7014118346046923e38), row_acc)[:, None]
     dv = warpgroup_mma(pv8, dot_bufs.index(s).permute((1, 0)), dv, is_async=True)
     dk = dk * gl.convert_layout(gl.minimum(sk * _inv(sk_new), 1.7014118346046923e38), row_acc)[:, None]

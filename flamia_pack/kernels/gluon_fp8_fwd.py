@@ -373,11 +373,15 @@ def _promote(acc, pv, alpha, r, BOOST: gl.constexpr, acc_layout: gl.constexpr):
 def _s_issue(q_smem, qlo_smem, k_bufs, klo_bufs, s, zero, QK_LO: gl.constexpr):
     """Issue ``S = Q K^T`` for ring slot ``s`` (asynchronous FP8 wgmma into a zero accumulator); ``QK_LO``
     (two-term Q and K, ``fp8_emulation.scores(qc_lo=, kc_lo=)``): ``+ Q K_lo^T + Q_lo K^T`` onto the same
-    accumulator, three products in flight (``lo.lo`` left out)."""
-    st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    accumulator, three products in flight (``lo.lo`` left out). The residual products go first: the MMA
+    truncates its running sum after every k-step (``fp8_emulation.MMA_ACC_BITS``), so the small terms are summed
+    while the sum is small and the sum of all three sees the four k-steps of ``Q K^T`` only, as one term does."""
     if QK_LO:
-        st = warpgroup_mma(q_smem, klo_bufs.index(s).permute((1, 0)), st, is_async=True)
+        st = warpgroup_mma(q_smem, klo_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
         st = warpgroup_mma(qlo_smem, k_bufs.index(s).permute((1, 0)), st, is_async=True)
+        st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), st, is_async=True)
+    else:
+        st = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     return st
 
 
