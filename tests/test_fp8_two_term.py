@@ -158,3 +158,128 @@ def test_gpu_backward_kernel_with_two_terms_matches_the_emulation():
     for got, want in zip((dq, dk, dv), ref):
         assert torch.isfinite(got[:n]).all()
         assert _cos(got[:n].cpu(), want[:n]) > 0.999
+
+
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+@pytest.mark.parametrize("gran, rotate", [("block", False), ("token", False), ("block", True)])
+def test_quantizer_writes_the_residual_codes_bitwise(gran, rotate, device):
+    """``quantize_qkv(residual=, residual_transposed=)`` (the GPU path's quantizer; on the CPU in Triton's
+    interpreter): Q's and K's residual codes bitwise ``quant.residual_codes`` of the reference codes (the hardware
+    convert on CUDA, the integer encoder on the CPU), NaN codes in a non-finite group, zero, tiny and outlier rows
+    included; K_lo^T the token-order copy; V gets none; the main codes unchanged by the second pass."""
+    from flamia_pack.kernels.qk_rotation import rotate_qk
+    from flamia_pack.kernels.quantize import quantize_qkv
+
+    q, k, v, cu = _row(21, lens=(300, 1, 77, 130), heads=(2, 1))
+    q[40, 1, 7] = float("nan")
+    k[200, 0, 3] = float("inf")
+    q[90] = 0
+    k[10] *= 1e-30  # subnormal residuals
+    args = [x.to(device) for x in (q, k, v)]
+    qq, kq, vq = quantize_qkv(*args, cu.to(device), gran, transposed=(True, True, True),
+                              wgmma_order=(False, False, True), transposed_store="triton", check_finite=False,
+                              rotate_qk=rotate, residual=(True, True, False),
+                              residual_transposed=(False, True, False), hw_cvt=None if device == "cuda" else False)
+    plain = quantize_qkv(*args, cu.to(device), gran, transposed=(True, True, True), wgmma_order=(False, False, True),
+                         transposed_store="triton", check_finite=False, rotate_qk=rotate,
+                         hw_cvt=None if device == "cuda" else False)
+    qr, kr = rotate_qk(q, k) if rotate else (q, k)
+    for x, o, p in ((qr, qq, plain[0]), (kr, kq, plain[1])):
+        ref = quantize_token_blocks(x, cu, gran, check_finite=False)
+        want = residual_codes(x, ref).view(torch.uint8)
+        assert torch.equal(o.codes_lo.cpu().view(torch.uint8), want)
+        assert torch.equal(o.codes.cpu().view(torch.uint8), p.codes.cpu().view(torch.uint8))
+        assert torch.equal(o.codes_t.cpu().view(torch.uint8), p.codes_t.cpu().view(torch.uint8))
+    assert int((want == 0x7F).sum()) >= 128 and int((want[10] != 0).sum()) > 0  # the NaN group, subnormals
+    assert torch.equal(kq.codes_lo_t.cpu().view(torch.uint8), kq.codes_lo.cpu().view(torch.uint8).permute(1, 2, 0))
+    assert qq.codes_lo_t is None and vq.codes_lo is None and vq.codes_lo_t is None
+    with pytest.raises(FlamiaError, match="residual_transposed transposes the residual codes"):
+        quantize_qkv(*args, cu.to(device), gran, residual_transposed=True)
+    with pytest.raises(FlamiaError, match="not 'kernel'"):
+        quantize_qkv(*args, cu.to(device), gran, transposed=True, transposed_store="kernel", residual=True,
+                     residual_transposed=True)
+    with pytest.raises(FlamiaError, match="residual must be a bool or 3 bools"):
+        quantize_qkv(*args, cu.to(device), gran, residual=(True, True))
+
+
+def test_varlen_attention_two_terms_on_the_cpu_is_the_emulation():
+    """``varlen_attention(precision="fp8", qk_terms=2)`` off the GPU runs the emulation's ``qk_terms=2`` (bitwise),
+    is closer to fp64 than one term on outlier channels, differentiates, and refuses bad values and BF16."""
+    import numpy as np
+
+    from flamia_pack import varlen_attention
+
+    q, k, v, cu = _row(22, lens=(300, 1, 211), heads=(2, 1))
+    n = int(cu[-1])
+    cu = cu.to(torch.int32)
+    o2 = varlen_attention(q, k, v, cu, 300, precision="fp8", qk_terms=2)
+    o1 = varlen_attention(q, k, v, cu, 300, precision="fp8")
+    oe, _ = fp8_attention_forward(q, k, v, cu, qk_terms=2)
+    ref = packed_attention_reference(q.double(), k.double(), v.double(), cu.long(), compute_dtype=torch.float64)
+    assert torch.equal(o2, oe)
+    assert _cos(o2[:n], ref[:n]) > 0.9995 > _cos(o1[:n], ref[:n])
+    assert torch.equal(varlen_attention(q, k, v, cu, 300, precision="fp8", qk_terms=np.int64(2)), o2)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    varlen_attention(*leaves, cu, 300, precision="fp8", qk_terms=2, qk_rotation="hadamard").float().sum().backward()
+    assert all(torch.isfinite(x.grad).all() and x.grad[:n].abs().sum() > 0 for x in leaves)
+    for bad in (0, 3, True, "2", 2.0, None):
+        with pytest.raises(FlamiaError, match="qk_terms must be 1"):
+            varlen_attention(q, k, v, cu, 300, precision="fp8", qk_terms=bad)
+    with pytest.raises(FlamiaError, match="qk_terms=2 applies to precision='fp8'"):
+        varlen_attention(q, k, v, cu, 300, qk_terms=2)
+
+
+def test_transformers_options_carry_qk_terms():
+    pytest.importorskip("transformers")
+    from flamia_pack.integrations.transformers import FlamiaAttentionOptions, _varlen_call_kwargs
+
+    assert "qk_terms" not in _varlen_call_kwargs(FlamiaAttentionOptions(precision="fp8"))
+    assert _varlen_call_kwargs(FlamiaAttentionOptions(precision="fp8", qk_terms=2))["qk_terms"] == 2
+    assert "qk_terms" not in _varlen_call_kwargs(FlamiaAttentionOptions(precision="bf16", qk_terms=2))
+    with pytest.raises(FlamiaError, match="qk_terms must be 1"):
+        FlamiaAttentionOptions(qk_terms=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("heads, D, rotation", [((4, 4), 128, None), ((4, 2), 128, None), ((4, 2), 64, None),
+                                                ((4, 1), 128, "hadamard")])
+def test_gpu_varlen_attention_two_terms_matches_the_emulation_and_beats_one_term(heads, D, rotation):
+    """``varlen_attention(precision="fp8", qk_terms=2)`` on the GPU (the quantizer's residual codes, both kernels)
+    against the CPU emulation of the same call (O cosine > 0.9999, gradients > 0.999), finite, and on outlier
+    channels closer to exact fp64 attention than one term in O, dQ and dK."""
+    from flamia_pack import varlen_attention
+    from flamia_pack.kernels.fp8_attention import fp8_kernels_available
+
+    if not fp8_kernels_available("cuda"):
+        pytest.skip("the FP8 kernels need sm_90 and triton's Gluon")
+    lens = (700, 1, 300, 1024)
+    g = torch.Generator().manual_seed(D + heads[1])
+    T = sum(lens) + 5
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn((T, heads[0], D), generator=g).bfloat16()
+    k, v = (torch.randn((T, heads[1], D), generator=g).bfloat16() for _ in range(2))
+    k[:, :, [3, 17, 40, 59]] *= 20
+    do = torch.randn(q.shape, generator=g).bfloat16()
+    n = int(cu[-1])
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    o_ref, lse = packed_attention_reference(qd, kd, vd, cu.long(), return_lse=True, compute_dtype=torch.float64)
+    ref = packed_attention_reference_bwd(do.double(), qd, kd, vd, o_ref, lse, cu.long(), compute_dtype=torch.float64)
+
+    def run(device, terms):
+        leaves = [t.to(device).clone().requires_grad_() for t in (q, k, v)]
+        o = varlen_attention(*leaves, cu.to(device), max(lens), precision="fp8", qk_terms=terms, qk_rotation=rotation)
+        o.backward(do.to(device))
+        return [x.detach().cpu()[:n] for x in (o, *(t.grad for t in leaves))]
+
+    gpu, cpu, one = run("cuda", 2), run("cpu", 2), run("cuda", 1)
+    assert all(torch.isfinite(x).all() for x in gpu)
+    assert _cos(gpu[0], cpu[0]) > 0.9999
+    assert min(_cos(a, b) for a, b in zip(gpu[1:], cpu[1:])) > 0.999
+    exact = [o_ref[:n], *(x[:n] for x in ref)]
+    for i in (0, 1, 2):  # O, dQ, dK
+        assert _cos(gpu[i], exact[i]) > _cos(one[i], exact[i]), i

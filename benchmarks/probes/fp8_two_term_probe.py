@@ -1,6 +1,7 @@
 """The FP8 forward kernel with two-term Q and K (``gluon_fp8_fwd(qc_lo=, kc_lo=)``) on the GPU: correct, and what it costs.
 
-    PYTHONPATH=. python3 benchmarks/probes/fp8_two_term_probe.py [--rows W1,W3,W7] [--rep 100]
+    PYTHONPATH=. python3 benchmarks/probes/fp8_two_term_probe.py [--rows W1,W3,W7] [--rep 100] \
+        [--parts check,kernels,call]
 
 1. **check** (unaligned rows, MHA and GQA, causal and not, "block" and "token"): the kernel with the residual codes
    (``quant.residual_codes`` of the forward's own codes, made with torch on the GPU) against the CPU emulation's
@@ -9,7 +10,9 @@
    against the emulation's ``qk_terms=2`` backward (gradient cosines > 0.999);
 2. **time**: ``triton.testing.do_bench`` medians of each kernel alone (the forward; the backward incl. its dQ
    accumulator's allocation and cast), one term against two terms, same process, on the WORKLOADS rows (16 heads,
-   D 128), with the forward's TFLOP/s of the one-term product count; timed whether the check passed or not.
+   D 128), with the forward's TFLOP/s of the one-term product count; timed whether the check passed or not;
+3. **call**: ``varlen_attention(precision="fp8")`` with ``qk_terms`` 1 / 2 (and 2 with ``qk_rotation``): the forward
+   call and the training call, quantizer included (:func:`call_speed`).
 """
 from __future__ import annotations
 
@@ -196,15 +199,61 @@ def speed(rows, rep):
         torch.cuda.empty_cache()
 
 
+def call_speed(rows, rep):
+    """``varlen_attention(precision="fp8")`` as users call it, ``qk_terms`` 1 and 2 (and 2 with ``qk_rotation``), same
+    process, prebuilt work list: the forward call (no grad; the quantizer included) and the training call (forward +
+    backward); medians of ``bench_attention.time_ms``."""
+    import bench_attention as B
+
+    from flamia_pack import varlen_attention
+    from flamia_pack.scheduler.workloads import WORKLOADS, workload_lengths
+
+    variants = (("one term", 1, None), ("two terms", 2, None), ("two terms + hadamard", 2, "hadamard"))
+    print("| row | " + " | ".join(f"fwd call {v[0]} ms" for v in variants) + " | "
+          + " | ".join(f"training call {v[0]} ms" for v in variants) + " | two / one: fwd, training |\n"
+          + "|---" * (2 * len(variants) + 2) + "|")
+    for name in rows:
+        inp = B.make_inputs(workload_lengths(name), WORKLOADS[name]["num_heads"], WORKLOADS[name]["num_kv_heads"],
+                            seed=3, device="cuda")
+        cu, m = inp["cu"], inp["max_seqlen"]
+        wl = build_fp8_work_list(cu, inp["T"], causal=True, validate=False)
+        leaves = [inp[x].clone().requires_grad_() for x in ("q", "k", "v")]
+        fwd, train = [], []
+        for _, terms, rot in variants:
+            kw = dict(precision="fp8", qk_terms=terms, qk_rotation=rot, work_list=wl)
+
+            def f(kw=kw):
+                with torch.no_grad():
+                    return varlen_attention(inp["q"], inp["k"], inp["v"], cu, m, **kw)
+
+            def t(kw=kw):
+                varlen_attention(*leaves, cu, m, **kw).backward(inp["do"])
+
+            f()
+            t()
+            fwd.append(B.time_ms(f, rep=rep))
+            train.append(B.time_ms(t, grad_to_none=leaves, rep=rep))
+        print(f"| {name} | " + " | ".join(f"{x:.3f}" for x in fwd + train)
+              + f" | {fwd[1] / fwd[0]:.3f}, {train[1] / train[0]:.3f} |", flush=True)
+        del inp, leaves
+        torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="W1,W3,W7")
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--parts", default="check,kernels,call", help="comma list of check, kernels, call")
     a = ap.parse_args(argv)
+    parts = a.parts.split(",")
     print(torch.cuda.get_device_name())
-    ok = check()
-    print("check:", "all ok" if ok else "FAILED", flush=True)
-    speed(a.rows.split(","), a.rep)
+    if "check" in parts:
+        ok = check()
+        print("check:", "all ok" if ok else "FAILED", flush=True)
+    if "kernels" in parts:
+        speed(a.rows.split(","), a.rep)
+    if "call" in parts:
+        call_speed(a.rows.split(","), a.rep)
 
 
 if __name__ == "__main__":

@@ -142,8 +142,9 @@ def _check_int(name: str, val, lo: int, hi: int) -> int:
     return int(val)
 
 
-def _check_qk_terms(qk_terms) -> int:
-    if isinstance(qk_terms, bool) or not isinstance(qk_terms, int) or qk_terms not in (1, 2):
+def check_qk_terms(qk_terms) -> int:
+    """``qk_terms`` as an int, 1 or 2 (FlamiaError otherwise: bools, floats and strings included)."""
+    if isinstance(qk_terms, (bool, np.bool_)) or not isinstance(qk_terms, numbers.Integral) or qk_terms not in (1, 2):
         raise FlamiaError(f"qk_terms must be 1 (Q and K as one E4M3 code each) or 2 (code + residual code), got "
                           f"{qk_terms!r}")
     return int(qk_terms)
@@ -197,7 +198,7 @@ def _check_tensor(name: str, x) -> torch.Tensor:
 def _prepare(q, k, v, cu_seqlens, max_seqlen, scale_granularity, quantized, kernel_head_dims=True, qk_terms=1):
     """Validate and quantize; returns (cu list, (qo, ko, vo) OperandCodes, T, H, Hkv, D); ``qk_terms=2``:
     q's and k's operands also carry their residual codes (from q, k; not available with ``quantized``)."""
-    if _check_qk_terms(qk_terms) == 2 and quantized is not None:
+    if check_qk_terms(qk_terms) == 2 and quantized is not None:
         raise FlamiaError("qk_terms=2 quantizes q and k itself (code + residual code): pass q, k, v, not quantized=")
     if quantized is not None:
         if not isinstance(quantized, (tuple, list)) or len(quantized) != 3:
@@ -648,7 +649,7 @@ def fp8_varlen_attention_emulated(
     ``block_m`` (the forward's query tile, which does not change the forward's bits)."""
     opts = dict(causal=bool(causal), softmax_scale=softmax_scale, scale_granularity=scale_granularity,
                 block_m=block_m, block_n=block_n, boost_log2=boost_log2, pv_accumulator=pv_accumulator,
-                kernel_head_dims=bool(_kernel_head_dims), qk_terms=_check_qk_terms(qk_terms))
+                kernel_head_dims=bool(_kernel_head_dims), qk_terms=check_qk_terms(qk_terms))
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
     return _FP8Emulated.apply(q, k, v, cu_seqlens, max_seqlen, opts)

@@ -61,6 +61,7 @@ from flamia_pack.quant import (
     _maybe_validate,
     group_size_of,
     quantize_token_blocks,
+    residual_codes,
 )
 
 try:  # triton ships with CUDA builds of torch; the CPU build gets it from the dev extra
@@ -83,11 +84,16 @@ class QuantizedOperand(NamedTuple):
         codes_t: ``(H, D, T)`` ``torch.float8_e4m3fn`` feature-major copy of ``codes``
             (``codes_t[h, d, t] == codes[t, h, d]``), or, with ``wgmma_order``, ``(H, D, ceil16(T))``
             in the order of :func:`to_wgmma_order`; None unless ``transposed=True``.
+        codes_lo: ``(T, H, D)`` ``torch.float8_e4m3fn`` residual codes (``quant.residual_codes``: the second
+            term of a two-term operand, ``qk_terms=2``) or None. codes_lo_t: their ``(H, D, T)`` token-order
+            copy (the FP8 backward's K_lo^T) or None.
     """
 
     codes: torch.Tensor
     exponents: torch.Tensor
     codes_t: Optional[torch.Tensor] = None
+    codes_lo: Optional[torch.Tensor] = None
+    codes_lo_t: Optional[torch.Tensor] = None
 
 
 def _check_token_axis(name: str, xt) -> None:
@@ -202,6 +208,7 @@ if HAS_TRITON:
         c0, c1, c2,  # codes, uint8 views of (T, H, D) contiguous
         e0, e1, e2,  # exponents, uint8 (T, H) contiguous
         t0, t1, t2,  # transposed codes, uint8 (H, D, TP) contiguous (written where TRANSPOSED has the bit)
+        r0, r1, r2,  # residual codes, uint8 (T, H, D) contiguous (written where RESIDUAL has the bit)
         cu_ptr, gs_ptr, rot_ptr,
         T, n_docs, TP,
         H0, H1, H2,
@@ -217,6 +224,8 @@ if HAS_TRITON:
         N_ITER: tl.constexpr,
         X_BF16: tl.constexpr,
         ROTATE: tl.constexpr,  # bf16 inputs multiplied by rot_ptr's (D, D) bf16 matrix first (qk_rotation)
+        RESIDUAL: tl.constexpr,  # bit i: input i also gets its residual codes (quant.residual_codes)
+        N_CODES: tl.constexpr,  # 2 where RESIDUAL != 0 (the encoder runs twice), else 1
     ):
         pid = tl.program_id(0)
         NH = H0 + H1 + H2
@@ -227,31 +236,37 @@ if HAS_TRITON:
             c_ptr = c0
             e_ptr = e0
             t_ptr = t0
+            r_ptr = r0
             h = hh
             H = H0
             sxt = sx0
             t_want = hh * 0 + (TRANSPOSED & 1)
             w_want = hh * 0 + (WGMMA & 1)
+            r_want = hh * 0 + (RESIDUAL & 1)
         elif hh < H0 + H1:
             x_ptr = x1
             c_ptr = c1
             e_ptr = e1
             t_ptr = t1
+            r_ptr = r1
             h = hh - H0
             H = H1
             sxt = sx1
             t_want = hh * 0 + (TRANSPOSED & 2)
             w_want = hh * 0 + (WGMMA & 2)
+            r_want = hh * 0 + (RESIDUAL & 2)
         else:
             x_ptr = x2
             c_ptr = c2
             e_ptr = e2
             t_ptr = t2
+            r_ptr = r2
             h = hh - H0 - H1
             H = H2
             sxt = sx2
             t_want = hh * 0 + (TRANSPOSED & 4)
             w_want = hh * 0 + (WGMMA & 4)
+            r_want = hh * 0 + (RESIDUAL & 4)
 
         start = tile * BLOCK_R
         rows = start + tl.arange(0, BLOCK_R)
@@ -352,18 +367,37 @@ if HAS_TRITON:
         ebyte = tl.where(nonfinite, 255, e + 127)
         scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, a normal float32
         y = x.to(tl.float32) * scale[:, None]
-        if HW_CVT:
-            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            yb = y.to(tl.int32, bitcast=True)
-            sign = (yb >> 24) & 0x80
-            a = yb & 0x7FFFFFFF
-            r = a + 0x7FFFF + ((a >> 20) & 1)
-            normal = (r >> 20) - 960
-            sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
-            code = (tl.where(a < 0x3C800000, sub, normal) | sign).to(tl.uint8)
-
-        tl.store(c_ptr + rows64[:, None] * (H * D) + h * D + offs_d[None, :], code, mask=mask)
+        val = y
+        # pass 0 encodes y (the codes); pass 1 (RESIDUAL) encodes y minus the codes' values on the same
+        # exponent: exact in float32 (y has 8 significant bits, within 2^9 of its code), rounded once, at most
+        # half a code ulp (never saturates); the group of a non-finite input gets NaN codes, as residual_codes
+        for it in tl.static_range(N_CODES):
+            if it == 1:
+                cb = code.to(tl.int32)
+                ex = (cb >> 3) & 15
+                mt = cb & 7
+                mag = tl.where(ex == 0, mt.to(tl.float32) * 0.001953125,
+                               (((ex + 120) << 23) | (mt << 20)).to(tl.float32, bitcast=True))
+                val = y - tl.where((cb & 0x80) != 0, -mag, mag)
+            if HW_CVT:
+                cd = val.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            else:
+                yb = val.to(tl.int32, bitcast=True)
+                sign = (yb >> 24) & 0x80
+                a = yb & 0x7FFFFFFF
+                r = a + 0x7FFFF + ((a >> 20) & 1)
+                normal = (r >> 20) - 960
+                sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+                cd = (tl.where(a < 0x3C800000, sub, normal) | sign).to(tl.uint8)
+            if it == 0:
+                code = cd
+                tl.store(c_ptr + rows64[:, None] * (H * D) + h * D + offs_d[None, :], code, mask=mask)
+            else:
+                cd = tl.where(nonfinite[:, None], 0x7F, cd).to(tl.uint8)
+                if RESIDUAL == 7:
+                    tl.store(r_ptr + rows64[:, None] * (H * D) + h * D + offs_d[None, :], cd, mask=mask)
+                elif r_want != 0:
+                    tl.store(r_ptr + rows64[:, None] * (H * D) + h * D + offs_d[None, :], cd, mask=mask)
         tl.store(e_ptr + rows64 * H + h, ebyte.to(tl.uint8), mask=in_t)
         # in-kernel transposed copy (transposed_store="kernel"), row pitch TP bytes. Known
         # miscompile: with the hardware e4m3 cvt plus two stores of the codes, ptxas 12.9
@@ -470,6 +504,8 @@ def _quantize_many(
     group_size: int = GROUP_SIZE,
     wgmma_order=False,
     rotate: bool = False,
+    residual=False,
+    residual_transposed=False,
 ) -> list[QuantizedOperand]:
     _check_inputs(xs)
     if rotate and (xs[0].dtype != torch.bfloat16 or xs[0].shape[2] not in (64, 128)):
@@ -480,6 +516,11 @@ def _quantize_many(
     if any(w and not t for w, t in zip(want_w, want_t)):
         raise FlamiaError(f"wgmma_order orders the transposed copies: it needs transposed for the same inputs, "
                           f"got wgmma_order={wgmma_order!r}, transposed={transposed!r}")
+    want_r = _per_tensor_flags(residual, len(xs), "residual")
+    want_rt = _per_tensor_flags(residual_transposed, len(xs), "residual_transposed")
+    if any(w and not r for w, r in zip(want_rt, want_r)):
+        raise FlamiaError(f"residual_transposed transposes the residual codes: it needs residual for the same inputs, "
+                          f"got residual_transposed={residual_transposed!r}, residual={residual!r}")
     group = group_size_of(granularity, group_size)
     x0 = xs[0]
     T, _, D = x0.shape
@@ -505,7 +546,9 @@ def _quantize_many(
             if want_w[i]:
                 tp = -(-T // 16) * 16
                 ct = to_wgmma_order(torch.nn.functional.pad(ct.view(torch.uint8), (0, tp - T))).view(ct.dtype)
-            outs.append(QuantizedOperand(qz.codes, qz.exponents, ct))
+            lo = residual_codes(x, qz) if want_r[i] else None
+            lot = lo.permute(1, 2, 0).contiguous() if want_rt[i] else None
+            outs.append(QuantizedOperand(qz.codes, qz.exponents, ct, lo, lot))
         return outs
 
     # the kernel addresses x as ((t * row_stride + h) * D + d): head stride D, feature stride 1,
@@ -517,6 +560,9 @@ def _quantize_many(
                           f"{transposed_store!r}")
     transposed = any(want_t)
     in_kernel_t = transposed and transposed_store == "kernel"
+    if any(want_rt) and transposed_store == "kernel":
+        raise FlamiaError("residual_transposed: the residual codes' copy is written by transposed_store='triton' or "
+                          "'torch', not 'kernel'")
     cfg = launch_config(group, D, in_kernel_t)
     block_r = int(block_rows or cfg.block_rows)
     if block_r & (block_r - 1) or block_r < 16:
@@ -533,6 +579,10 @@ def _quantize_many(
 
     codes = [torch.empty(x.shape, dtype=torch.uint8, device=dev) for x in xs]
     exps = [torch.empty(x.shape[:2], dtype=torch.uint8, device=dev) for x in xs]
+    # residual codes where asked (the others point at their codes, never written: RESIDUAL has no bit for them)
+    lows = [torch.empty(x.shape, dtype=torch.uint8, device=dev) if r else c for x, r, c in zip(xs, want_r, codes)]
+    r_bits = sum(1 << i for i, r in enumerate(want_r) if r)
+    r_bits = 7 if r_bits == sum(1 << i for i in range(len(xs))) else r_bits  # as t_bits: padding inputs count
     tp = -(-T // 16) * 16  # codes_t row pitch: 16-byte aligned (TMA needs 16-byte strides)
     # a tensor without a transposed copy gets a 16-byte dummy (never written: the kernel writes the
     # copy of the inputs whose bit is set in TRANSPOSED)
@@ -548,13 +598,14 @@ def _quantize_many(
     ca = codes + [codes[0]] * pad
     ea = exps + [exps[0]] * pad
     ta = list(codes_t) + [codes_t[0]] * pad
+    ra = lows + [lows[0]] * pad
     hs = [x.shape[1] for x in xs] + [0] * pad
     strides = [x.stride(0) // D for x in xa]
     n_tiles = triton.cdiv(T, block_r) if T else 0
     grid = (n_tiles * sum(hs),)
     if grid[0] > 0:
         kernel_for(_quantize_kernel, dev)[grid](
-            *xa, *ca, *ea, *ta,
+            *xa, *ca, *ea, *ta, *ra,
             cu, group_start if group_start is not None else cu, device_matrix(D, dev) if rotate else cu,
             T, n_docs, tp,
             *hs, *strides,
@@ -563,7 +614,7 @@ def _quantize_many(
             WGMMA=w_bits if in_kernel_t else 0, HW_CVT=bool(hw_cvt),
             N_ITER=_search_steps(n_docs),
             X_BF16=x0.dtype == torch.bfloat16,
-            ROTATE=bool(rotate),
+            ROTATE=bool(rotate), RESIDUAL=r_bits, N_CODES=2 if r_bits else 1,
             num_warps=warps,
         )
     if transposed and transposed_store == "triton":  # one launch a tensor: 1 B read + 1 B written an element
@@ -583,13 +634,31 @@ def _quantize_many(
         for ct, w, wo in zip(codes_t, want_t, want_w):
             if w and not wo:  # (the wgmma order's kernel store writes the padding's zero codes itself)
                 ct[:, :, T:].zero_()
+    lows_t = [_transpose_codes(lo, dev, transposed_store) if w else None for lo, w in zip(lows, want_rt)]
     outs = []
     for i in range(len(xs)):
         ct = (codes_t[i] if want_w[i] else codes_t[i][:, :, :T]).view(torch.float8_e4m3fn) if want_t[i] else None
-        outs.append(QuantizedOperand(codes[i].view(torch.float8_e4m3fn), exps[i], ct))
+        lo = lows[i].view(torch.float8_e4m3fn) if want_r[i] else None
+        lot = lows_t[i][:, :, :T].view(torch.float8_e4m3fn) if want_rt[i] else None
+        outs.append(QuantizedOperand(codes[i].view(torch.float8_e4m3fn), exps[i], ct, lo, lot))
     if check_finite:
         _check_outputs_finite(outs, xs)
     return outs
+
+
+def _transpose_codes(c: torch.Tensor, dev, transposed_store: str) -> torch.Tensor:
+    """uint8 codes ``(T, H, D)`` -> ``(H, D, ceil16(T))`` in token order, zeros past T (the residual codes' copy)."""
+    T, H, D = c.shape
+    tp = -(-T // 16) * 16
+    ct = torch.empty((H, D, tp), dtype=torch.uint8, device=dev)
+    if transposed_store == "triton" and tp:
+        kernel_for(_transpose_codes_kernel, dev)[(triton.cdiv(tp, TRANSPOSE_BLOCK_T), H)](
+            c, ct, T, tp, H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=TRANSPOSE_BLOCK_T, WGMMA=False,
+            num_warps=4)
+    else:
+        ct[:, :, :T].copy_(c.permute(1, 2, 0))
+        ct[:, :, T:].zero_()
+    return ct
 
 
 def _check_outputs_finite(outs: list, xs: list) -> None:
@@ -684,6 +753,8 @@ def quantize_qkv(
     transposed_store: str = "torch",
     wgmma_order: bool | tuple[bool, bool, bool] = False,
     rotate_qk: bool = False,
+    residual: bool | tuple[bool, bool, bool] = False,
+    residual_transposed: bool | tuple[bool, bool, bool] = False,
 ) -> tuple[QuantizedOperand, QuantizedOperand, QuantizedOperand]:
     """Quantize Q, K and V in ONE launch (DESIGN.md §4); arguments as in :func:`quantize`.
 
@@ -696,6 +767,10 @@ def quantize_qkv(
     ``rotate_qk``: q and k are quantized as ``bf16(q M)``, ``bf16(k M)`` (``qk_rotation.hadamard_matrix``,
     computed in the quantizer: an fp32 ``tl.dot`` a tile, halo rows included, so the rotated tensors
     never reach memory); bfloat16 inputs of head_dim 64 / 128 only. Two launches then (q and k, then v).
+    ``residual``, a bool or three: which inputs also get their residual codes (``codes_lo``, bitwise
+    ``quant.residual_codes``; two-term Q and K, ``qk_terms=2``), encoded in the same pass (the encoder runs
+    twice); ``residual_transposed``: which of those also get the ``(H, D, T)`` copy ``codes_lo_t`` (one
+    transposing launch each, never in the quantizer: ``transposed_store="kernel"`` is an error then).
 
     Returns:
         ``(q_quant, k_quant, v_quant)`` :class:`QuantizedOperand` each.
@@ -709,13 +784,17 @@ def quantize_qkv(
               num_warps=num_warps, hw_cvt=hw_cvt, transposed_store=transposed_store)
     if not rotate_qk:
         qq, kq, vq = _quantize_many([q, k, v], cu_seqlens, granularity, transposed=transposed,
-                                    wgmma_order=wgmma_order, **kw)
+                                    wgmma_order=wgmma_order, residual=residual, residual_transposed=residual_transposed,
+                                    **kw)
         return qq, kq, vq
     _check_inputs([q, k, v])
     t, w = _per_tensor_flags(transposed, 3), _per_tensor_flags(wgmma_order, 3, "wgmma_order")
+    r, rt = _per_tensor_flags(residual, 3, "residual"), _per_tensor_flags(residual_transposed, 3, "residual_transposed")
     kw["check_finite"] = False  # checked once below, over the three, with their names
-    qq, kq = _quantize_many([q, k], cu_seqlens, granularity, transposed=t[:2], wgmma_order=w[:2], rotate=True, **kw)
-    (vq,) = _quantize_many([v], cu_seqlens, granularity, transposed=t[2:], wgmma_order=w[2:], **kw)
+    qq, kq = _quantize_many([q, k], cu_seqlens, granularity, transposed=t[:2], wgmma_order=w[:2], rotate=True,
+                            residual=r[:2], residual_transposed=rt[:2], **kw)
+    (vq,) = _quantize_many([v], cu_seqlens, granularity, transposed=t[2:], wgmma_order=w[2:], residual=r[2:],
+                           residual_transposed=rt[2:], **kw)
     if check_finite:
         _check_outputs_finite([qq, kq, vq], [q, k, v])
     return qq, kq, vq
