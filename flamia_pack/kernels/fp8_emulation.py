@@ -54,16 +54,17 @@ cut's 32-token group see the whole group (the documented within-group dependency
 document's keys of the tile, which reads future keys on diagonal tiles and leaks through the E4M3
 subnormal boundary (seed 001 §4).
 
-``qk_terms=2`` (a numerics mode; ``gluon_fp8_fwd`` / ``gluon_fp8_bwd`` take its residual codes): Q and K are
-each an E4M3 code plus the E4M3 code of its residual on the same exponent, ``x 2^-e ~ qc + qc_lo``
-(``quant.residual_codes``: ~8 significant bits instead of 4), and
+``qk_terms=2`` (``varlen_attention(precision="fp8", qk_terms=2)``; the GPU kernels take the residual codes
+from the quantizer): Q and K are each an E4M3 code plus the E4M3 code of its residual on the same exponent,
+``x 2^-e ~ qc + qc_lo`` (``quant.residual_codes``: ~8 significant bits instead of 4), and
 ``dot_ij = fp32( qc_i.kc_j + qc_i.kc_lo_j + qc_lo_i.kc_j )`` (three FP8 products into one accumulator,
-exact in fp64 and rounded once; ``lo.lo`` left out). The backward recomputes S the
-same way and contracts its dQ payload against ``kc + kc_lo``; dK's product reads ``qc`` only (a second
-register-A product there makes ptxas serialize the backward's wgmmas; it buys < 4e-4 of cosine). V, P~,
-dO and the payloads keep one term. It meets issues 27 / 28's cosine targets where one term cannot (E4M3's 3-bit
-mantissa on Q and K; benchmarks/RESULTS.md "Session of 2026-12-06 (third)"), for 1.5x the forward's and
-1.6x the backward's MMA work.
+exact in fp64 and rounded once; ``lo.lo`` left out; the MMA's truncated accumulation is not modelled, as
+for one term). The backward recomputes S the same way and contracts its dQ payload against
+``kc + kc_lo``; dK's product reads ``qc`` only (a second register-A product there makes ptxas serialize
+the backward's wgmmas; it buys < 4e-4 of cosine). V, P~, dO and the payloads keep one term. It meets
+issues 27 / 28's cosine targets where one term cannot (E4M3's 3-bit mantissa on Q and K;
+benchmarks/RESULTS.md "Session of 2026-12-06 (third)"), for 1.5x the forward's and 1.6x the backward's
+MMA work.
 
 ``pv_accumulator``: ``"fp32"`` (default) promotes each tile's exact product into the fp32
 accumulator as above. ``"promote14"`` forms each tile's P~V in 32-key k-steps whose running sum is
