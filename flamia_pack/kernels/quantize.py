@@ -142,13 +142,16 @@ class LaunchConfig(NamedTuple):
     num_warps: int
 
 
-def launch_config(group: int, head_dim: int, transposed: bool = False) -> LaunchConfig:
+def launch_config(group: int, head_dim: int, transposed: bool = False, residual: bool = False) -> LaunchConfig:
     """Default tile for a token-group size, head dim and output layout.
 
     Args:
         group: tokens per scale group (32 for ``"block"``, 1 for ``"token"``).
         head_dim: D (features per head).
         transposed: whether the kernel also writes the ``(H, D, T)`` copy itself.
+        residual: whether it also encodes residual codes (the encoder's second pass keeps the tile's
+            scaled values live: 32-token groups at 256 x 8 need 255 registers and spill, 128 x 8 118
+            registers, sm_90a compile).
 
     Returns:
         :class:`LaunchConfig` (``block_rows``, ``num_warps``); a pure function, no checks.
@@ -165,7 +168,9 @@ def launch_config(group: int, head_dim: int, transposed: bool = False) -> Launch
     if head_dim > 128:
         return LaunchConfig(64, 8)
     if group > 1:
-        return LaunchConfig(64, 4) if transposed else LaunchConfig(256, 8)
+        if transposed:
+            return LaunchConfig(64, 4)
+        return LaunchConfig(128, 8) if residual else LaunchConfig(256, 8)
     return LaunchConfig(128, 8 if head_dim >= 128 else 4)
 
 
@@ -373,12 +378,12 @@ if HAS_TRITON:
         # half a code ulp (never saturates); the group of a non-finite input gets NaN codes, as residual_codes
         for it in tl.static_range(N_CODES):
             if it == 1:
+                # the code's value: its 7 magnitude bits placed at the top of a float32's exponent / mantissa
+                # fields read as 2^(ex - 127) (1 + mt / 8), or for ex == 0 the float32 subnormal mt 2^-129,
+                # times 2^120 (exact, both cases: E4M3's bias is 7, its subnormals mt 2^-9)
                 cb = code.to(tl.int32)
-                ex = (cb >> 3) & 15
-                mt = cb & 7
-                mag = tl.where(ex == 0, mt.to(tl.float32) * 0.001953125,
-                               (((ex + 120) << 23) | (mt << 20)).to(tl.float32, bitcast=True))
-                val = y - tl.where((cb & 0x80) != 0, -mag, mag)
+                dec = (((cb & 0x7F) << 20) | ((cb & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36
+                val = y - dec
             if HW_CVT and it == 0:
                 cd = val.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
             else:  # (the residual pass always: a second hardware convert in the kernel miscompiles on sm_90)
@@ -563,7 +568,7 @@ def _quantize_many(
     if any(want_rt) and transposed_store == "kernel":
         raise FlamiaError("residual_transposed: the residual codes' copy is written by transposed_store='triton' or "
                           "'torch', not 'kernel'")
-    cfg = launch_config(group, D, in_kernel_t)
+    cfg = launch_config(group, D, in_kernel_t, any(want_r))
     block_r = int(block_rows or cfg.block_rows)
     if block_r & (block_r - 1) or block_r < 16:
         raise FlamiaError(f"block_rows must be a power of two >= 16, got {block_r}")
