@@ -1,6 +1,8 @@
 """The FP8 emulation's two-term Q / K mode (``qk_terms=2``: each of Q and K an E4M3 code plus an E4M3 residual code
 on the same exponent; S from three FP8 products): residual codes, exact scores, accuracy against fp64, the
 autograd wrapper, causality, errors (CPU)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -242,6 +244,36 @@ def test_transformers_options_carry_qk_terms():
     assert "qk_terms" not in _varlen_call_kwargs(FlamiaAttentionOptions(precision="bf16", qk_terms=2))
     with pytest.raises(FlamiaError, match="qk_terms must be 1"):
         FlamiaAttentionOptions(qk_terms=3)
+    import json
+
+    import numpy as np
+
+    opts = FlamiaAttentionOptions(precision="fp8", qk_terms=np.int64(2))  # stored as a plain int: saves as JSON
+    assert type(opts.qk_terms) is int and json.loads(json.dumps(dataclasses.asdict(opts)))["qk_terms"] == 2
+
+
+def test_stored_bad_qk_terms_names_the_config():
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from flamia_pack.integrations.transformers import _CONFIG_ATTR, get_options
+
+    model = SimpleNamespace(config=SimpleNamespace(**{_CONFIG_ATTR: {"qk_terms": 2.0}}))
+    with pytest.raises(FlamiaError, match=f"config.{_CONFIG_ATTR} holds an invalid option: qk_terms must be 1"):
+        get_options(model)
+
+
+def test_fp8_emulation_nan_message_does_not_offer_check_finite():
+    """On the CPU, precision="fp8" runs the emulation, which needs finite inputs: the NaN error says so instead of
+    suggesting ``check_finite=False`` (which would only move the error); BF16 keeps the suggestion."""
+    from flamia_pack import varlen_attention
+
+    q, k, v, cu = _row(23, lens=(64, 64), heads=(1, 1))
+    q[70, 0, 3] = float("nan")
+    with pytest.raises(FlamiaError, match="runs the FP8 emulation, which needs finite inputs"):
+        varlen_attention(q, k, v, cu.to(torch.int32), 64, precision="fp8", qk_terms=2)
+    with pytest.raises(FlamiaError, match="check_finite=False skips this check"):
+        varlen_attention(q, k, v, cu.to(torch.int32), 64)
 
 
 @pytest.mark.gpu

@@ -42,7 +42,8 @@ only) and ``deterministic``. On CUDA the batch's work list is built once per for
 
 Dtypes: on CUDA the kernels take bfloat16, so float32 / float16 q, k, v are cast to bfloat16 and the
 output back to the input dtype; on the CPU the torch reference runs in the input dtype (float32
-inputs give float32 attention, exact up to rounding).
+inputs give float32 attention, exact up to rounding), and ``precision="fp8"`` the FP8 emulation (its
+bf16 output cast back to the input dtype).
 
 Not supported (a :class:`flamia_pack.FlamiaError` says so): attention dropout > 0, sliding windows,
 logit soft-capping, attention sinks (``s_aux``), a KV cache (query length != key length), 4-D /
@@ -126,7 +127,7 @@ class FlamiaAttentionOptions:
             raise FlamiaError(f"deterministic must be a bool, got {self.deterministic!r}")
         if self.qk_rotation not in QK_ROTATIONS:
             raise FlamiaError(f"qk_rotation must be one of {QK_ROTATIONS}, got {self.qk_rotation!r}")
-        check_qk_terms(self.qk_terms)
+        object.__setattr__(self, "qk_terms", check_qk_terms(self.qk_terms))  # a numpy int saves as JSON too
 
 
 _defaults = FlamiaAttentionOptions()
@@ -204,7 +205,10 @@ def get_options(module: Any) -> FlamiaAttentionOptions:
     unknown = set(stored) - {f.name for f in dataclasses.fields(FlamiaAttentionOptions)}
     if unknown:
         raise FlamiaError(f"config.{_CONFIG_ATTR} has unknown keys {sorted(unknown)}")
-    return dataclasses.replace(_defaults, **stored)
+    try:
+        return dataclasses.replace(_defaults, **stored)
+    except FlamiaError as exc:
+        raise FlamiaError(f"config.{_CONFIG_ATTR} holds an invalid option: {exc}") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,8 +391,7 @@ def flamia_attention_forward(
 
     Raises:
         FlamiaError / MetadataError: an unsupported feature or inconsistent metadata (see the module
-            docstring); ``varlen_attention``'s own errors; ``NotImplementedError`` from it for
-            ``precision="fp8"`` until FP8 attention exists.
+            docstring); ``varlen_attention``'s own errors.
     """
     if dropout:
         raise FlamiaError(f"flamia attention has no dropout; got dropout={dropout} (set the model's attention_dropout to 0)")

@@ -293,8 +293,9 @@ def _default_work_list(cu32: torch.Tensor, T: int, max_seqlen: int, causal: bool
     return wl.items, wl.num_items
 
 
-def _check_finite_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise FlamiaError if q, k or v holds a NaN / Inf (one sync; a second only to locate it)."""
+def _check_finite_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, skippable: bool = True) -> None:
+    """Raise FlamiaError if q, k or v holds a NaN / Inf (one sync; a second only to locate it); ``skippable``:
+    the message names ``check_finite=False`` (not where the FP8 CPU emulation runs: it needs finite inputs)."""
     flags = torch.stack([torch.isfinite(x).all() for x in (q, k, v)])
     if bool(flags.all()):
         return
@@ -302,8 +303,10 @@ def _check_finite_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> N
         bad = ~torch.isfinite(x)
         if bool(bad.any()):
             t, h = (int(i) for i in bad.any(dim=-1).nonzero()[0])
+            hint = ("check_finite=False skips this check" if skippable else
+                    "precision='fp8' off Hopper runs the FP8 emulation, which needs finite inputs")
             raise FlamiaError(f"{name} holds NaN / Inf (first at token {t}, head {h}); attention inputs must be "
-                              "finite (check_finite=False skips this check)")
+                              f"finite ({hint})")
 
 
 def _check_config_arg(config) -> None:
@@ -595,7 +598,7 @@ def varlen_attention(
             ``D ** -0.5``.
         precision: ``"bf16"`` or ``"fp8"``: Q, K, V quantized inside the call to E4M3 with
             document-local token-block exponents (DESIGN.md §4; ``kernels/fp8_attention.py``), the
-            Gluon FP8 forward and backward on CUDA sm_90 (head_dim 128, bf16 inputs; the forward saves
+            Gluon FP8 forward and backward on CUDA sm_90 (head_dim 64 or 128, bf16 inputs; the forward saves
             the codes for the backward, ``kernels/fp8_backward.py``), the differentiable CPU emulation
             of the same numerics elsewhere (``kernels/fp8_emulation.py``). ``config`` is refused with it.
         work_list: a prebuilt ``WorkList`` (:func:`build_attention_work_list`). Given one, the call
@@ -727,7 +730,10 @@ def varlen_attention(
     if check_finite or (check_finite is None and not use_kernels and not torch.compiler.is_compiling()):
         # the documents' tokens (the row-end padding's values are never read into a document's output)
         n = T if doc_tokens is None else int(doc_tokens)
-        _check_finite_inputs(q[:n], k[:n], v[:n])
+        from flamia_pack.kernels.fp8_attention import fp8_kernels_available
+
+        emulated = precision == "fp8" and not (use_kernels and fp8_kernels_available(q.device))
+        _check_finite_inputs(q[:n], k[:n], v[:n], skippable=not emulated)
     # a captured / compiled step must not bake in one row's launch decision (and dynamo cannot guard
     # on the buffers' version counters): no hint there
     if torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):

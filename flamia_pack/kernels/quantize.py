@@ -728,7 +728,8 @@ def quantize(
             FP8 forward's V^T), zeros at the padding tokens' positions; needs ``transposed`` (FlamiaError).
 
     Returns:
-        :class:`QuantizedOperand`; bitwise equal to ``quant.quantize_token_blocks``.
+        :class:`QuantizedOperand`; bitwise equal to ``quant.quantize_token_blocks`` (the codes of a non-finite
+        group excepted: its exponent byte 255 marks it, whatever its codes).
 
     Raises:
         FlamiaError: bad dtype/shape (``D == 0`` included)/tile (``block_rows`` not a power of two
