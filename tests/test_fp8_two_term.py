@@ -315,3 +315,113 @@ def test_gpu_varlen_attention_two_terms_matches_the_emulation_and_beats_one_term
     exact = [o_ref[:n], *(x[:n] for x in ref)]
     for i in (0, 1, 2):  # O, dQ, dK
         assert _cos(gpu[i], exact[i]) > _cos(one[i], exact[i]), i
+
+
+def _gpu_two_term_inputs(lens, H, Hkv, seed):
+    from flamia_pack.kernels.fp8_attention import fp8_kernels_available
+
+    if not fp8_kernels_available("cuda"):
+        pytest.skip("the FP8 kernels need sm_90 and triton's Gluon")
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes"))
+    from fp8_bwd_probe import _inputs
+
+    return _inputs(lens, H, Hkv, seed=seed)
+
+
+def _two_term_grads(q, k, v, do, cu, **kw):
+    from flamia_pack import varlen_attention
+
+    x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    o = varlen_attention(*x, cu, int((cu[1:] - cu[:-1]).max()), precision="fp8", qk_terms=2, **kw)
+    o.backward(do)
+    return [o.detach(), *(t.grad for t in x)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_two_terms_nan_stays_in_its_document():
+    """A NaN / Inf in one document (Q's, K's and V's codes, so NaN residual codes too) leaves the other documents'
+    O bitwise and their gradients (dQ's reduce order aside) as without it, with two terms."""
+    q, k, v, do, cu = _gpu_two_term_inputs([500, 600, 400], 2, 2, seed=5)
+    clean = _two_term_grads(q, k, v, do, cu)
+    q[700, 0, 3] = float("nan")
+    k[650, 1, 9] = float("nan")
+    v[720, 0, 7] = float("inf")
+    dirty = _two_term_grads(q, k, v, do, cu)
+    keep = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+    keep[500:1100] = False
+    assert torch.equal(dirty[0][keep], clean[0][keep])
+    assert not torch.isfinite(dirty[0][500:1100]).all()
+    for a, b in zip(dirty[1:], clean[1:]):
+        assert torch.isfinite(a[keep]).all()
+        torch.testing.assert_close(a[keep], b[keep], rtol=0, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_two_terms_capture_in_cuda_graphs():
+    """With two terms the public forward call (prebuilt work list) and the backward on saved codes capture in CUDA
+    graphs: replays give the eager bits (forward) and the eager gradients up to dQ's reduce order."""
+    from flamia_pack import varlen_attention
+    from flamia_pack.kernels.fp8_attention import build_fp8_work_list, fp8_attention_forward, fp8_quantize
+    from flamia_pack.kernels.fp8_backward import fp8_backward
+
+    q, k, v, do, cu = _gpu_two_term_inputs([700, 300, 24], 4, 2, seed=7)
+    wl = build_fp8_work_list(cu, q.shape[0])
+    o = varlen_attention(q, k, v, cu, 700, precision="fp8", qk_terms=2, work_list=wl)
+    out = torch.empty_like(o)
+    s = torch.cuda.Stream()  # warm-up on a side stream, as torch's graph capture asks
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out.copy_(varlen_attention(q, k, v, cu, 700, precision="fp8", qk_terms=2, work_list=wl))
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.copy_(varlen_attention(q, k, v, cu, 700, precision="fp8", qk_terms=2, work_list=wl))
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, o)
+
+    ops = fp8_quantize(q, k, v, cu, "block", backward=True, qk_terms=2)
+    assert ops.qc_lo is not None and ops.kc_lo is not None and ops.kt_lo is not None
+    o2, lse = fp8_attention_forward(ops, cu, work_list=wl)
+    assert torch.equal(o2, o)
+    kw = dict(causal=True, softmax_scale=128 ** -0.5, entries=wl.bwd_entries)
+    eager = fp8_backward(do, ops, o2, lse, cu, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = fp8_backward(do, ops, o2, lse, cu, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(grads, eager):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_two_terms_deterministic_and_under_torch_compile():
+    """``deterministic=True`` with two terms repeats bitwise; a function calling it compiles with torch.compile and
+    gives the eager gradients."""
+    from flamia_pack import varlen_attention
+
+    q, k, v, do, cu = _gpu_two_term_inputs([700, 300], 4, 2, seed=8)
+    a = _two_term_grads(q, k, v, do, cu, deterministic=True)
+    b = _two_term_grads(q, k, v, do, cu, deterministic=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+    def f(q, k, v):
+        return varlen_attention(q * 1.0, k, v, cu, 700, precision="fp8", qk_terms=2).float().square().sum()
+
+    def grads(fn):
+        x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        fn(*x).backward()
+        return [t.grad for t in x]
+
+    for x, y in zip(grads(torch.compile(f)), grads(f)):
+        assert torch.isfinite(x).all()
+        torch.testing.assert_close(x, y, rtol=0, atol=2e-3)
