@@ -6,8 +6,9 @@
 1. **check** (unaligned rows, MHA and GQA, causal and not, "block" and "token"): the kernel with the residual codes
    (``quant.residual_codes`` of the forward's own codes, made with torch on the GPU) against the CPU emulation's
    ``qk_terms=2`` forward and both kernels against the fp64 reference (:func:`lse_ok` is the rule: the codes are
-   bitwise the same, the rest differs by MUFU ex2 and the MMA's truncated accumulation, as for one term); the backward kernel with the same codes (``gluon_fp8_bwd(qc_lo=, kc_lo=, kt_lo=)``)
-   against the emulation's ``qk_terms=2`` backward (gradient cosines > 0.999);
+   bitwise the same, the rest differs by MUFU ex2 and the MMA's truncated accumulation, as for one term); the
+   backward kernel with the same codes (``gluon_fp8_bwd(qc_lo=, kc_lo=, kt_lo=)``) against the emulation's
+   ``qk_terms=2`` backward (gradient cosines > 0.999);
 2. **time**: ``triton.testing.do_bench`` medians of each kernel alone (the forward; the backward incl. its dQ
    accumulator's allocation and cast), one term against two terms, same process, on the WORKLOADS rows (16 heads,
    D 128), with the forward's TFLOP/s of the one-term product count; timed whether the check passed or not;

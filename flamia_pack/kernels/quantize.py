@@ -374,7 +374,7 @@ if HAS_TRITON:
         y = x.to(tl.float32) * scale[:, None]
         val = y
         # pass 0 encodes y (the codes); pass 1 (RESIDUAL) encodes y minus the codes' values on the same
-        # exponent: exact in float32 (y has 8 significant bits, within 2^9 of its code), rounded once, at most
+        # exponent: exact in float32 (the code is y rounded, within a factor 2 of it), rounded once, at most
         # half a code ulp (never saturates); the group of a non-finite input gets NaN codes, as residual_codes
         for it in tl.static_range(N_CODES):
             if it == 1:
