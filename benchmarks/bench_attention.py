@@ -24,7 +24,7 @@ read at run time), ``scaled_dot_product_attention`` on the dense (B, H, L, D) vi
 documents have one length. The packed peers are fa4, flex and varlen. Failures (out of memory, invalid
 argument) are reported as such.
 
-``--fp8`` adds, in the same process, our ``precision="fp8"`` call (block and the strict token mode), its
+``--fp8`` adds, in the same process, our ``precision="fp8"`` call (block, the strict token mode, ``qk_terms=2``), its
 forward kernel alone, S2's FP8 peak memory, and, where ``cudnn`` imports and the row's documents have
 one length, cuDNN's FP8 attention (``peer_cudnn_fp8.py``: per-tensor scales, batched rows), and the FP8
 forward incl. quantization against the HBM floor of the bytes it must move (:func:`fp8_hbm_table`).
@@ -209,9 +209,10 @@ def ours(inp, config=None, causal: bool = True):
     return _fwd_bwd_fns(ours_call(inp, config, causal), inp)
 
 
-def ours_fp8(inp, granularity: str = "block"):
+def ours_fp8(inp, granularity: str = "block", qk_terms: int = 1):
     """Our FP8 op (``precision="fp8"``: quantization inside the call) with its work list built once;
-    ``granularity="token"``: the strict mode (per-token exponents, ``causal_dq_scale``)."""
+    ``granularity="token"``: the strict mode (per-token exponents, ``causal_dq_scale``); ``qk_terms=2``: two-term
+    Q and K."""
     from flamia_pack.kernels import varlen_attention
     from flamia_pack.kernels.fp8_attention import build_fp8_work_list
 
@@ -219,7 +220,8 @@ def ours_fp8(inp, granularity: str = "block"):
 
     def call(q, k, v):
         return varlen_attention(q, k, v, inp["cu"], inp["max_seqlen"], precision="fp8", work_list=wl,
-                                scale_granularity=granularity, causal_dq_scale=granularity == "token")
+                                scale_granularity=granularity, causal_dq_scale=granularity == "token",
+                                qk_terms=qk_terms)
 
     return _fwd_bwd_fns(call, inp)
 
@@ -494,13 +496,14 @@ def markdown(rows) -> str:
         out.append("| wl | fwd incl. quantization | kernel alone | ratio incl. quant | ratio kernel | fastest BF16 fwd |"
                    " training call | ratio | fastest BF16 training call | vs our BF16 training call |"
                    " strict (token) training call | strict / block | cuDNN FP8 fwd / training call | ours vs cuDNN FP8"
-                   " training call |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                   " training call | qk_terms=2 fwd / training call | qk_terms=2 ratio fwd / training call |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in f8:
             bf, bt = _fastest_bf16(r, "fwd_ms"), _fastest_bf16(r, "train_ms")
             a, kk = r["impl"]["ours_fp8"], r["impl"].get("ours_fp8_kernel", {})
             tk = r["impl"].get("ours_fp8_token", {})
             cd = r["impl"].get("cudnn_fp8", {})
+            t2 = r["impl"].get("ours_fp8_qk2", {})
 
             def rat(base, x):
                 return f"{base / x:.2f}x" if (base and x) else "-"
@@ -510,7 +513,9 @@ def markdown(rows) -> str:
                        f"{rat(bf, a.get('fwd_ms'))} | {rat(bf, kk.get('fwd_ms'))} | {f'{bf:.2f}' if bf else '-'} | "
                        f"{_fmt_ms(a, 'train_ms')} | {rat(bt, a.get('train_ms'))} | {f'{bt:.2f}' if bt else '-'} | "
                        f"{rat(ours_t, a.get('train_ms'))} | {_fmt_ms(tk, 'train_ms')} | {rat(tk.get('train_ms'), a.get('train_ms'))} | "
-                       f"{_fmt_ms(cd, 'fwd_ms')} / {_fmt_ms(cd, 'train_ms')} | {rat(cd.get('train_ms'), a.get('train_ms'))} |")
+                       f"{_fmt_ms(cd, 'fwd_ms')} / {_fmt_ms(cd, 'train_ms')} | {rat(cd.get('train_ms'), a.get('train_ms'))} | "
+                       f"{_fmt_ms(t2, 'fwd_ms')} / {_fmt_ms(t2, 'train_ms')} | "
+                       f"{rat(bf, t2.get('fwd_ms'))} / {rat(bt, t2.get('train_ms'))} |")
     if f8:
         out.append(fp8_hbm_table(f8))
     wlb = [r for r in rows if "worklist_ms" in r]
@@ -602,6 +607,7 @@ def run(workloads, peers, rep, out_dir, memory_for=("S2",), config=None, fp8=Fal
             row["impl"]["ours_fp8"] = measure("ours_fp8", ours_fp8, inp, rep=rep)
             row["impl"]["ours_fp8_kernel"] = measure("ours_fp8_kernel", ours_fp8_kernel, inp, train=False, rep=rep)
             row["impl"]["ours_fp8_token"] = measure("ours_fp8_token", lambda i: ours_fp8(i, "token"), inp, rep=rep)
+            row["impl"]["ours_fp8_qk2"] = measure("ours_fp8_qk2", lambda i: ours_fp8(i, qk_terms=2), inp, rep=rep)
             if cudnn_fp8_ok:
                 row["impl"]["cudnn_fp8"] = measure("cudnn_fp8", cudnn_fp8, inp, rep=rep)
         if name in memory_for:

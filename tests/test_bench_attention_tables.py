@@ -42,3 +42,18 @@ def test_table_renders_a_saved_run(capsys):
     bad = RUN.parent / "bench_attention.md"
     assert mod.main(["--table", str(bad)]) == 2
     assert "not a bench_attention.json" in capsys.readouterr().err
+
+
+def test_fp8_table_has_the_two_term_columns():
+    """A row with the ``qk_terms=2`` measurement gets its times and ratios to the fastest BF16 call; rows without it
+    (older runs) print dashes."""
+    mod = _mod()
+    rows = json.loads(RUN.read_text())["rows"]
+    old = mod.markdown(rows)
+    assert "qk_terms=2 fwd / training call" in old and "| - / - | - / - |" in old
+    w1 = next(r for r in rows if r["name"] == "W1")
+    bf, bt = mod._fastest_bf16(w1, "fwd_ms"), mod._fastest_bf16(w1, "train_ms")
+    w1["impl"]["ours_fp8_qk2"] = {"fwd_ms": bf * 2, "train_ms": bt * 4}
+    line = next(x for x in mod.markdown(rows).splitlines() if x.startswith("| W1 |") and "qk" not in x
+                and x.rstrip().endswith("0.25x |"))
+    assert "| 0.50x / 0.25x |" in line
