@@ -119,7 +119,7 @@ def test_two_term_errors():
 def test_gpu_forward_kernel_with_two_terms_matches_the_emulation(causal, gran):
     """``gluon_fp8_fwd(qc_lo=, kc_lo=)`` (three FP8 products for S) against the emulation's ``qk_terms=2`` forward on
     unaligned rows with GQA, row-end padding and outlier channels (``fp8_two_term_probe.lse_ok``: O cosine > 0.9999,
-    LSE as close to the emulation as one term's kernel is to its own, and closer to fp64 than one term in O and LSE)."""
+    LSE within 1.5x of one term's kernel-to-emulation gap, and closer to fp64 than one term in O and LSE)."""
     import os
     import sys
 
@@ -196,7 +196,8 @@ def test_quantizer_writes_the_residual_codes_bitwise(gran, rotate, device):
         assert torch.equal(o.codes_lo.cpu().view(torch.uint8), want)
         assert torch.equal(o.codes.cpu().view(torch.uint8), p.codes.cpu().view(torch.uint8))
         assert torch.equal(o.codes_t.cpu().view(torch.uint8), p.codes_t.cpu().view(torch.uint8))
-    assert int((want == 0x7F).sum()) >= 128 and int((want[10] != 0).sum()) > 0  # the NaN group, subnormals
+    subnormal = ((want & 0x78) == 0) & ((want & 0x07) != 0)  # exponent field 0, mantissa not: E4M3 subnormals
+    assert int((want == 0x7F).sum()) >= 128 and int(subnormal.sum()) > 0
     assert torch.equal(kq.codes_lo_t.cpu().view(torch.uint8), kq.codes_lo.cpu().view(torch.uint8).permute(1, 2, 0))
     assert qq.codes_lo_t is None and vq.codes_lo is None and vq.codes_lo_t is None
     with pytest.raises(FlamiaError, match="residual_transposed transposes the residual codes"):

@@ -241,9 +241,9 @@ class _FP8Attention(torch.autograd.Function):
                 deterministic=False, rotate_qk=False, qk_terms=1):
         if quantizer is None:
             ops = fp8_quantize(q, k, v, cu32, granularity, backward=True, rotate_qk=rotate_qk, qk_terms=qk_terms)
-        elif rotate_qk:
-            raise FlamiaError("_FP8Attention: a custom quantizer with rotate_qk=True (the quantizer must rotate; "
-                              "pass the rotation in it and rotate_qk=False)")
+        elif rotate_qk or qk_terms != 1:
+            raise FlamiaError("_FP8Attention: a custom quantizer with rotate_qk=True or qk_terms=2 (the quantizer "
+                              "must rotate / write the residual codes itself; pass rotate_qk=False, qk_terms=1)")
         else:
             ops = quantizer(q, k, v, cu32)
         o, lse = fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)

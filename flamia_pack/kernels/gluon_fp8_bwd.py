@@ -213,9 +213,9 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=c > 0)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    if QK_LO:  # the forward's three S products, replicated in its order (the residual products first)
-        st = warpgroup_mma(k_smem, lo[0].index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-        st = warpgroup_mma(lo[1], q_bufs.index(s).permute((1, 0)), st, is_async=True)
+    if QK_LO:  # the forward's three S products in its order: K_lo Q^T, K Q_lo^T, then K Q^T
+        st = warpgroup_mma(lo[1], q_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        st = warpgroup_mma(k_smem, lo[0].index(s).permute((1, 0)), st, is_async=True)
         st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), st, is_async=True)
     else:
         st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
