@@ -129,15 +129,12 @@ def main(argv=None):
     a = ap.parse_args(argv)
     variants = a.variants.split(",")
     print("| input | variant | cos O | cos dQ | cos dK | cos dV |\n|---|---|---|---|---|---|")
-    L = a.tokens
-    cu = torch.tensor([0, L, 2 * L, 3 * L, 4 * L])
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn((4 * L, a.heads, 128), generator=g).bfloat16() for _ in range(3))
-    k[:, :, [5, 17, 40, 99]] *= 20
-    row("K ch x20", q, k, v, cu, variants)
-    if a.gpt_steps:
-        from fp8_numerics import gpt_capture
+    from fp8_numerics import gpt_capture, synthetic_rows
 
+    for name, q, k, v, cu, _ in synthetic_rows(a.heads, tokens=a.tokens):
+        if name == "K ch x20":
+            row(name, q, k, v, cu, variants)
+    if a.gpt_steps:
         layers, gcu = gpt_capture(a.gpt_steps)
         for layer in (3, 1):
             row(f"GPT L{layer}", *layers[layer], gcu, variants)

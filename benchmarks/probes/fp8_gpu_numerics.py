@@ -56,16 +56,12 @@ def main(argv=None):
         [("two terms + hadamard", 2, "hadamard")] if a.rotation else [])
     print(torch.cuda.get_device_name())
     print("| input | mode | cos O | cos dQ | cos dK | cos dV |\n|---|---|---|---|---|---|")
-    L = 4096
-    cu = torch.tensor([0, L, 2 * L, 3 * L, 4 * L])
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn((4 * L, 16, 128), generator=g).bfloat16() for _ in range(3))
-    row("N(0,1)", q, k, v, cu, variants)
-    k[:, :, [5, 17, 40, 99]] *= 20
-    row("K ch x20", q, k, v, cu, variants)
-    if a.gpt_steps:
-        from fp8_numerics import gpt_capture
+    from fp8_numerics import gpt_capture, synthetic_rows
 
+    for name, q, k, v, cu, _ in synthetic_rows(16):
+        if name in ("N(0,1)", "K ch x20"):
+            row(name, q, k, v, cu, variants)
+    if a.gpt_steps:
         layers, gcu = gpt_capture(a.gpt_steps)
         for layer in (1, 3):
             row(f"GPT L{layer}", *layers[layer], gcu, variants)

@@ -216,10 +216,12 @@ def check(seed: int = 1) -> None:
     print("check: ablated_forward with every stage on == fp8_attention_forward bitwise (block/token, boost 0/8)")
 
 
-def synthetic_rows(H: int, seed: int = 3):
+def synthetic_rows(H: int, seed: int = 3, tokens: int = 4096):
+    """The issues' synthetic inputs, 4 documents x ``tokens``, D 128: ``(name, q, k, v, cu, only)`` for N(0, 1),
+    K ch x20 and K ch +20 (``only``: this probe's ablations that row runs, None for all)."""
     g = torch.Generator().manual_seed(seed)
-    T = 4 * 4096
-    cu = torch.tensor([0, 4096, 8192, 12288, 16384])
+    T = 4 * tokens
+    cu = torch.tensor([0, tokens, 2 * tokens, 3 * tokens, 4 * tokens])
     q, k, v = (torch.randn((T, H, 128), generator=g).bfloat16() for _ in range(3))
     k_out, k_off = k.clone(), k.clone()
     k_out[:, :, OUTLIER_CHANNELS] *= 20  # zero-mean outlier channels (the GPU probe's row)

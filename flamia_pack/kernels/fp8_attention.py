@@ -104,10 +104,9 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     Returns:
         :class:`FP8Operands`.
     """
+    from flamia_pack.kernels.fp8_emulation import check_qk_terms
     from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
     from flamia_pack.kernels.quantize import quantize_qkv
-
-    from flamia_pack.kernels.fp8_emulation import check_qk_terms
 
     if not isinstance(backward, bool):
         raise FlamiaError(f"fp8_quantize: backward must be a bool, got {backward!r}")

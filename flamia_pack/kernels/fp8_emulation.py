@@ -62,9 +62,10 @@ exact in fp64 and rounded once; ``lo.lo`` left out; the MMA's truncated accumula
 for one term). The backward recomputes S the same way and contracts its dQ payload against
 ``kc + kc_lo``; dK's product reads ``qc`` only (a second register-A product there makes ptxas serialize
 the backward's wgmmas; it buys < 4e-4 of cosine). V, P~, dO and the payloads keep one term. It meets
-issues 27 / 28's cosine targets where one term cannot (E4M3's 3-bit mantissa on Q and K;
-benchmarks/RESULTS.md "Session of 2026-12-06 (third)"), for 1.5x the forward's and 1.6x the backward's
-MMA work.
+issue 27's O target on every input of its row and issue 28's gradient targets on N(0, 1), where one term
+meets none (E4M3's 3-bit mantissa on Q and K; on trained layers the one-term V, P~ and dS roundings still
+limit the gradients: benchmarks/RESULTS.md "Session of 2026-12-06 (fourth)"), for 1.5x the forward's and
+1.6x the backward's MMA work.
 
 ``pv_accumulator``: ``"fp32"`` (default) promotes each tile's exact product into the fp32
 accumulator as above. ``"promote14"`` forms each tile's P~V in 32-key k-steps whose running sum is
@@ -539,8 +540,8 @@ def fp8_attention_forward(
             ``p_zero_fraction`` (share of p > 0 whose P~ rounded to 0).
         qk_terms: 1 (default) or 2: Q and K each as an E4M3 code plus an E4M3 residual code on the
             same exponent (``quant.residual_codes``), S from three FP8 products (:func:`scores`);
-            V and P~ unchanged. Not with ``quantized``. ``varlen_attention`` does not expose it yet
-            (its kernels' GPU run is pending): benchmarks/RESULTS.md "Session of 2026-12-06 (third)".
+            V and P~ unchanged. Not with ``quantized``. ``varlen_attention(qk_terms=2)`` runs it on the CPU
+            and the kernels' equivalent on the GPU.
 
     Returns:
         ``(o, lse)``: ``(T, H, D)`` bfloat16 and ``(H, T)`` float32 natural-log LSE (the BF16
