@@ -139,7 +139,8 @@ def test_launch_helpers():
     assert _search_steps(256) == 16 and _search_steps(131072) == 24
     for n in range(1, 300):  # enough steps for a binary search over n + 1 boundaries
         assert 2 ** _search_steps(n) >= n + 1
-    for args in ((32, 128), (32, 128, True), (1, 128), (32, 64), (1, 64, True), (32, 256)):
+    for args in ((32, 128), (32, 128, True), (1, 128), (32, 64), (1, 64, True), (32, 256), (32, 128, False, True),
+                 (32, 128, False, True, True), (1, 128, False, False, True), (1, 128, False, True)):
         cfg = launch_config(*args)
         assert cfg.block_rows & (cfg.block_rows - 1) == 0 and cfg.block_rows >= 16 and cfg.num_warps in (4, 8)
 

@@ -32,6 +32,35 @@ def call(q, k, v, cu, gran, residual, backward, rotate, tile):
                         **kw)
 
 
+def rotation_rounding_only(xr, ref, got_lo, want_lo, gran, tile) -> bool:
+    """With the fused rotation, the kernel's rotated rows are ``tl.dot``'s fp32 sums rounded to bf16, the reference's
+    torch's: the sums' order differs, so a rotated entry can round to the neighbouring bf16 value. Its code and
+    exponent rarely move (checked bitwise by the caller); its residual code does. Accept a residual mismatch only
+    where the kernel's ``code + lo`` lies within one bf16 ulp of the rotated entry plus both residuals' rounding
+    (half an E4M3 ulp each), and print how many entries differ."""
+    fin = (ref.exponents != UE8M0_NAN)[..., None].expand(ref.codes.shape)
+    diff = (got_lo != want_lo) & fin
+    n = int(diff.sum())
+    if n == 0:
+        return True
+    e = ref.exponents.to(torch.float64)[..., None] - 127
+    x = xr.double()
+    got = (ref.codes.double() + got_lo.view(torch.float8_e4m3fn).double()) * torch.exp2(e)
+    lo_ref = want_lo.view(torch.float8_e4m3fn).double()
+
+    def half_ulp(v, mant_bits, min_exp):  # half the spacing of a float with that many mantissa bits at v
+        ex = torch.floor(torch.log2(v.abs().clamp(min=2.0 ** min_exp)))
+        return torch.exp2(ex - mant_bits - 1)
+
+    bound = 2 * half_ulp(x, 7, -133) + (half_ulp(lo_ref, 3, -6) * 2 + 2.0 ** -10) * torch.exp2(e)
+    err = (got - x).abs()
+    ok = bool((err[diff] <= bound[diff]).all())
+    print(f"  rotation, tile {tile} {gran}: {n} of {int(fin.sum())} residual codes differ from torch's rotation "
+          f"(fp32 sum order), worst |code + lo - x M| / bound {float((err[diff] / bound[diff]).max()):.3f}: "
+          f"{'within one bf16 ulp' if ok else 'BEYOND one bf16 ulp'}")
+    return ok
+
+
 def bitwise(tile) -> bool:
     g = torch.Generator().manual_seed(5)
     lens = [300, 1, 77, 130, 611]
@@ -55,9 +84,13 @@ def bitwise(tile) -> bool:
                     o.codes.cpu().view(torch.uint8)[fin], ref.codes.view(torch.uint8)[fin])
                 if o.codes_lo is not None:
                     lo = residual_codes(x, ref).view(torch.uint8)
-                    same &= torch.equal(o.codes_lo.cpu().view(torch.uint8), lo)
+                    got_lo = o.codes_lo.cpu().view(torch.uint8)
+                    if rotate and same:
+                        same &= rotation_rounding_only(x, ref, got_lo, lo, gran, tile)
+                    else:
+                        same &= torch.equal(got_lo, lo)
                     if o.codes_lo_t is not None:
-                        same &= torch.equal(o.codes_lo_t.cpu().view(torch.uint8), lo.permute(1, 2, 0))
+                        same &= torch.equal(o.codes_lo_t.cpu().view(torch.uint8), got_lo.permute(1, 2, 0))
                 if not same:
                     print(f"MISMATCH tile {tile} {gran} residual={residual} backward={backward} rotate={rotate}")
                     ok = False

@@ -142,7 +142,8 @@ class LaunchConfig(NamedTuple):
     num_warps: int
 
 
-def launch_config(group: int, head_dim: int, transposed: bool = False, residual: bool = False) -> LaunchConfig:
+def launch_config(group: int, head_dim: int, transposed: bool = False, residual: bool = False,
+                  rotate: bool = False) -> LaunchConfig:
     """Default tile for a token-group size, head dim and output layout.
 
     Args:
@@ -150,8 +151,8 @@ def launch_config(group: int, head_dim: int, transposed: bool = False, residual:
         head_dim: D (features per head).
         transposed: whether the kernel also writes the ``(H, D, T)`` copy itself.
         residual: whether it also encodes residual codes (the encoder's second pass keeps the tile's
-            scaled values live: 32-token groups at 256 x 8 need 255 registers and spill, 128 x 8 118
-            registers, sm_90a compile).
+            scaled values live: 32-token groups at 256 x 8 need 255 registers and spill).
+        rotate: whether it rotates the rows first (``rotate_qk``: a ``tl.dot`` with the (D, D) matrix).
 
     Returns:
         :class:`LaunchConfig` (``block_rows``, ``num_warps``); a pure function, no checks.
@@ -163,14 +164,20 @@ def launch_config(group: int, head_dim: int, transposed: bool = False, residual:
     "token" needs no halo: 128 x 8 (66 registers) is at 1.02. The in-kernel transposed copy holds a
     second layout of the tile in shared memory: with 32-token groups 64 x 4, the fastest tile for
     V^T and for Q^T K^T V^T (three programs an SM instead of one; times: RESULTS.md "Session of
-    2026-12-03", run 1, and benchmarks/NOTES.md item 14); "token" keeps 128 x 8.
+    2026-12-03", run 1, and benchmarks/NOTES.md item 14). The encoder's second pass (residual codes)
+    and the rotation's ``tl.dot`` are issue time, not bytes: 64 x 4 (more programs an SM to hide them)
+    is the fastest tile for both in "token" and for residual codes in "block", and 256 x 8 for the
+    rotation in "block", where the halo's rotated rows cost most at small tiles (RESULTS.md "Session
+    of 2026-12-06 (fourth)" and "(fifth)", ``benchmarks/probes/quant_tile_probe.py``).
     """
     if head_dim > 128:
         return LaunchConfig(64, 8)
     if group > 1:
-        if transposed:
+        if transposed or (residual and not rotate):
             return LaunchConfig(64, 4)
-        return LaunchConfig(128, 8) if residual else LaunchConfig(256, 8)
+        return LaunchConfig(256, 8)
+    if residual or rotate:
+        return LaunchConfig(64, 4)
     return LaunchConfig(128, 8 if head_dim >= 128 else 4)
 
 
@@ -568,7 +575,7 @@ def _quantize_many(
     if any(want_rt) and transposed_store == "kernel":
         raise FlamiaError("residual_transposed: the residual codes' copy is written by transposed_store='triton' or "
                           "'torch', not 'kernel'")
-    cfg = launch_config(group, D, in_kernel_t, any(want_r))
+    cfg = launch_config(group, D, in_kernel_t, any(want_r), rotate=bool(rotate))
     block_r = int(block_rows or cfg.block_rows)
     if block_r & (block_r - 1) or block_r < 16:
         raise FlamiaError(f"block_rows must be a power of two >= 16, got {block_r}")
