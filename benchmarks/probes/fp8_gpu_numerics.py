@@ -1,13 +1,14 @@
 """Numerics of ``varlen_attention(precision="fp8")`` on the GPU, one term against two-term Q and K (``qk_terms``).
 
-    PYTHONPATH=. python3 benchmarks/probes/fp8_gpu_numerics.py [--gpt-steps 200] [--rotation]
+    PYTHONPATH=. python3 benchmarks/probes/fp8_gpu_numerics.py [--gpt-steps 200] [--rotation] [--granularity block,token]
 
 The issues' row (4 documents x 4,096 tokens, causal, 16 heads, D 128; issue 27's O target 0.9990, issue 28's dQ /
 dK / dV 0.9980 / 0.9980 / 0.9985): N(0, 1), N(0, 1) with K channels 5, 17, 40, 99 x 20, and (``--gpt-steps`` > 0)
 the q, k, v entering layers 1 and 3 of the tiny GPT of ``examples/train_tiny_gpt.py`` trained on the CPU
 (``fp8_numerics.gpt_capture``: D 64, 4 heads). Cosine of O / dQ / dK / dV against exact fp64 attention on the same
-bf16 inputs (fresh dO); the GPU path as users call it (the quantizer, both kernels), "block" scales; ``--rotation``
-adds ``qk_rotation="hadamard"`` with two terms.
+bf16 inputs (fresh dO), and O's max relative error ``max |O - O_ref| / max |O_ref|`` (per row: over all entries);
+the GPU path as users call it (the quantizer, both kernels), each ``--granularity`` ("block" scales by default);
+``--rotation`` adds ``qk_rotation="hadamard"`` with two terms.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def _cos(a, b):
 
 
 def row(name, q, k, v, cu, variants, seed=0):
-    """One input: the fp64 reference on the GPU, then each ``(label, qk_terms, qk_rotation)`` variant's cosines."""
+    """One input: the fp64 reference on the GPU, then each ``(label, qk_terms, qk_rotation, granularity)`` variant's
+    cosines and O's max relative error."""
     q, k, v, cu = (t.cuda() for t in (q, k, v, cu))
     do = torch.randn(q.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda").bfloat16()
     qd, kd, vd = (t.double() for t in (q, k, v))
@@ -38,24 +40,28 @@ def row(name, q, k, v, cu, variants, seed=0):
     ref = [o_ref, *packed_attention_reference_bwd(do.double(), qd, kd, vd, o_ref, lse, cu.long(),
                                                   compute_dtype=torch.float64)]
     m = int((cu[1:] - cu[:-1]).max())
-    for label, terms, rot in variants:
+    for label, terms, rot, gran in variants:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        o = varlen_attention(*leaves, cu.to(torch.int32), m, precision="fp8", qk_terms=terms, qk_rotation=rot)
+        o = varlen_attention(*leaves, cu.to(torch.int32), m, precision="fp8", qk_terms=terms, qk_rotation=rot,
+                             scale_granularity=gran)
         o.backward(do)
         cs = [_cos(a, b) for a, b in zip((o.detach(), *(t.grad for t in leaves)), ref)]
         cells = " | ".join(f"**{c:.6f}**" if c >= t else f"{c:.6f}" for c, t in zip(cs, TARGETS))
-        print(f"| {name} | {label} | {cells} |", flush=True)
+        rel = float((o.detach().double() - ref[0]).abs().max() / ref[0].abs().max())
+        print(f"| {name} | {label} | {cells} | {rel:.2e} |", flush=True)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpt-steps", type=int, default=200, help="0: no trained-model rows")
     ap.add_argument("--rotation", action="store_true", help="also two terms with qk_rotation='hadamard'")
+    ap.add_argument("--granularity", default="block", help="comma list of block, token")
     a = ap.parse_args(argv)
-    variants = [("one term", 1, None), ("two terms", 2, None)] + (
-        [("two terms + hadamard", 2, "hadamard")] if a.rotation else [])
+    variants = [(f"{lab}, {g}", t, r, g) for g in a.granularity.split(",") for lab, t, r in
+                [("one term", 1, None), ("two terms", 2, None)] + ([("two terms + hadamard", 2, "hadamard")]
+                                                                 if a.rotation else [])]
     print(torch.cuda.get_device_name())
-    print("| input | mode | cos O | cos dQ | cos dK | cos dV |\n|---|---|---|---|---|---|")
+    print("| input | mode | cos O | cos dQ | cos dK | cos dV | O max rel. error |\n|---|---|---|---|---|---|---|")
     from fp8_numerics import gpt_capture, synthetic_rows
 
     for name, q, k, v, cu, _ in synthetic_rows(16):
