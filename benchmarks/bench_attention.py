@@ -652,8 +652,8 @@ def _header() -> str:
 def fit_and_report(rows) -> tuple[str, dict]:
     """Fit (a, b) at D = 128 from the W rows -- bf16_fwd and bf16_fwd_bwd from our BF16 times, fp8_fwd,
     fp8_fwd_bwd and fp8_bwd from the ``--fp8`` columns where present (each on its shipped entry's
-    geometry; fp8_fwd with its masked-tile term, ``(a, b, c)``) -- and report the in-sample errors:
-    ``(markdown, {kernel_path: (a, b) or (a, b, c)})``."""
+    geometry; fp8_fwd with its masked-tile and per-document terms, ``(a, b, c, d)``) -- and report the
+    in-sample errors: ``(markdown, {kernel_path: (a, b) or (a, b, c, d)})``."""
     from flamia_pack.kernels.config import kernel_config, work_list_tile_config
     from flamia_pack.scheduler.simulate import Calibration, fit_calibration, predict
 
@@ -697,21 +697,24 @@ def fit_and_report(rows) -> tuple[str, dict]:
             continue
         old = table.lookup(path, HEAD_DIM, "H200")
         fcfg = TileConfig(block_m=old.block_m, block_n=old.block_n, merge_short=old.merge_short)
-        # the forward's entry has a masked-tile term (with the kernel's masked_tile0 rule): fit (a, b, c)
-        mt0 = old.masked_tile0_max_mean if path == "fp8_fwd" else None
+        # the forward's entry: (a, b, c, d), the masked tiles counted without the masked_tile0 rule (tile 0
+        # masked costs no more than mask-free on these fits) and a per-document term; the others (a, b)
+        fwd = path == "fp8_fwd"
         fit = fit_calibration([(workload_lengths(w), hs[w][0], ms * 1e3) for w, ms in meas.items()], num_sms=132,
-                              config=fcfg, masked_tile0_max_mean=mt0)
+                              config=fcfg, masked_tile0_max_mean=0 if fwd else None, doc_term=fwd)
         fits[path] = fit
         a, b = fit[:2]
         cal = dataclasses.replace(old, a_us_per_tile=round(a, 4), b_us_per_item=round(b, 4), measured=True,
-                                  **({"c_us_per_masked_tile": round(fit[2], 4)} if len(fit) > 2 else {}))
+                                  **({"c_us_per_masked_tile": round(fit[2], 4), "masked_tile0_max_mean": 0,
+                                      "d_us_per_doc": round(fit[3], 4)} if fwd else {}))
         for w, ms in meas.items():
             pr = predict(workload_lengths(w), num_heads=hs[w][0], num_kv_heads=hs[w][1], head_dim=HEAD_DIM,
                          causal=True, precision="fp8", pass_=path.split("_", 1)[1], calibration=cal)
             lines.append(f"| {w} | {path} | {ms:.2f} | {pr.predicted_ms:.2f} | "
                          f"{100 * (pr.predicted_ms - ms) / ms:+.1f} |")
     head = "\n".join(f"- {k}: a = {v[0]:.4f} us/tile, b = {v[1]:.4f} us/item"
-                     + (f", c = {v[2]:.4f} us/masked tile" if len(v) > 2 else "") for k, v in fits.items())
+                     + (f", c = {v[2]:.4f} us/masked tile, d = {v[3]:.4f} us/document" if len(v) > 2 else "")
+                     for k, v in fits.items())
     return head + "\n\n" + "\n".join(lines), fits
 
 

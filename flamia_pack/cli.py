@@ -482,6 +482,7 @@ def plan_cmd(
             "block_m": p0.block_m, "block_n": p0.block_n, "merge_short": p0.merge_short, "gpu": p0.gpu,
             "num_sms": p0.num_sms, "kernel_path": p0.kernel_path, "a_us_per_tile": p0.a_us_per_tile,
             "b_us_per_item": p0.b_us_per_item, "c_us_per_masked_tile": p0.c_us_per_masked_tile,
+            "d_us_per_doc": p0.d_us_per_doc,
             "calibration_version": p0.calibration_version,
             "calibration_measured": p0.calibration_measured,
         },
@@ -529,6 +530,7 @@ def plan_cmd(
     t.add_row("memory", f"packed {_plan_fmt_bytes(pk)}, padded-to-longest {_plan_fmt_bytes(pd)}{ratio}"
                         f"{' (largest row)' if len(preds) > 1 else ''}")
     c_txt = f", c={s['c_us_per_masked_tile']:.3g} us/masked tile" if s["c_us_per_masked_tile"] else ""
+    c_txt += f", d={s['d_us_per_doc']:.3g} us/document" if s["d_us_per_doc"] else ""
     t.add_row("calibration", f"{s['kernel_path']} a={s['a_us_per_tile']:.3g} us/tile, b={s['b_us_per_item']:.3g} "
                              f"us/item{c_txt}, {s['calibration_version']}"
                              f"{'' if s['calibration_measured'] else ' (estimate, not measured on this kernel)'}")

@@ -1,6 +1,7 @@
 """Cost functions, policy rule, schedule simulator and predict (DESIGN.md §6)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -25,7 +26,9 @@ from flamia_pack.scheduler import (
     visible_pairs,
     workload_lengths,
 )
+from flamia_pack.scheduler.cost import document_first_items
 from flamia_pack.scheduler.simulate import memory_bytes
+from flamia_pack.scheduler.worklist import build_work_list_numba
 
 
 def test_visible_pairs_seed_examples():
@@ -368,13 +371,14 @@ def test_fp8_calibration_is_the_fit_of_the_committed_benchmark(path, geometry):
     cal = load_calibration().lookup(path, 128, "H200")
     assert cal.measured and (cal.block_m, cal.block_n, cal.merge_short) == geometry
     cfg = TileConfig(block_m=cal.block_m, block_n=cal.block_n, merge_short=cal.merge_short)
-    # the forward's entry carries the masked-tile term (fit with its masked_tile0 rule); the others have none
-    mt0 = cal.masked_tile0_max_mean if path == "fp8_fwd" else None
+    # the forward's entry carries the masked-tile and per-document terms (fit with its masked_tile0 rule, 0: tile 0
+    # counted as mask-free); the others have neither
+    fwd = path == "fp8_fwd"
     fit = fit_calibration([(workload_lengths(w), WORKLOADS[w]["num_heads"], ms * 1e3) for w, ms in measured.items()],
-                          config=cfg, masked_tile0_max_mean=mt0)
-    assert tuple(round(x, 4) for x in fit) == ((cal.a_us_per_tile, cal.b_us_per_item, cal.c_us_per_masked_tile)
-                                               if mt0 is not None else (cal.a_us_per_tile, cal.b_us_per_item))
-    assert (cal.c_us_per_masked_tile > 0) == (path == "fp8_fwd")
+                          config=cfg, masked_tile0_max_mean=cal.masked_tile0_max_mean if fwd else None, doc_term=fwd)
+    assert tuple(round(x, 4) for x in fit) == ((cal.a_us_per_tile, cal.b_us_per_item, cal.c_us_per_masked_tile,
+                                                cal.d_us_per_doc) if fwd else (cal.a_us_per_tile, cal.b_us_per_item))
+    assert (cal.c_us_per_masked_tile > 0) == fwd and (cal.d_us_per_doc > 0) == fwd
     for needle in ("8654e79", "2026-12-06", "bench_attention.py --fp8 --workloads W1,W2,W3,W6,W7,S2",
                    "--workloads W4,W5,W8,W9,S1", "benchmarks/runs/bench-2026-12-06c-fp8-fa4/"):
         assert needle in cal.source, needle
@@ -463,15 +467,43 @@ def test_fp8_fwd_masked_tiles_follow_the_kernels_loops(lens, causal, mt0):
 
 
 def test_fp8_fwd_masked_tile0_rule_matches_the_kernel():
-    """The calibration's masked_tile0_max_mean is the launcher's MASKED_TILE0_MAX_MEAN (the rule the entry
-    was fitted with), and predict applies it by the row's mean document length."""
+    """An entry fitted with the launcher's masked_tile0 rule (MASKED_TILE0_MAX_MEAN) has predict apply it by the
+    row's mean document length; the shipped entry counts tile 0 as mask-free (0: its fit gave those tiles no extra
+    cost), so no row gets the rule."""
     gluon_fp8_fwd = pytest.importorskip("flamia_pack.kernels.gluon_fp8_fwd")
     cal = load_calibration().lookup("fp8_fwd", 128, "H200")
-    assert cal.masked_tile0_max_mean == gluon_fp8_fwd.MASKED_TILE0_MAX_MEAN
-    short = predict([256] * 64, num_heads=16, precision="fp8", pass_="fwd")
-    long = predict([4096] * 4, num_heads=16, precision="fp8", pass_="fwd")
+    assert cal.masked_tile0_max_mean in (0, gluon_fp8_fwd.MASKED_TILE0_MAX_MEAN)
+    ruled = dataclasses.replace(cal, masked_tile0_max_mean=gluon_fp8_fwd.MASKED_TILE0_MAX_MEAN)
+    short = predict([256] * 64, num_heads=16, precision="fp8", pass_="fwd", calibration=ruled)
+    long = predict([4096] * 4, num_heads=16, precision="fp8", pass_="fwd", calibration=ruled)
     assert short.masked_tile0 and not long.masked_tile0
     assert short.c_us_per_masked_tile == cal.c_us_per_masked_tile > 0
+    shipped = predict([256] * 64, num_heads=16, precision="fp8", pass_="fwd")
+    assert shipped.masked_tile0 == (cal.masked_tile0_max_mean > 0)
+    assert short.predicted_ms > shipped.predicted_ms  # the ruled entry charges c for 64 x 2 more masked tiles a head
+
+
+def test_document_first_items_and_the_per_document_term():
+    """document_first_items marks each document's first item (several for a merged item); predict's per-document
+    term adds d per (document, head) to the busiest SMs' load: on a balanced row of equal documents and one unit an
+    SM, the makespan grows by exactly d."""
+    lens = np.array([300, 1, 77, 1500, 128, 129])
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    for merge in (False, True):
+        cfg = TileConfig(block_m=128, block_n=128, merge_short=merge)
+        items = build_work_list_numba(cu, cfg)
+        first = document_first_items(items, cu)
+        assert first.sum() == lens.size and first.min() >= 0
+        starts = set(cu[:-1].tolist())
+        want = [sum(1 for s in starts if q0 <= s < q1) for q0, q1 in items[:, 1:3].tolist()]
+        assert first.tolist() == want
+    cal = load_calibration().lookup("fp8_fwd", 128, "H200")
+    base = dataclasses.replace(cal, d_us_per_doc=0.0)
+    more = dataclasses.replace(cal, d_us_per_doc=25.0)
+    rows = [128] * 132  # one single-item document a head: 132 units on 132 SMs, one head
+    p0 = predict(rows, num_heads=1, precision="fp8", pass_="fwd", calibration=base)
+    p1 = predict(rows, num_heads=1, precision="fp8", pass_="fwd", calibration=more)
+    assert p1.d_us_per_doc == 25.0 and p1.predicted_ms * 1e3 == pytest.approx(p0.predicted_ms * 1e3 + 25.0)
 
 
 @pytest.mark.parametrize("field, value, needle", [
@@ -479,6 +511,8 @@ def test_fp8_fwd_masked_tile0_rule_matches_the_kernel():
     ("c_us_per_masked_tile", float("inf"), "finite c_us_per_masked_tile"),
     ("masked_tile0_max_mean", -5, "masked_tile0_max_mean >= 0"),
     ("masked_tile0_max_mean", 1.5, "integer masked_tile0_max_mean"),
+    ("d_us_per_doc", -1.0, "d_us_per_doc >= 0"),
+    ("d_us_per_doc", float("nan"), "finite d_us_per_doc"),
 ])
 def test_calibration_masked_term_is_validated(field, value, needle):
     with pytest.raises(FlamiaError, match=needle):

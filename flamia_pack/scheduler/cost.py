@@ -19,8 +19,8 @@ import numpy as np
 from flamia_pack.errors import FlamiaError
 from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba
 
-__all__ = ["PASS_FACTORS", "attention_flops", "fp8_fwd_masked_tiles", "fp8_masked_tile0", "lengths_from", "tile_count",
-           "visible_pairs"]
+__all__ = ["PASS_FACTORS", "attention_flops", "document_first_items", "fp8_fwd_masked_tiles", "fp8_masked_tile0",
+           "lengths_from", "tile_count", "visible_pairs"]
 
 PASS_FACTORS = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 """FLOPs of each pass relative to the forward (WORKLOADS.md)."""
@@ -133,6 +133,25 @@ def fp8_masked_tile0(total_tokens: int, n_docs: int, max_mean: int) -> bool:
     ``total_tokens / n_docs`` is at most ``max_mean`` tokens (``gluon_fp8_fwd.MASKED_TILE0_MAX_MEAN``; 0:
     never). Host-known, so the launch needs no sync; the cost model applies the same rule."""
     return max_mean > 0 and total_tokens <= max_mean * max(int(n_docs), 1)
+
+
+def document_first_items(items: np.ndarray, cu_seqlens) -> np.ndarray:
+    """1 for each work-list item that holds its document's first query row, else 0: where the cost model
+    charges a per-document cost (``Calibration.d_us_per_doc``), once per document and head.
+
+    Args:
+        items: ``(n_items, 4)`` ints ``(doc, q_start, q_end, cost)``; cu_seqlens: ``(n_docs + 1,)`` ints.
+
+    Returns:
+        int64 ``(n_items,)`` of 0 / 1; a merged item (several short documents) counts 1 per document it starts.
+    """
+    it = np.asarray(items, dtype=np.int64).reshape(-1, 4)
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    if it.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    # documents whose start row lies in [q_start, q_end) of the item (one, or several for a merged item)
+    starts = cu[:-1][cu[1:] > cu[:-1]]
+    return (np.searchsorted(starts, it[:, 2], side="left") - np.searchsorted(starts, it[:, 1], side="left")).astype(np.int64)
 
 
 def fp8_fwd_masked_tiles(items: np.ndarray, cu_seqlens, config: TileConfig, *, masked_tile0: bool) -> np.ndarray:

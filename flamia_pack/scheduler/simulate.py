@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from flamia_pack.errors import FlamiaError
-from flamia_pack.scheduler.cost import (PASS_FACTORS, attention_flops, fp8_fwd_masked_tiles, fp8_masked_tile0,
+from flamia_pack.scheduler.cost import (PASS_FACTORS, attention_flops, document_first_items, fp8_fwd_masked_tiles,
+                                        fp8_masked_tile0,
                                         lengths_from, visible_pairs)
 from flamia_pack.scheduler.policy import POLICIES, choose_policy
 from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba, walked_tiles
@@ -76,7 +77,7 @@ def kernel_path(precision: str = "bf16", pass_: str = "fwd_bwd") -> str:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Calibration:
     """Per-unit time model ``t_us = a_us_per_tile * tiles + b_us_per_item (+ c_us_per_masked_tile *
-    masked tiles)`` for one kernel path."""
+    masked tiles) (+ d_us_per_doc where the unit starts a document)`` for one kernel path."""
 
     kernel_path: str
     """e.g. ``"bf16_fwd_bwd"`` (see :func:`kernel_path`)."""
@@ -103,12 +104,18 @@ class Calibration:
     """with ``c_us_per_masked_tile``: the FP8 forward's ``masked_tile0`` rule the entry was fitted with
     (``gluon_fp8_fwd.MASKED_TILE0_MAX_MEAN``: rows whose mean document length, capacity / documents, is
     at most it run every item's tile 0 masked); 0: never."""
+    d_us_per_doc: float = 0.0
+    """microseconds more per (document, head), charged to the unit that holds the document's first query
+    row (:func:`~flamia_pack.scheduler.cost.document_first_items`; the FP8 forward's entry: what a document
+    costs beyond its tiles, e.g. its diagonal's setup and its quantization groups); 0 where not modelled."""
 
     def __post_init__(self) -> None:
         if not (self.a_us_per_tile > 0 and self.b_us_per_item >= 0):
             raise FlamiaError(f"calibration needs a > 0 and b >= 0, got a={self.a_us_per_tile}, b={self.b_us_per_item}")
         if not (isinstance(self.c_us_per_masked_tile, (int, float)) and 0 <= self.c_us_per_masked_tile < float("inf")):
             raise FlamiaError(f"calibration needs a finite c_us_per_masked_tile >= 0, got {self.c_us_per_masked_tile!r}")
+        if not (isinstance(self.d_us_per_doc, (int, float)) and 0 <= self.d_us_per_doc < float("inf")):
+            raise FlamiaError(f"calibration needs a finite d_us_per_doc >= 0, got {self.d_us_per_doc!r}")
         if isinstance(self.masked_tile0_max_mean, bool) or not isinstance(self.masked_tile0_max_mean, int) \
                 or self.masked_tile0_max_mean < 0:
             raise FlamiaError(f"calibration needs an integer masked_tile0_max_mean >= 0, got "
@@ -586,6 +593,8 @@ class Prediction:
     """the entry's masked-tile term, scaled to the prediction's tiles (0: none)."""
     masked_tile0: bool = False
     """with ``c_us_per_masked_tile``: whether the FP8 forward's ``masked_tile0`` rule applies to this row."""
+    d_us_per_doc: float = 0.0
+    """the entry's per-(document, head) term (0: none)."""
 
     def to_dict(self, with_intervals: bool = False, limit: int = 20000) -> dict:
         """JSON-ready dict (schedules summarised; intervals only if asked)."""
@@ -595,14 +604,17 @@ class Prediction:
 
 
 def cost_tiles(items: np.ndarray, cu: np.ndarray, cfg: TileConfig, a: float, c: float = 0.0,
-               masked_tile0: bool = False) -> np.ndarray:
+               masked_tile0: bool = False, d: float = 0.0) -> np.ndarray:
     """Each item's time in tile units, the simulator's cost: the walked tiles
     (:func:`~flamia_pack.scheduler.worklist.walked_tiles`), plus ``c / a`` per tile the FP8 forward runs
-    masked (:func:`~flamia_pack.scheduler.cost.fp8_fwd_masked_tiles`) where the entry has ``c > 0``.
-    int64 walked tiles without a masked term, else float64."""
+    masked (:func:`~flamia_pack.scheduler.cost.fp8_fwd_masked_tiles`) where the entry has ``c > 0``, plus
+    ``d / a`` per document the item starts (:func:`~flamia_pack.scheduler.cost.document_first_items`) where
+    ``d > 0``. int64 walked tiles without those terms, else float64."""
     walk = walked_tiles(items, cu, cfg)
     if c > 0:
         walk = walk + (c / a) * fp8_fwd_masked_tiles(items, cu, cfg, masked_tile0=masked_tile0)
+    if d > 0:
+        walk = walk + (d / a) * document_first_items(items, cu)
     return walk
 
 
@@ -699,7 +711,8 @@ def predict(
     items = build_work_list_numba(cu, cfg)
     walk = walked_tiles(items, cu, cfg)  # time unit: the tiles the kernels walk (queue order: the list's)
     mt0 = c > 0 and fp8_masked_tile0(cap, lens.size, cal.masked_tile0_max_mean)
-    walk = cost_tiles(items, cu, cfg, a, c, mt0)
+    d = float(cal.d_us_per_doc)
+    walk = cost_tiles(items, cu, cfg, a, c, mt0, d)
     if items.shape[0] * h > max_intervals:  # no intervals wanted: item-level fast path, same numbers
         scheds = {pol: _simulate_items(walk, h, p, a, b, pol) for pol in POLICIES}
     else:
@@ -748,6 +761,7 @@ def predict(
         schedules=scheds,
         c_us_per_masked_tile=c,
         masked_tile0=mt0,
+        d_us_per_doc=d,
     )
 
 
@@ -777,8 +791,9 @@ def nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_calibration(samples, *, num_sms: int = 132, config: TileConfig = TileConfig(),
-                    masked_tile0_max_mean: int | None = None) -> tuple[float, ...]:
-    """Fit (a, b), or with ``masked_tile0_max_mean`` (a, b, c), to measured call times.
+                    masked_tile0_max_mean: int | None = None, doc_term: bool = False) -> tuple[float, ...]:
+    """Fit (a, b), with ``masked_tile0_max_mean`` (a, b, c), and with ``doc_term`` a last coefficient d (us
+    per document and head), to measured call times.
 
     Each sample is ``(seqlens, num_heads, measured_us)`` (causal/tiles per ``config``). Uses the
     balanced-load approximation ``t ~= (a * tiles * H + b * items * H [+ c * masked * H]) / P`` (good
@@ -788,7 +803,8 @@ def fit_calibration(samples, *, num_sms: int = 132, config: TileConfig = TileCon
     document length is at most it) as a third term.
 
     Returns:
-        ``(a_us_per_tile, b_us_per_item)``, or ``(a, b, c_us_per_masked_tile)``.
+        ``(a_us_per_tile, b_us_per_item)``, or ``(a, b, c_us_per_masked_tile)``, each followed by
+        ``d_us_per_doc`` with ``doc_term``.
 
     Raises:
         FlamiaError: fewer than one sample.
@@ -805,6 +821,8 @@ def fit_calibration(samples, *, num_sms: int = 132, config: TileConfig = TileCon
             mt0 = fp8_masked_tile0(int(lens.sum()), lens.size, int(masked_tile0_max_mean))
             masked = float(fp8_fwd_masked_tiles(it, cu, config, masked_tile0=mt0).sum()) * h / num_sms
             row.append(masked / t_us)
+        if doc_term:
+            row.append(float(document_first_items(it, cu).sum()) * h / num_sms / t_us)
         rows.append(row)
         rhs.append(1.0)
     if not rows:

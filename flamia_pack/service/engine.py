@@ -127,7 +127,7 @@ def predict_mix(
 def unit_costs(seqlens: np.ndarray, pred: Prediction) -> np.ndarray:
     """Walked key tiles of every (item, head) unit in queue order (what the simulator schedules:
     :func:`flamia_pack.scheduler.simulate.cost_tiles`: walked tiles, plus the FP8 forward's masked-tile
-    term in tile units where the prediction's entry has one).
+    and per-document terms in tile units where the prediction's entry has them).
 
     Rebuilds the work list with the prediction's tile geometry
     (:func:`flamia_pack.scheduler.worklist.build_work_list_numba`, the builder ``predict`` uses).
@@ -139,7 +139,8 @@ def unit_costs(seqlens: np.ndarray, pred: Prediction) -> np.ndarray:
     np.cumsum(seqlens, out=cu[1:])
     cfg = TileConfig(block_m=pred.block_m, block_n=pred.block_n, causal=pred.causal, merge_short=pred.merge_short)
     items = build_work_list_numba(cu, cfg)
-    walk = cost_tiles(items, cu, cfg, pred.a_us_per_tile, pred.c_us_per_masked_tile, pred.masked_tile0)
+    walk = cost_tiles(items, cu, cfg, pred.a_us_per_tile, pred.c_us_per_masked_tile, pred.masked_tile0,
+                      pred.d_us_per_doc)
     return np.repeat(walk.astype(np.float64), pred.num_heads)
 
 
