@@ -270,7 +270,7 @@ def _make_qdq_path(qdq) -> AttnFn:
     return path
 
 
-def _make_fp8_emulated_path(granularity: str) -> AttnFn:
+def _make_fp8_emulated_path(granularity: str, qk_terms: int = 1) -> AttnFn:
     # the emulated FP8 kernel path (kernels/fp8_emulation.py): codes, P / dS folds and
     # accumulation included, not only the input quantization; the FP8 kernels' head dims only
     # (fp8_emulation.HEAD_DIMS, the rule of varlen_attention(precision="fp8")): a verdict for a
@@ -278,7 +278,8 @@ def _make_fp8_emulated_path(granularity: str) -> AttnFn:
     def path(q, k, v, cu_seqlens, max_seqlen):
         from flamia_pack.kernels.fp8_emulation import fp8_varlen_attention_emulated
 
-        return fp8_varlen_attention_emulated(q, k, v, cu_seqlens, max_seqlen, scale_granularity=granularity)
+        return fp8_varlen_attention_emulated(q, k, v, cu_seqlens, max_seqlen, scale_granularity=granularity,
+                                             qk_terms=qk_terms)
     return path
 
 
@@ -291,6 +292,8 @@ PATHS: dict[str, AttnFn] = {
     "mx": _make_qdq_path(_qdq_mx),
     "fp8-emu-token": _make_fp8_emulated_path("token"),
     "fp8-emu-block": _make_fp8_emulated_path("block"),
+    "fp8-emu-token2": _make_fp8_emulated_path("token", 2),
+    "fp8-emu-block2": _make_fp8_emulated_path("block", 2),
 }
 
 #: :func:`probe_leak`'s default head dimension (also what :func:`probe_paths` checks the FP8 paths' rule on).
@@ -298,13 +301,13 @@ DEFAULT_HEAD_DIM = 64
 
 #: Built-in paths that run the FP8 kernels' emulation: head_dim in ``fp8_emulation.HEAD_DIMS`` only,
 #: as for ``varlen_attention(precision="fp8")`` (:func:`probe_paths` checks it before running any path).
-FP8_PATHS = ("fp8-emu-token", "fp8-emu-block")
+FP8_PATHS = ("fp8-emu-token", "fp8-emu-block", "fp8-emu-token2", "fp8-emu-block2")
 
 #: What each built-in path is expected to show (asserted in tests/test_leak.py and
 #: tests/test_fp8_emulation.py).
 EXPECTED = {"reference": "exact", "token": "exact", "block": "within-group",
             "tensor": "cross-document", "mx": "exact", "fp8-emu-token": "exact",
-            "fp8-emu-block": "within-group"}
+            "fp8-emu-block": "within-group", "fp8-emu-token2": "exact", "fp8-emu-block2": "within-group"}
 
 PATH_HELP = {
     "reference": "exact reference: bf16 inputs, float32 compute",
@@ -314,6 +317,8 @@ PATH_HELP = {
     "mx": "q/k/v/dO hardware MX-style: 32 features of one token",
     "fp8-emu-token": "emulated FP8 kernel (fp8_emulation.py), per-token scales, strict dS",
     "fp8-emu-block": "emulated FP8 kernel (fp8_emulation.py), 32-token block scales",
+    "fp8-emu-token2": "as fp8-emu-token with two-term Q and K (qk_terms=2: residual codes on the same scales)",
+    "fp8-emu-block2": "as fp8-emu-block with two-term Q and K (qk_terms=2)",
 }
 
 
