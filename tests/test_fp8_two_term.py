@@ -426,3 +426,26 @@ def test_gpu_two_terms_deterministic_and_under_torch_compile():
     for x, y in zip(grads(torch.compile(f)), grads(f)):
         assert torch.isfinite(x).all()
         torch.testing.assert_close(x, y, rtol=0, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("gran", ["token", "block"])
+def test_gpu_two_terms_leak_probe(gran):
+    """Issue 27 / 28's leak probe on the GPU path with two terms (deterministic dQ, dO fixed): changing q, k, v
+    after a cut inside a document leaves O and dQ before it bitwise unchanged in "token" mode, and before the cut's
+    32-token group in "block" mode; the other documents' O, dQ, dK, dV bitwise unchanged in both."""
+    q, k, v, do, cu = _gpu_two_term_inputs([500, 600, 400], 2, 2, seed=9)
+    cut = 733  # document 1 is [500, 1100); its 32-token group holding the cut starts at 724
+    a = _two_term_grads(q, k, v, do, cu, scale_granularity=gran, deterministic=True)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[cut:1100] = (torch.randn_like(t[cut:1100].float()) * 4).bfloat16()
+    b = _two_term_grads(q2, k2, v2, do, cu, scale_granularity=gran, deterministic=True)
+    safe = cut if gran == "token" else 724
+    assert torch.equal(a[0][:safe], b[0][:safe]) and torch.equal(a[1][:safe], b[1][:safe])
+    assert not torch.equal(a[0][cut:1100], b[0][cut:1100])  # the change reached the rows it may reach
+    other = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+    other[500:1100] = False
+    for x, y in zip(a, b):
+        assert torch.equal(x[other], y[other])
