@@ -550,7 +550,8 @@ def probe_leak_cmd(
     path: str = typer.Option("block", "--path", metavar="PATH",
                              help="Built-in attention path to probe (ignored with --all): reference, token, block, "
                                   "tensor, mx (quantize -> dequantize models) or fp8-emu-token, fp8-emu-block (the "
-                                  "FP8 kernels' CPU emulation)."),
+                                  "FP8 kernels' CPU emulation; fp8-emu-token2, fp8-emu-block2 with two-term Q and K, "
+                                  "qk_terms=2)."),
     all_paths: bool = typer.Option(False, "--all", metavar="", help="Probe every built-in path, one column each."),
     device: str = typer.Option("cpu", "--device", metavar="cpu|cuda", help="Where to run."),
     json_out: bool = typer.Option(False, "--json", metavar="", help="Print the reports as JSON on stdout (no table)."),

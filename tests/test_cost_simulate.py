@@ -513,11 +513,16 @@ def test_document_first_items_and_the_per_document_term():
     ("masked_tile0_max_mean", 1.5, "integer masked_tile0_max_mean"),
     ("d_us_per_doc", -1.0, "d_us_per_doc >= 0"),
     ("d_us_per_doc", float("nan"), "finite d_us_per_doc"),
+    ("d_us_per_doc", True, "finite d_us_per_doc"),
+    ("c_us_per_masked_tile", True, "finite c_us_per_masked_tile"),
+    ("a_us_per_tile", float("inf"), "finite numbers a > 0"),
+    ("b_us_per_item", float("inf"), "finite numbers a > 0"),
+    ("a_us_per_tile", True, "finite numbers a > 0"),
 ])
 def test_calibration_masked_term_is_validated(field, value, needle):
     with pytest.raises(FlamiaError, match=needle):
-        Calibration(kernel_path="fp8_fwd", head_dim=128, gpu="H200", a_us_per_tile=1.0, b_us_per_item=1.0,
-                    **{field: value})
+        Calibration(kernel_path="fp8_fwd", head_dim=128, gpu="H200", **{"a_us_per_tile": 1.0, "b_us_per_item": 1.0,
+                                                                      field: value})
 
 
 def test_service_unit_costs_carry_the_masked_term():
@@ -530,3 +535,10 @@ def test_service_unit_costs_carry_the_masked_term():
     assert p.c_us_per_masked_tile > 0
     tiles, units = critical_load(lens, p)
     assert p.a_us_per_tile * tiles + p.b_us_per_item * units == pytest.approx(p.schedules[p.policy].makespan_us)
+
+
+@pytest.mark.parametrize("kw", [dict(num_heads=16.9), dict(num_kv_heads=4.0), dict(head_dim=128.7),
+                                dict(num_heads=True)])
+def test_predict_refuses_non_integer_shapes(kw):
+    with pytest.raises(FlamiaError, match="must be an integer"):
+        predict([100, 200], precision="fp8", pass_="fwd", **kw)

@@ -110,11 +110,16 @@ class Calibration:
     costs beyond its tiles, e.g. its diagonal's setup and its quantization groups); 0 where not modelled."""
 
     def __post_init__(self) -> None:
-        if not (self.a_us_per_tile > 0 and self.b_us_per_item >= 0):
-            raise FlamiaError(f"calibration needs a > 0 and b >= 0, got a={self.a_us_per_tile}, b={self.b_us_per_item}")
-        if not (isinstance(self.c_us_per_masked_tile, (int, float)) and 0 <= self.c_us_per_masked_tile < float("inf")):
+        def number(x) -> bool:  # a real number (not a bool), finite
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) < float("inf")
+
+        if not (number(self.a_us_per_tile) and number(self.b_us_per_item) and self.a_us_per_tile > 0
+                and self.b_us_per_item >= 0):
+            raise FlamiaError(f"calibration needs finite numbers a > 0 and b >= 0, got a={self.a_us_per_tile!r}, "
+                              f"b={self.b_us_per_item!r}")
+        if not (number(self.c_us_per_masked_tile) and self.c_us_per_masked_tile >= 0):
             raise FlamiaError(f"calibration needs a finite c_us_per_masked_tile >= 0, got {self.c_us_per_masked_tile!r}")
-        if not (isinstance(self.d_us_per_doc, (int, float)) and 0 <= self.d_us_per_doc < float("inf")):
+        if not (number(self.d_us_per_doc) and self.d_us_per_doc >= 0):
             raise FlamiaError(f"calibration needs a finite d_us_per_doc >= 0, got {self.d_us_per_doc!r}")
         if isinstance(self.masked_tile0_max_mean, bool) or not isinstance(self.masked_tile0_max_mean, int) \
                 or self.masked_tile0_max_mean < 0:
@@ -678,6 +683,9 @@ def predict(
         raise FlamiaError("no documents: give at least one document length")
     if lens.min() < 1:
         raise FlamiaError(f"document lengths must be >= 1, got {int(lens.min())} at index {int(np.argmin(lens))}")
+    for name, val in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, (int, np.integer))):
+            raise FlamiaError(f"{name} must be an integer, got {val!r}")
     h = int(num_heads)
     hk = h if num_kv_heads is None else int(num_kv_heads)
     if h < 1 or hk < 1 or h % hk:
