@@ -168,7 +168,7 @@ def launch_config(group: int, head_dim: int, transposed: bool = False, residual:
     and the rotation's ``tl.dot`` are issue time, not bytes: 64 x 4 (more programs an SM to hide them)
     is the fastest tile for both in "token" and for residual codes in "block", and 256 x 8 for the
     rotation in "block", where the halo's rotated rows cost most at small tiles (RESULTS.md "Session
-    of 2026-12-06 (fourth)" and "(fifth)", ``benchmarks/probes/quant_tile_probe.py``).
+    of 2026-12-06 (fourth)" and "(fifth)", on an H100, ``benchmarks/probes/quant_tile_probe.py``).
     """
     if head_dim > 128:
         return LaunchConfig(64, 8)

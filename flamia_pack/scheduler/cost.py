@@ -151,7 +151,8 @@ def document_first_items(items: np.ndarray, cu_seqlens) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     # documents whose start row lies in [q_start, q_end) of the item (one, or several for a merged item)
     starts = cu[:-1][cu[1:] > cu[:-1]]
-    return (np.searchsorted(starts, it[:, 2], side="left") - np.searchsorted(starts, it[:, 1], side="left")).astype(np.int64)
+    first = np.searchsorted(starts, it[:, 2], side="left") - np.searchsorted(starts, it[:, 1], side="left")
+    return first.astype(np.int64)
 
 
 def fp8_fwd_masked_tiles(items: np.ndarray, cu_seqlens, config: TileConfig, *, masked_tile0: bool) -> np.ndarray:

@@ -29,8 +29,7 @@ import numpy as np
 
 from flamia_pack.errors import FlamiaError
 from flamia_pack.scheduler.cost import (PASS_FACTORS, attention_flops, document_first_items, fp8_fwd_masked_tiles,
-                                        fp8_masked_tile0,
-                                        lengths_from, visible_pairs)
+                                        fp8_masked_tile0, lengths_from, visible_pairs)
 from flamia_pack.scheduler.policy import POLICIES, choose_policy
 from flamia_pack.scheduler.worklist import TileConfig, build_work_list_numba, walked_tiles
 
@@ -774,7 +773,7 @@ def predict(
 
 
 def nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """``argmin ||A x - y||^2`` over ``x >= 0`` for an ``A`` of a few columns (k = 2 or 3 here).
+    """``argmin ||A x - y||^2`` over ``x >= 0`` for an ``A`` of a few columns (k = 2 to 4 here).
 
     Exact: the optimum is the unconstrained least-squares solution on some subset of the columns (the
     others at 0), so the best non-negative one over all 2^k - 1 subsets (and x = 0) is it. Used by
