@@ -129,15 +129,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     variants = a.variants.split(",")
     print("| input | variant | cos O | cos dQ | cos dK | cos dV |\n|---|---|---|---|---|---|")
-    from fp8_numerics import gpt_capture, synthetic_rows
+    from fp8_numerics import issue_inputs
 
-    for name, q, k, v, cu, _ in synthetic_rows(a.heads, tokens=a.tokens):
-        if name == "K ch x20":
-            row(name, q, k, v, cu, variants)
-    if a.gpt_steps:
-        layers, gcu = gpt_capture(a.gpt_steps)
-        for layer in (3, 1):
-            row(f"GPT L{layer}", *layers[layer], gcu, variants)
+    for name, q, k, v, cu in issue_inputs(a.heads, ("K ch x20",), a.gpt_steps, (3, 1), tokens=a.tokens):
+        row(name, q, k, v, cu, variants)
 
 
 if __name__ == "__main__":

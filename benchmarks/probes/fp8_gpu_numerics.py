@@ -62,15 +62,10 @@ def main(argv=None):
                                                                  if a.rotation else [])]
     print(torch.cuda.get_device_name())
     print("| input | mode | cos O | cos dQ | cos dK | cos dV | O max rel. error |\n|---|---|---|---|---|---|---|")
-    from fp8_numerics import gpt_capture, synthetic_rows
+    from fp8_numerics import issue_inputs
 
-    for name, q, k, v, cu, _ in synthetic_rows(16):
-        if name in ("N(0,1)", "K ch x20"):
-            row(name, q, k, v, cu, variants)
-    if a.gpt_steps:
-        layers, gcu = gpt_capture(a.gpt_steps)
-        for layer in (1, 3):
-            row(f"GPT L{layer}", *layers[layer], gcu, variants)
+    for name, q, k, v, cu in issue_inputs(16, ("N(0,1)", "K ch x20"), a.gpt_steps, (1, 3)):
+        row(name, q, k, v, cu, variants)
 
 
 if __name__ == "__main__":

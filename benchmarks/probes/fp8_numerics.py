@@ -282,6 +282,19 @@ def gpt_capture(steps: int):
     return [tuple(x.bfloat16() for x in qkv) for qkv in seen], cu
 
 
+def issue_inputs(heads: int, names, gpt_steps: int, layers, tokens: int = 4096):
+    """The issues' inputs a numerics probe walks, as ``(name, q, k, v, cu)``: the :func:`synthetic_rows` named in
+    ``names`` (``heads`` heads, 4 documents x ``tokens``), then (``gpt_steps`` > 0) the layers ``layers`` of
+    :func:`gpt_capture` as ``GPT L<n>``, in that order (the capture trains only when the synthetic rows are done)."""
+    for name, q, k, v, cu, _ in synthetic_rows(heads, tokens=tokens):
+        if name in names:
+            yield name, q, k, v, cu
+    if gpt_steps:
+        captured, gcu = gpt_capture(gpt_steps)
+        for layer in layers:
+            yield (f"GPT L{layer}", *captured[layer], gcu)
+
+
 def gpt_rows(steps: int, layer: int):
     """The ``GPT L<n>`` rows: every ablation on :func:`gpt_capture`'s layer ``layer``, the full FP8
     forward (block) on the other layers; prints a line of statistics of the chosen layer."""
