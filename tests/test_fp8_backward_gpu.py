@@ -244,9 +244,10 @@ def test_training_call_peak_memory():
     assert ratio <= 1.22
 
 
-def _dq_accumulators(q, k, v, do, cu, causal, deterministic, runs):
+def _dq_accumulators(q, k, v, do, cu, causal, deterministic, runs, **kw):
     """``runs`` calls of the FP8 backward kernel on one forward's operands: fp32 dQ accumulators (before
-    the cast), bf16 dK, dV (the launcher allocates dK / dV uninitialised on each call)."""
+    the cast), bf16 dK, dV (the launcher allocates dK / dV uninitialised on each call); ``kw`` goes to
+    ``gluon_fp8_bwd``."""
     from flamia_pack.kernels.fp8_backward import quantize_do
     from flamia_pack.kernels.fp8_bwd_prep import fp8_bwd_delta
     from flamia_pack.kernels.gluon_fp8_bwd import gluon_fp8_bwd
@@ -260,8 +261,30 @@ def _dq_accumulators(q, k, v, do, cu, causal, deterministic, runs):
     for _ in range(runs):
         out.append(gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, d8.codes, d8.codes_t, exponent_table(ops.eq),
                                  ops.ekt, ops.evt, exponent_table(d8.exponents), lse, delta, cu, 128 ** -0.5,
-                                 causal=causal, cast_dq=False, deterministic=deterministic))
+                                 causal=causal, cast_dq=False, deterministic=deterministic, **kw))
     return out
+
+
+def _bits(x):
+    return x.view(torch.int32 if x.dtype == torch.float32 else torch.int16)
+
+
+@needs_hopper
+@pytest.mark.parametrize("poison", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cold_call_gives_the_same_bits(poison, causal):
+    """``gluon_fp8_bwd(cold_call=True)`` (the masked steps' zeroing of other documents' Q^T / dO^T columns
+    compiled as a call, the launcher's choice on short-document rows) and ``cold_call=False`` give the
+    same bits (``deterministic=True``, so dQ too), also with NaN codes in the neighbours' rows of
+    document 1's steps, where the zeroing runs (NaN bits compared as bits)."""
+    q, k, v, do, cu = _inputs([200, 150, 230], 2, 2, seed=13)
+    if poison:
+        q = _poison_codes(q, cu, [197, 360])
+    on = _dq_accumulators(q, k, v, do, cu, causal, True, 1, cold_call=True)[0]
+    off = _dq_accumulators(q, k, v, do, cu, causal, True, 1, cold_call=False)[0]
+    for a, b, what in zip(on, off, ("dq", "dk", "dv")):
+        assert torch.equal(_bits(a), _bits(b)), what
+    assert torch.isfinite(on[1][200:350]).all() and torch.isfinite(on[0][200:350]).all()
 
 
 @needs_hopper

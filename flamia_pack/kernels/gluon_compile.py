@@ -96,7 +96,8 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
                  stages: int | None = None, group: int = 1, causal: bool = True, dq_reduce: bool = False,
                  persistent: bool = False, pingpong: bool = False, items_whole: bool = False,
                  wl_block_m: int = 128, part_skip: bool = False, pv_promote: bool = False,
-                 masked_tile0: bool = False, deterministic: bool = False, qk_lo: bool = False) -> dict:
+                 masked_tile0: bool = False, deterministic: bool = False, qk_lo: bool = False,
+                 cold_call: bool = False) -> dict:
     """Compile one Gluon attention kernel for sm_90a and report (no GPU needed).
 
     Pointer and stride arguments are marked divisible by 16 as the launcher's specialization does at
@@ -116,6 +117,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         masked_tile0: ``gluon_fp8_fwd(masked_tile0=)``.
         deterministic: ``gluon_fp8_bwd(deterministic=)``.
         qk_lo: two-term Q and K (``gluon_fp8_fwd(qc_lo=, kc_lo=)``, ``gluon_fp8_bwd(qc_lo=, kc_lo=, kt_lo=)``).
+        cold_call: ``gluon_fp8_bwd(cold_call=)``.
 
     Returns:
         dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
@@ -183,7 +185,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
                   CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce), PERSISTENT=bool(persistent),
                   PINGPONG=bool(pingpong), ITEMS=bool(items_whole), PART_SKIP=bool(part_skip), BOOST=BOOST_LOG2,
                   PV_PROMOTE=bool(pv_promote), MASKED_TILE0=bool(masked_tile0), DETERMINISTIC=bool(deterministic),
-                  QK_LO=bool(qk_lo))
+                  QK_LO=bool(qk_lo), COLD_CALL=bool(cold_call))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

@@ -51,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.runtime.jit import constexpr_function
 
 from flamia_pack.kernels.constants import LOG2E
+from flamia_pack.scheduler.cost import fp8_masked_tile0
 from flamia_pack.kernels.gluon_common import (
     _tma_reduce_add, _rows_through_smem, _slot_barriers, _store_doc_rows, check_stages, descriptor, CONSUMER_WARPS,
     MAXNREG)
@@ -58,12 +59,19 @@ from flamia_pack.kernels.gluon_fp8_fwd import (
     BOOST_LOG2, TABLE_PAD, _REF_FLOOR, _e4m3_words, _exp2_const, _qgmma_layout, _wgmma_cols, _words_operand,
     _zero_cols_outside, fp8_descriptor, fp8_descriptor_t)
 
-__all__ = ["gluon_fp8_bwd", "fp8_bwd_entries", "BWD_BLOCK_M", "BWD_BLOCK_N"]
+__all__ = ["gluon_fp8_bwd", "fp8_bwd_entries", "BWD_BLOCK_M", "BWD_BLOCK_N", "COLD_CALL_MAX_MEAN"]
 
 BWD_BLOCK_M = 64
 """Query rows per step of the FP8 dK/dV programs (the grid ``floor16(doc start) + 64 m``)."""
 BWD_BLOCK_N = 128
 """Keys per FP8 dK/dV program (the forward's key tile)."""
+COLD_CALL_MAX_MEAN = 1536
+"""``gluon_fp8_bwd(cold_call=None)`` compiles the masked steps' column zeroing as a call on rows whose mean
+document length is at most this many tokens (``scheduler.cost.fp8_masked_tile0``'s rule): their programs run
+few steps, half of them masked, and the masked loops' code size binds (instruction fetch): a call makes
+them 3,385 -> 2,093 static instructions (H100: W7 -3%, S2 -2%). Rows of long documents measured slower with
+it (W5 +8%, W8 +1%: another register allocation of the whole kernel), so they keep the inlined code
+(benchmarks/NOTES.md, 2026-12-06 (sixth))."""
 
 
 @constexpr_function
@@ -175,13 +183,22 @@ def _bwd_produce(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_
             c += 1
 
 
+@gluon.jit(noinline=True)
+def _zero_step_cols_call(qt_buf, dot_buf, lo, hi, NW: gl.constexpr):
+    """The masked step's zeroing of Q^T / dO^T columns outside ``[lo, hi)`` as a call (``COLD_CALL``): one
+    copy of the code instead of one inlined in each masked loop. No fence or barrier in here (the caller's):
+    a barrier in a called function is the whole CTA's, which the producer warp never joins."""
+    _zero_cols_outside(qt_buf, lo, hi, NW, True, False)
+    _zero_cols_outside(dot_buf, lo, hi, NW, True, False)
+
+
 @gluon.jit
-def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
-              dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
-              sem_doc, stride_sem, rank,
+def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, tq_smem,
+              dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run,
+              sm_scale, sem_doc, stride_sem, rank,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, DETERMINISTIC: gl.constexpr,
-              lo, QK_LO: gl.constexpr):
+              lo, QK_LO: gl.constexpr, COLD_CALL: gl.constexpr):
     """One query step (module docs); returns ``(dk, dv, sk, rho, sk_run, rho_run)`` with the dK / dV
     products in flight (``sk_run``: per key, the largest dK reference so far; ``rho_run``: a scalar, the
     largest 2^e_do so far; the floors of the references). ``QK_LO`` (two-term Q and K, the emulation's
@@ -207,8 +224,13 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
             q_out = q0 + gl.arange(0, BLOCK_M, layout=vec)
             fac = gl.maximum(ld_bufs.index(5 * s + 3).load(vec), ld_bufs.index(5 * s + 4).load(vec))
             if _nonfinite_outside(fac, q_out, start, end):
-                _zero_cols_outside(qt_bufs.index(s), start - q0, end - q0, NW, True)
-                _zero_cols_outside(dot_bufs.index(s), start - q0, end - q0, NW, True)
+                if COLD_CALL:
+                    _zero_step_cols_call(qt_bufs.index(s), dot_bufs.index(s), start - q0, end - q0, NW)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                else:
+                    _zero_cols_outside(qt_bufs.index(s), start - q0, end - q0, NW, True)
+                    _zero_cols_outside(dot_bufs.index(s), start - q0, end - q0, NW, True)
     # the previous step's dK / dV retire first: their A operands are dead, their B slot is released
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=c > 0)
@@ -269,11 +291,14 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
     uq = ds * kf[:, None]
     tq = _pow2_of(gl.max(gl.abs(uq), 0))
     tq_safe = gl.where(tq > 0.0, tq, 1.0)
-    fq = gl.convert_layout(tq_safe * sm_scale, gl.SliceLayout(1, dq_layout))
+    # the factor goes to the dQ partial's row layout through shared memory, read after the dS tile's barrier
+    # (a convert_layout costs two barriers of its own)
+    tq_smem.store(tq_safe * sm_scale)
     cq = (uq * _inv(tq_safe)[None, :]).to(gl.float8e4nv)
     ds_smem.store(gl.permute(cq, (1, 0)))  # (queries, keys), keys contiguous: the K-major A operand
     fence_async_shared()
     gl.thread_barrier()
+    fq = tq_smem.load(gl.SliceLayout(1, dq_layout))
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     if QK_LO:  # dS (K + K_lo), the residual product first (as S)
         dqp = warpgroup_mma(ds_smem, lo[2].permute((1, 0)), dq_zero, use_acc=False, is_async=True)
@@ -312,10 +337,10 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
 
 @gluon.jit
 def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs, ds_smem,
-                 dq_stage, dq_desc, DK, DV, FK, FV, stride_f, stride_dkt, stride_dvt, a, f, m0, n_steps, u0, u1,
-                 start, end, hk, sm_scale, sem_doc, stride_sem, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                 tq_smem, dq_stage, dq_desc, DK, DV, FK, FV, stride_f, stride_dkt, stride_dvt, a, f, m0, n_steps, u0,
+                 u1, start, end, hk, sm_scale, sem_doc, stride_sem, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                  BOOST: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 DETERMINISTIC: gl.constexpr, lo, QK_LO: gl.constexpr):
+                 DETERMINISTIC: gl.constexpr, lo, QK_LO: gl.constexpr, COLD_CALL: gl.constexpr):
     """The 8-warp consumer of one program: every step of every head of the group, then dK, dV
     (``QK_LO``: ``lo`` the residual codes' buffers, :func:`_bwd_step`)."""
     NW: gl.constexpr = CONSUMER_WARPS
@@ -344,24 +369,24 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
         h = hk * GROUP + g
         for j in range(0, u0):
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
-                q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
-                dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
-                sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC, lo,
-                QK_LO)
+                q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, tq_smem,
+                dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run,
+                sm_scale, sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW,
+                DETERMINISTIC, lo, QK_LO, COLD_CALL)
             c += 1
         for j in range(u0, u1):
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
-                q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
-                dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
-                sem_doc, stride_sem, rank, False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC, lo,
-                QK_LO)
+                q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, tq_smem,
+                dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run,
+                sm_scale, sem_doc, stride_sem, rank, False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW,
+                DETERMINISTIC, lo, QK_LO, COLD_CALL)
             c += 1
         for j in range(u1, n_steps):
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
-                q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, dq_stage,
-                dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run, sm_scale,
-                sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW, DETERMINISTIC, lo,
-                QK_LO)
+                q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, tq_smem,
+                dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run,
+                sm_scale, sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW,
+                DETERMINISTIC, lo, QK_LO, COLD_CALL)
             c += 1
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     tma.store_wait(0)  # the last reduce has read its staging tile before the program exits
@@ -385,7 +410,7 @@ def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc,
                     stride_f, stride_dkt, stride_dvt, qk_scale, sm_scale, SEM, SEM_BASE, stride_sem,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                    QK_LO: gl.constexpr):
+                    QK_LO: gl.constexpr, COLD_CALL: gl.constexpr):
     # head-major: entry e of kv head hk (fp8_bwd_entries' decreasing-cost order)
     pid = gl.program_id(0)
     e = pid % max_entries
@@ -422,6 +447,7 @@ def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc,
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv)
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, BLOCK_N], ds_layout)
     dq_stage = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_desc.layout)
+    tq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ld_bufs = gl.allocate_shared_memory(gl.float32, [5 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if QK_LO:  # two-term Q and K: the residual codes' tiles (Q ring, K, K^T)
         qlo_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, HEAD_DIM], qlo_desc.layout)
@@ -437,9 +463,9 @@ def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc,
     kv_bar = kv_ready.index(0)
     gl.warp_specialize([
         (_bwd_consume, (q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs,
-                        ds_smem, dq_stage, dq_desc, DK, DV, FK, FV, stride_f, stride_dkt, stride_dvt, a, f, m0,
+                        ds_smem, tq_smem, dq_stage, dq_desc, DK, DV, FK, FV, stride_f, stride_dkt, stride_dvt, a, f, m0,
                         n_steps, u0, u1, start, end, hk, sm_scale, sem_doc, stride_sem, GROUP, CAUSAL, BOOST,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, DETERMINISTIC, lo_bufs, QK_LO)),
+                        HEAD_DIM, BLOCK_M, BLOCK_N, DETERMINISTIC, lo_bufs, QK_LO, COLD_CALL)),
         (_bwd_produce, (q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_bufs, do_bufs, qt_bufs,
                         dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs, LSE, DELTA, FQ, FDO,
                         stride_lh, stride_f, a, f, m0, n_steps, end, hk, qk_scale, GROUP, HEAD_DIM, BLOCK_M,
@@ -504,7 +530,8 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
                   *, causal: bool = True, stages: int = 2, entries=None, dq_acc: torch.Tensor | None = None,
                   cast_dq: bool = True, deterministic: bool = False, qc_lo: torch.Tensor | None = None,
                   kc_lo: torch.Tensor | None = None,
-                  kt_lo: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  kt_lo: torch.Tensor | None = None,
+                  cold_call: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 attention backward (module docs), warp-specialized Gluon, sm_90.
 
     Args:
@@ -531,6 +558,9 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
         qc_lo, kc_lo, kt_lo: two-term Q and K (``fp8_emulation_bwd`` ``qk_terms=2``, the forward's
             ``gluon_fp8_fwd(qc_lo=, kc_lo=)``): the residual codes of ``qc``, ``kc`` and ``kt``, same shapes
             and layouts; S^T is then three FP8 products and the dQ partial two. All three or none.
+        cold_call: compile the masked steps' zeroing of other documents' Q^T / dO^T columns (a branch taken
+            only next to a non-finite group) as a call instead of inline; ``None`` (default): on where the
+            mean document length is at most :data:`COLD_CALL_MAX_MEAN`. The same bits either way.
 
     Returns:
         ``(dq, dk, dv)``: bf16 (``cast_dq=False``: float32) ``(T, H_q, 128)`` and bf16 ``(T, H_kv, 128)`` x 2;
@@ -577,6 +607,10 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
     ent, n_ent, max_entries = entries
     if not isinstance(deterministic, bool):
         raise ValueError(f"gluon_fp8_bwd: deterministic must be a bool, got {deterministic!r}")
+    if cold_call is None:
+        cold_call = fp8_masked_tile0(T, cu_seqlens.numel() - 1, COLD_CALL_MAX_MEAN)
+    elif not isinstance(cold_call, bool):
+        raise ValueError(f"gluon_fp8_bwd: cold_call must be a bool or None, got {cold_call!r}")
     if deterministic:
         sem, sem_base = _turn_counters(cu_seqlens, ent, T, H)
     else:
@@ -594,7 +628,7 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
             ent, n_ent, max_entries, lse.stride(0), fq.stride(0), dk.stride(0), dv.stride(0),
             float(softmax_scale) * LOG2E, float(softmax_scale), sem, sem_base, H,
             GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=stages,
-            CAUSAL=bool(causal), BOOST=BOOST_LOG2, DETERMINISTIC=deterministic, QK_LO=two,
+            CAUSAL=bool(causal), BOOST=BOOST_LOG2, DETERMINISTIC=deterministic, QK_LO=two, COLD_CALL=cold_call,
             num_warps=CONSUMER_WARPS.value,
             maxnreg=MAXNREG)
     from flamia_pack.kernels.flash_fwd import fill_tails

@@ -152,14 +152,17 @@ def _boost_over(r, BOOST: gl.constexpr):
 
 
 @gluon.jit
-def _zero_cols_outside(buf, lo, hi, NW: gl.constexpr, WGMMA_ORDER: gl.constexpr = False):
+def _zero_cols_outside(buf, lo, hi, NW: gl.constexpr, WGMMA_ORDER: gl.constexpr = False,
+                       SYNC: gl.constexpr = True):
     """Columns (tokens) outside ``[lo, hi)`` of the consumer's V^T tile ``buf`` (``HEAD_DIM x BLOCK_N``
     E4M3) set to 0: the feature-major twin of ``gluon_common._zero_rows_from``. A document's first
     tile starts at the 16-token boundary before it (TMA) and holds the previous document's codes
     below ``lo``; the tile its end cuts holds the next document's from ``hi``: ``0 x NaN`` in
     ``P~ V`` would carry a NaN across documents. Called only where :func:`_may_be_nonfinite_outside`
     finds a group there whose codes may be NaN: this is a load / store pass over the tile, per item and
-    partition, with a fence and a barrier; the check is one load of table entries."""
+    partition, with a fence and a barrier; the check is one load of table entries. ``SYNC=False`` leaves the
+    fence and the barrier to the caller (a ``noinline`` caller must: a barrier in a called function is the
+    whole CTA's, which a warp-specialized kernel's other partitions never join)."""
     ROWS: gl.constexpr = buf.type.shape[0]
     COLS: gl.constexpr = buf.type.shape[1]
     CHUNK: gl.constexpr = 16
@@ -172,8 +175,9 @@ def _zero_cols_outside(buf, lo, hi, NW: gl.constexpr, WGMMA_ORDER: gl.constexpr 
         part = buf.slice(i * CHUNK, CHUNK, dim=0)
         x = part.load(layout)
         part.store(gl.where(keep[None, :], x, gl.zeros_like(x)))
-    fence_async_shared()
-    gl.thread_barrier()
+    if SYNC:
+        fence_async_shared()
+        gl.thread_barrier()
 
 
 @gluon.jit
