@@ -68,10 +68,9 @@ BWD_BLOCK_N = 128
 COLD_CALL_MAX_MEAN = 1536
 """``gluon_fp8_bwd(cold_call=None)`` compiles the masked steps' column zeroing as a call on rows whose mean
 document length is at most this many tokens (``scheduler.cost.fp8_masked_tile0``'s rule): their programs run
-few steps, half of them masked, and the masked loops' code size binds (instruction fetch): a call makes
-them 3,385 -> 2,093 static instructions (H100: W7 -3%, S2 -2%). Rows of long documents measured slower with
-it (W5 +8%, W8 +1%: another register allocation of the whole kernel), so they keep the inlined code
-(benchmarks/NOTES.md, 2026-12-06 (sixth))."""
+few steps, half of them masked, and the masked loops' code size binds (instruction fetch), which the call
+shrinks by a third. Rows of long documents keep the inlined code: the call changes the whole kernel's register
+allocation, which their mask-free steps pay for (measurements: benchmarks/NOTES.md, 2026-12-06 (sixth))."""
 
 
 @constexpr_function

@@ -36,6 +36,7 @@ from flamia_pack.errors import FlamiaError
 #: ``varlen_attention(qk_rotation=)``'s values besides None ("none": off, the transformers options' spelling).
 QK_ROTATIONS = ("none", "hadamard")
 
+
 def _check_head_dim(D: int) -> None:
     if D < 1 or D & (D - 1):
         raise FlamiaError(f"qk_rotation='hadamard' needs a power-of-two head_dim (a Sylvester Hadamard matrix), got "
