@@ -209,10 +209,10 @@ def ours(inp, config=None, causal: bool = True):
     return _fwd_bwd_fns(ours_call(inp, config, causal), inp)
 
 
-def ours_fp8(inp, granularity: str = "block", qk_terms: int = 1):
+def ours_fp8(inp, granularity: str = "block", qk_terms: int = 1, pv_terms: int = 1):
     """Our FP8 op (``precision="fp8"``: quantization inside the call) with its work list built once;
     ``granularity="token"``: the strict mode (per-token exponents, ``causal_dq_scale``); ``qk_terms=2``: two-term
-    Q and K."""
+    Q and K; ``pv_terms=2``: two-term P~ and V."""
     from flamia_pack.kernels import varlen_attention
     from flamia_pack.kernels.fp8_attention import build_fp8_work_list
 
@@ -221,7 +221,7 @@ def ours_fp8(inp, granularity: str = "block", qk_terms: int = 1):
     def call(q, k, v):
         return varlen_attention(q, k, v, inp["cu"], inp["max_seqlen"], precision="fp8", work_list=wl,
                                 scale_granularity=granularity, causal_dq_scale=granularity == "token",
-                                qk_terms=qk_terms)
+                                qk_terms=qk_terms, pv_terms=pv_terms)
 
     return _fwd_bwd_fns(call, inp)
 

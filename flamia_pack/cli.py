@@ -27,11 +27,11 @@ from flamia_pack._cli_plan import (  # helpers of `flamia plan`; no heavy import
 
 def _stdout():
     """A rich console for stdout; when stdout is not a terminal (a pipe, a file, a test runner) it is
-    160 columns wide instead of rich's default 80, so tables are not cut (headers, verdicts)."""
+    200 columns wide instead of rich's default 80, so tables are not cut (headers, verdicts)."""
     from rich.console import Console
 
     c = Console()
-    return c if c.is_terminal else Console(width=160)
+    return c if c.is_terminal else Console(width=200)
 
 
 class _Command(typer.core.TyperCommand):
@@ -551,7 +551,7 @@ def probe_leak_cmd(
                              help="Built-in attention path to probe (ignored with --all): reference, token, block, "
                                   "tensor, mx (quantize -> dequantize models) or fp8-emu-token, fp8-emu-block (the "
                                   "FP8 kernels' CPU emulation; fp8-emu-token2, fp8-emu-block2 with two-term Q and K, "
-                                  "qk_terms=2)."),
+                                  "qk_terms=2; fp8-emu-token22, fp8-emu-block22 also two-term P~ and V, pv_terms=2)."),
     all_paths: bool = typer.Option(False, "--all", metavar="", help="Probe every built-in path, one column each."),
     device: str = typer.Option("cpu", "--device", metavar="cpu|cuda", help="Where to run."),
     json_out: bool = typer.Option(False, "--json", metavar="", help="Print the reports as JSON on stdout (no table)."),

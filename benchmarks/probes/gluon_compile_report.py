@@ -7,7 +7,7 @@ and whether ptxas keeps the wgmma products asynchronous.
 Keys: KIND (dkdv | dq | fwd | fp8_fwd | fp8_bwd), D, BM, BN, STAGES, GROUP (GQA),
 DQ_REDUCE (dkdv: dQ partials by TMA bulk reduce, GluonBwdConfig.dq_reduce), PERSISTENT (dkdv / dq), PINGPONG
 (fwd / fp8_fwd: the partitions take turns, as the long-row config ships; off by default, as small_fwd_pers), CAUSAL (fwd /
-fp8_fwd), PV_PROMOTE (fp8_fwd), QK_LO (fp8_fwd / fp8_bwd), COLD_CALL (fp8_bwd), dump (writes
+fp8_fwd), PV_PROMOTE (fp8_fwd), QK_LO (fp8_fwd / fp8_bwd), PV_LO (fp8_fwd / fp8_bwd), COLD_CALL (fp8_bwd), dump (writes
 /tmp/gluon_dkdv.{ptx,ttgir,sass}). Uses triton's bundled ptxas / cuobjdump like
 attention_compile_report.py; registers are the launch allocation (maxnreg), the consumers run at
 240 after setmaxnreg. The last column lists the loops that touch local memory (spill traffic that
@@ -24,18 +24,18 @@ from flamia_pack.kernels.gluon_compile import compile_sm90, loop_chains, mma_ste
 
 def run(D=128, BM=None, BN=None, STAGES=None, GROUP=1, dump=False, KIND="dkdv", CAUSAL=True,
         DQ_REDUCE=False, PERSISTENT=False, PINGPONG=False, PV_PROMOTE=False, QK_LO=False,
-        COLD_CALL=False):
+        COLD_CALL=False, PV_LO=False):
     name = (f"{KIND} D{D} BM{BM or 'default'} BN{BN or 'default'} S{STAGES or 'default'} G{GROUP}"
             f"{' persistent' if PERSISTENT else ''}"
             f"{' pingpong' if PINGPONG and KIND in ('fwd', 'fp8_fwd') else ''}"
             f"{' pv_promote' if PV_PROMOTE and KIND == 'fp8_fwd' else ''}{' qk_lo' if QK_LO else ''}"
-            f"{' cold_call' if COLD_CALL else ''}"
+            f"{' cold_call' if COLD_CALL else ''}{' pv_lo' if PV_LO else ''}"
             f"{' dq_reduce' if DQ_REDUCE else ''}{' noncausal' if KIND in ('fwd', 'fp8_fwd') and not CAUSAL else ''}")
     try:
         r = compile_sm90(KIND, head_dim=D, block_m=BM, block_n=BN, stages=STAGES, group=GROUP,
                          causal=CAUSAL, dq_reduce=DQ_REDUCE, persistent=PERSISTENT, pingpong=PINGPONG,
                          **({"pv_promote": True} if PV_PROMOTE else {}), **({"qk_lo": True} if QK_LO else {}),
-                         **({"cold_call": True} if COLD_CALL else {}))
+                         **({"cold_call": True} if COLD_CALL else {}), **({"pv_lo": True} if PV_LO else {}))
     except Exception as e:
         print(f"{name}: COMPILE ERROR {type(e).__name__}: {str(e)[:3000]}")
         return

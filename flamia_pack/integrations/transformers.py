@@ -35,9 +35,9 @@ forward and reused by every layer (memoised on the mask / ``position_ids`` tenso
 Options (:class:`FlamiaAttentionOptions`): ``precision`` (``"bf16"`` or ``"fp8"``, passed to
 ``varlen_attention(precision=...)``: the FP8 forward and backward on sm_90, the CPU emulation
 elsewhere), ``granularity`` of the FP8 scales (``"block"`` or ``"token"``, passed as
-``scale_granularity``), ``qk_rotation`` (``"none"`` or ``"hadamard"``, FP8 only), ``qk_terms`` (1 or 2, FP8
-only) and ``deterministic``. On CUDA the batch's work list is built once per forward and reused by every layer
-(no host synchronisation in the layers). Set the defaults with :func:`register`, per model with
+``scale_granularity``), ``qk_rotation`` (``"none"`` or ``"hadamard"``, FP8 only), ``qk_terms`` and ``pv_terms``
+(1 or 2, FP8 only) and ``deterministic``. On CUDA the batch's work list is built once per forward and reused by
+every layer (no host synchronisation in the layers). Set the defaults with :func:`register`, per model with
 :func:`set_options`.
 
 Dtypes: on CUDA the kernels take bfloat16, so float32 / float16 q, k, v are cast to bfloat16 and the
@@ -62,7 +62,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from flamia_pack.errors import FlamiaError, MetadataError
-from flamia_pack.kernels.fp8_emulation import check_qk_terms
+from flamia_pack.kernels.fp8_emulation import check_pv_terms, check_qk_terms
 from flamia_pack.kernels.qk_rotation import QK_ROTATIONS
 
 try:  # the optional dependency: a clear error rather than a bare ImportError deep in a model
@@ -107,9 +107,12 @@ class FlamiaAttentionOptions:
             rotated before the FP8 quantization); used only with ``precision="fp8"``.
         qk_terms: 1 or 2 (``varlen_attention(qk_terms=...)``: Q and K as E4M3 code + residual code);
             used only with ``precision="fp8"``.
+        pv_terms: 1 or 2 (``varlen_attention(pv_terms=...)``: P~ and V as E4M3 code + residual code);
+            used only with ``precision="fp8"``.
 
     Raises:
-        FlamiaError: an unknown precision, granularity, qk_rotation or qk_terms, a non-bool ``deterministic``.
+        FlamiaError: an unknown precision, granularity, qk_rotation, qk_terms or pv_terms, a non-bool
+            ``deterministic``.
     """
 
     precision: str = "bf16"
@@ -117,6 +120,7 @@ class FlamiaAttentionOptions:
     deterministic: bool = False
     qk_rotation: str = "none"
     qk_terms: int = 1
+    pv_terms: int = 1
 
     def __post_init__(self) -> None:
         if self.precision not in _PRECISIONS:
@@ -128,22 +132,23 @@ class FlamiaAttentionOptions:
         if self.qk_rotation not in QK_ROTATIONS:
             raise FlamiaError(f"qk_rotation must be one of {QK_ROTATIONS}, got {self.qk_rotation!r}")
         object.__setattr__(self, "qk_terms", check_qk_terms(self.qk_terms))  # a numpy int saves as JSON too
+        object.__setattr__(self, "pv_terms", check_pv_terms(self.pv_terms))
 
 
 _defaults = FlamiaAttentionOptions()
 
 
 def _updated(base: FlamiaAttentionOptions, precision, granularity, deterministic, qk_rotation=None,
-             qk_terms=None) -> FlamiaAttentionOptions:
+             qk_terms=None, pv_terms=None) -> FlamiaAttentionOptions:
     changes = {k: v for k, v in (("precision", precision), ("granularity", granularity),
                                  ("deterministic", deterministic), ("qk_rotation", qk_rotation),
-                                 ("qk_terms", qk_terms)) if v is not None}
+                                 ("qk_terms", qk_terms), ("pv_terms", pv_terms)) if v is not None}
     return dataclasses.replace(base, **changes) if changes else base
 
 
 def register(*, precision: Optional[str] = None, granularity: Optional[str] = None,
              deterministic: Optional[bool] = None, qk_rotation: Optional[str] = None,
-             qk_terms: Optional[int] = None) -> FlamiaAttentionOptions:
+             qk_terms: Optional[int] = None, pv_terms: Optional[int] = None) -> FlamiaAttentionOptions:
     """Register ``"flamia"`` with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``.
 
     Idempotent: registering again re-installs the same two functions (nothing is wrapped twice).
@@ -157,7 +162,7 @@ def register(*, precision: Optional[str] = None, granularity: Optional[str] = No
         FlamiaError: invalid options (nothing is changed then).
     """
     global _defaults
-    new = _updated(_defaults, precision, granularity, deterministic, qk_rotation, qk_terms)
+    new = _updated(_defaults, precision, granularity, deterministic, qk_rotation, qk_terms, pv_terms)
     AttentionInterface.register(NAME, flamia_attention_forward)
     AttentionMaskInterface.register(NAME, flamia_attention_mask)
     _defaults = new
@@ -172,7 +177,7 @@ def is_registered() -> bool:
 
 def set_options(model: torch.nn.Module, *, precision: Optional[str] = None, granularity: Optional[str] = None,
                 deterministic: Optional[bool] = None, qk_rotation: Optional[str] = None,
-                qk_terms: Optional[int] = None) -> FlamiaAttentionOptions:
+                qk_terms: Optional[int] = None, pv_terms: Optional[int] = None) -> FlamiaAttentionOptions:
     """Options for one model (stored on ``model.config`` as ``flamia_attention_options``, a dict, so
     they are saved with the config); the unset ones keep the process-wide defaults of :func:`register`.
 
@@ -185,7 +190,7 @@ def set_options(model: torch.nn.Module, *, precision: Optional[str] = None, gran
     config = getattr(model, "config", None)
     if config is None:
         raise FlamiaError(f"set_options needs a transformers model with a .config, got {type(model).__name__}")
-    opts = _updated(get_options(model), precision, granularity, deterministic, qk_rotation, qk_terms)
+    opts = _updated(get_options(model), precision, granularity, deterministic, qk_rotation, qk_terms, pv_terms)
     setattr(config, _CONFIG_ATTR, dataclasses.asdict(opts))
     return opts
 
@@ -354,6 +359,8 @@ def _varlen_call_kwargs(opts: FlamiaAttentionOptions) -> dict[str, Any]:
             out["qk_rotation"] = opts.qk_rotation
         if opts.qk_terms != 1:
             out["qk_terms"] = opts.qk_terms
+        if opts.pv_terms != 1:
+            out["pv_terms"] = opts.pv_terms
     return out
 
 

@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from flamia_pack.errors import FlamiaError, MetadataError
 from flamia_pack.kernels.config import (AttentionKernelConfig, GluonFwdConfig, check_row_hints, env_candidate,
                                         gluon_bwd_min_len, host_cache, kernel_config, work_list_tile_config)
-from flamia_pack.kernels.fp8_emulation import check_qk_terms
+from flamia_pack.kernels.fp8_emulation import check_pv_terms, check_qk_terms
 from flamia_pack.kernels.qk_rotation import QK_ROTATIONS
 
 __all__ = ["varlen_attention", "build_attention_work_list", "check_attention_inputs", "kernels_available"]
@@ -577,6 +577,7 @@ def varlen_attention(
     causal_dq_scale: bool = False,
     qk_rotation: str | None = None,
     qk_terms: int = 1,
+    pv_terms: int = 1,
 ):
     """Packed (document-masked) attention over one packed row, forward and backward.
 
@@ -664,6 +665,9 @@ def varlen_attention(
             channels; ``kernels/fp8_emulation.py``); costs two more Q K^T products a tile (forward and
             backward) and, with gradients, ``T D (H_q + 2 H_kv)`` bytes more of saved codes. Combines with
             ``qk_rotation``. With ``precision="bf16"`` ``2`` is an error.
+        pv_terms: FP8 only: ``1`` (default) or ``2``: P~ and V as E4M3 code + residual code: the forward's P~V three
+            FP8 products, the backward's dP two. With ``qk_terms=2`` it meets issue 28's gradient targets on
+            trained-model inputs, at more MMA work than BF16. With ``precision="bf16"`` ``2`` is an error.
 
     Returns:
         ``o`` ``(T, H_q, D)`` in q's dtype (``precision="fp8"``: bf16), or ``(o, lse)`` if ``return_lse``.
@@ -688,6 +692,10 @@ def varlen_attention(
     qk_terms = check_qk_terms(qk_terms)
     if qk_terms == 2 and precision != "fp8":
         raise FlamiaError("qk_terms=2 applies to precision='fp8' (Q and K as E4M3 code + residual code); leave it 1 "
+                          "with precision='bf16'")
+    pv_terms = check_pv_terms(pv_terms)
+    if pv_terms == 2 and precision != "fp8":
+        raise FlamiaError("pv_terms=2 applies to precision='fp8' (P~ and V as E4M3 code + residual code); leave it 1 "
                           "with precision='bf16'")
     # numpy bools (e.g. from a config array) are bools too
     causal, return_lse, deterministic = (bool(x) if isinstance(x, np.bool_) else x
@@ -754,7 +762,8 @@ def varlen_attention(
         o, lse = fp8_varlen_attention(q, k, v, cu32, max_seqlen, causal=causal, softmax_scale=float(softmax_scale),
                                       scale_granularity=scale_granularity,
                                       use_kernels=use_kernels and fp8_kernels_available(q.device), work_list=work_list,
-                                      deterministic=deterministic, qk_rotation=qk_rotation, qk_terms=qk_terms)
+                                      deterministic=deterministic, qk_rotation=qk_rotation, qk_terms=qk_terms,
+                                      pv_terms=pv_terms)
         if return_lse and lse is None:
             raise FlamiaError("return_lse=True with gradients is not supported by the FP8 CPU emulation; call it "
                               "under torch.no_grad() for the LSE")

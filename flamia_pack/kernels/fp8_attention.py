@@ -44,7 +44,8 @@ class FP8Operands(NamedTuple):
     partial's, whose A operand goes through shared memory), feature-major codes; ``vc`` ``(T, H_kv, D)`` row-major.
     Two-term Q and K (``fp8_quantize(qk_terms=2)``, else None): ``qc_lo`` ``(T, H_q, D)``, ``kc_lo`` ``(T, H_kv, D)``
     the residual codes on ``eq`` / ``ek`` (``quant.residual_codes``); ``kt_lo`` ``(H_kv, D, T)`` K_lo^T as ``kt``
-    (with ``backward``).
+    (with ``backward``). Two-term V (``fp8_quantize(pv_terms=2)``, else None): ``vt_lo`` V's residual codes as
+    ``vt`` (the forward's P~ V_lo), ``vc_lo`` as ``vc`` (with ``backward``: the backward's V_lo dO^T).
     """
 
     qc: torch.Tensor
@@ -62,6 +63,8 @@ class FP8Operands(NamedTuple):
     qc_lo: Optional[torch.Tensor] = None
     kc_lo: Optional[torch.Tensor] = None
     kt_lo: Optional[torch.Tensor] = None
+    vt_lo: Optional[torch.Tensor] = None
+    vc_lo: Optional[torch.Tensor] = None
 
 
 def fp8_kernels_available(device) -> bool:
@@ -78,7 +81,7 @@ def fp8_kernels_available(device) -> bool:
 
 def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                  scale_granularity: str = "block", *, check_finite: bool = False,
-                 backward: bool = False, rotate_qk: bool = False, qk_terms: int = 1) -> FP8Operands:
+                 backward: bool = False, rotate_qk: bool = False, qk_terms: int = 1, pv_terms: int = 1) -> FP8Operands:
     """Quantize Q, K, V for the FP8 forward in one launch (V also feature-major, in the wgmma order).
 
     ``quantize_qkv(transposed=(backward, backward, True), wgmma_order=(backward, False, True),
@@ -100,25 +103,28 @@ def fp8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
             ``softmax_scale`` by ``qk_rotation.rotation_scale_factor``.
         qk_terms: 1, or 2: Q's and K's residual codes too (``qc_lo``, ``kc_lo``; with ``backward`` also
             ``kt_lo``), encoded in the same launch (``fp8_emulation`` ``qk_terms=2``).
+        pv_terms: 1, or 2: V's residual codes too (``vt_lo``; with ``backward`` also ``vc_lo``), the same launch.
 
     Returns:
         :class:`FP8Operands`.
     """
-    from flamia_pack.kernels.fp8_emulation import check_qk_terms
+    from flamia_pack.kernels.fp8_emulation import check_pv_terms, check_qk_terms
     from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
     from flamia_pack.kernels.quantize import quantize_qkv
 
     if not isinstance(backward, bool):
         raise FlamiaError(f"fp8_quantize: backward must be a bool, got {backward!r}")
     two = check_qk_terms(qk_terms) == 2
+    two_v = check_pv_terms(pv_terms) == 2
     qq, kq, vq = quantize_qkv(q, k, v, cu_seqlens, scale_granularity, transposed=(backward, backward, True),
                               wgmma_order=(backward, False, True), transposed_store="triton",
                               check_finite=check_finite, validate=False, rotate_qk=rotate_qk,
-                              residual=(two, two, False), residual_transposed=(False, two and backward, False))
+                              residual=(two, two, two_v), residual_transposed=(False, two and backward, two_v))
     return FP8Operands(qq.codes, kq.codes, vq.codes_t, qq.exponents, kq.exponents, vq.exponents,
                        exponent_table(kq.exponents), exponent_table(vq.exponents), scale_granularity,
                        qq.codes_t if backward else None, kq.codes_t if backward else None,
-                       vq.codes if backward else None, qq.codes_lo, kq.codes_lo, kq.codes_lo_t)
+                       vq.codes if backward else None, qq.codes_lo, kq.codes_lo, kq.codes_lo_t, vq.codes_lo_t,
+                       vq.codes_lo if backward else None)
 
 
 @dataclasses.dataclass
@@ -224,7 +230,8 @@ def fp8_attention_forward(ops: FP8Operands, cu_seqlens: torch.Tensor, *, causal:
         work_list = build_fp8_work_list(cu32, T, causal=causal, validate=False)
     items, num_items = _check_fp8_list(work_list, causal, ops.qc.device, T, cu32)
     o, lse = gluon_fp8_fwd(ops.qc, ops.kc, ops.vt, ops.eq, ops.ekt, ops.evt, cu32, items, num_items, scale,
-                           causal=causal, wl_block_m=FP8_BLOCK_M, skip_len=0, qc_lo=ops.qc_lo, kc_lo=ops.kc_lo)
+                           causal=causal, wl_block_m=FP8_BLOCK_M, skip_len=0, qc_lo=ops.qc_lo, kc_lo=ops.kc_lo,
+                           vt_lo=ops.vt_lo)
     fill_tails([(o, 0.0, 0), (lse, math.inf, 1)], cu32)
     return o, lse
 
@@ -237,18 +244,20 @@ class _FP8Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu32, causal, softmax_scale, granularity, work_list, quantizer=None,
-                deterministic=False, rotate_qk=False, qk_terms=1):
+                deterministic=False, rotate_qk=False, qk_terms=1, pv_terms=1):
         if quantizer is None:
-            ops = fp8_quantize(q, k, v, cu32, granularity, backward=True, rotate_qk=rotate_qk, qk_terms=qk_terms)
-        elif rotate_qk or qk_terms != 1:
-            raise FlamiaError("_FP8Attention: a custom quantizer with rotate_qk=True or qk_terms=2 (the quantizer "
-                              "must rotate / write the residual codes itself; pass rotate_qk=False, qk_terms=1)")
+            ops = fp8_quantize(q, k, v, cu32, granularity, backward=True, rotate_qk=rotate_qk, qk_terms=qk_terms,
+                               pv_terms=pv_terms)
+        elif rotate_qk or qk_terms != 1 or pv_terms != 1:
+            raise FlamiaError("_FP8Attention: a custom quantizer with rotate_qk=True, qk_terms=2 or pv_terms=2 (the "
+                              "quantizer must rotate / write the residual codes itself; pass rotate_qk=False, "
+                              "qk_terms=1, pv_terms=1)")
         else:
             ops = quantizer(q, k, v, cu32)
         o, lse = fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)
-        # V^T is the forward's operand only (the backward reads V row-major): not kept, T H_kv D bytes less
+        # V^T (and V_lo^T) are the forward's operands only (the backward reads V row-major): not kept
         ctx.save_for_backward(o, lse, cu32, ops.qc, ops.kc, *(ops[3:8]), ops.qt, ops.kt, ops.vc, ops.qc_lo, ops.kc_lo,
-                              ops.kt_lo)
+                              ops.kt_lo, ops.vc_lo)
         ctx.fp8 = (causal, float(softmax_scale), granularity, bool(deterministic), bool(rotate_qk))
         ctx.entries = getattr(work_list, "bwd_entries", None)  # built for this cu_seqlens with the list
         ctx.mark_non_differentiable(lse)
@@ -261,7 +270,7 @@ class _FP8Attention(torch.autograd.Function):
 
         o, lse, cu32, qc, kc, *rest = ctx.saved_tensors
         causal, scale, granularity, deterministic, rotated = ctx.fp8
-        ops = FP8Operands(qc, kc, None, *rest[:5], granularity, *rest[5:])
+        ops = FP8Operands(qc, kc, None, *rest[:5], granularity, *rest[5:11], None, rest[11])
         dq, dk, dv = fp8_backward(do, ops, o, lse, cu32, causal=causal, softmax_scale=scale, dlse=dlse,
                                   entries=ctx.entries, deterministic=deterministic)
         if rotated:  # gradients of the rotated q M, k M: back through M (symmetric), a bf16 matmul each
@@ -269,19 +278,20 @@ class _FP8Attention(torch.autograd.Function):
 
             m = device_matrix(dq.shape[-1], dq.device)
             dq, dk = dq @ m, dk @ m
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal: bool, softmax_scale: float,
                          scale_granularity: str, use_kernels: bool, work_list=None, deterministic: bool = False,
-                         qk_rotation: str | None = None, qk_terms: int = 1):
+                         qk_rotation: str | None = None, qk_terms: int = 1, pv_terms: int = 1):
     """``varlen_attention(precision="fp8")`` after the common checks (``attention.py``): ``(o, lse)``.
 
     ``use_kernels``: the Gluon FP8 path (CUDA sm_90); else the differentiable CPU emulation.
     ``deterministic``: the GPU backward adds dQ partials in a fixed order (``gluon_fp8_bwd``); the
     emulation is deterministic either way. ``qk_rotation="hadamard"``: q and k rotated before the
     quantization and ``softmax_scale`` scaled to match (``kernels/qk_rotation.py``), on both paths.
-    ``qk_terms=2``: Q and K as code + residual code (``fp8_emulation`` module docs), on both paths.
+    ``qk_terms=2``: Q and K as code + residual code (``fp8_emulation`` module docs), on both paths;
+    ``pv_terms=2``: P~ and V too (the forward's P~ V three products, the backward's dP two), on both paths.
     """
     if scale_granularity not in GRANULARITIES:
         raise FlamiaError(f"scale_granularity must be one of {GRANULARITIES}, got {scale_granularity!r}")
@@ -318,10 +328,10 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
             if grad:
                 o = fp8_varlen_attention_emulated(q, k, v, cu32, max_seqlen, causal=causal,
                                                   softmax_scale=softmax_scale, scale_granularity=scale_granularity,
-                                                  qk_terms=qk_terms)
+                                                  qk_terms=qk_terms, pv_terms=pv_terms)
                 return o, None
             o, lse = emulated_fwd(q, k, v, cu32, max_seqlen, causal=causal, softmax_scale=softmax_scale,
-                                  scale_granularity=scale_granularity, qk_terms=qk_terms)
+                                  scale_granularity=scale_granularity, qk_terms=qk_terms, pv_terms=pv_terms)
         except FlamiaError as exc:
             if "NaN or Inf" in str(exc):
                 raise FlamiaError("varlen_attention(precision='fp8') on the CPU runs the FP8 emulation, which needs "
@@ -330,16 +340,16 @@ def fp8_varlen_attention(q, k, v, cu32: torch.Tensor, max_seqlen: int, *, causal
             raise
         return o.to(q.device), lse.to(q.device)
     return _fp8_gpu_call(q, k, v, cu32, causal, softmax_scale, scale_granularity, work_list, deterministic,
-                         qk_rotation is not None, qk_terms)
+                         qk_rotation is not None, qk_terms, pv_terms)
 
 
 @torch.compiler.disable
 def _fp8_gpu_call(q, k, v, cu32, causal, softmax_scale, scale_granularity, work_list, deterministic=False,
-                  rotate_qk=False, qk_terms=1):
+                  rotate_qk=False, qk_terms=1, pv_terms=1):
     """The Gluon FP8 path, eager under ``torch.compile`` (one graph break per call): Inductor would re-emit
     the Triton quantizer from source and loses its module-level combine functions."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FP8Attention.apply(q, k, v, cu32, bool(causal), float(softmax_scale), scale_granularity, work_list,
-                                   None, bool(deterministic), bool(rotate_qk), int(qk_terms))
-    ops = fp8_quantize(q, k, v, cu32, scale_granularity, rotate_qk=rotate_qk, qk_terms=qk_terms)
+                                   None, bool(deterministic), bool(rotate_qk), int(qk_terms), int(pv_terms))
+    ops = fp8_quantize(q, k, v, cu32, scale_granularity, rotate_qk=rotate_qk, qk_terms=qk_terms, pv_terms=pv_terms)
     return fp8_attention_forward(ops, cu32, causal=causal, softmax_scale=softmax_scale, work_list=work_list)

@@ -34,7 +34,7 @@ def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32
     Args:
         do: ``(T, H_q, 128)`` bf16 gradient of ``o``; ops: the forward's ``FP8Operands`` (built with
             ``fp8_quantize(backward=True)``; with ``qk_terms=2`` the backward recomputes S from the same three
-            products and forms dQ against K + K_lo); o, lse: the forward's outputs; cu32: validated int32
+            products and forms dQ against K + K_lo; with ``pv_terms=2``, ``vc_lo``, dP against V + V_lo); o, lse: the forward's outputs; cu32: validated int32
             ``cu_seqlens`` on the device; causal, softmax_scale: the forward's; dlse: optional ``(H_q, T)``.
         entries: optional ``gluon_fp8_bwd.fp8_bwd_entries`` result (reuse across calls).
         deterministic: bitwise reproducible dQ (``gluon_fp8_bwd(deterministic=True)``: a document's key
@@ -50,14 +50,16 @@ def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32
     from flamia_pack.kernels.gluon_fp8_bwd import gluon_fp8_bwd
     from flamia_pack.kernels.gluon_fp8_fwd import exponent_table
 
-    if ops.qt is None or ops.kt is None or ops.vc is None or (ops.kc_lo is not None and ops.kt_lo is None):
+    if ops.qt is None or ops.kt is None or ops.vc is None or (ops.kc_lo is not None and ops.kt_lo is None) or (
+            ops.vt_lo is not None and ops.vc_lo is None):
         raise FlamiaError("the FP8 backward needs the forward's Q^T, K^T and row-major V codes (two-term operands: "
-                          "K_lo^T too): quantize with fp8_quantize(..., backward=True)")
+                          "K_lo^T, V_lo too): quantize with fp8_quantize(..., backward=True)")
     dq8 = quantize_do(do.to(torch.bfloat16).contiguous(), cu32, ops.granularity)
     delta = fp8_bwd_delta(dq8.codes, dq8.exponents, o, dlse)
     dq_acc, dk, dv = gluon_fp8_bwd(ops.qc, ops.kc, ops.vc, ops.qt, ops.kt, dq8.codes, dq8.codes_t,
                                    exponent_table(ops.eq), ops.ekt, ops.evt, exponent_table(dq8.exponents),
                                    lse, delta, cu32, softmax_scale, causal=causal, entries=entries, cast_dq=False,
-                                   deterministic=deterministic, qc_lo=ops.qc_lo, kc_lo=ops.kc_lo, kt_lo=ops.kt_lo)
+                                   deterministic=deterministic, qc_lo=ops.qc_lo, kc_lo=ops.kc_lo, kt_lo=ops.kt_lo,
+                                   vc_lo=ops.vc_lo)
     del dq8, delta  # dO's codes are dead: freed before the bf16 dQ is allocated (the call's memory peak)
     return dq_acc.to(torch.bfloat16), dk, dv

@@ -67,6 +67,16 @@ meets none (E4M3's 3-bit mantissa on Q and K; on trained layers the one-term V, 
 limit the gradients: benchmarks/RESULTS.md "Session of 2026-12-06 (fourth)"), for 1.5x the forward's and
 1.6x the backward's MMA work.
 
+``pv_terms=2`` (``varlen_attention(precision="fp8", pv_terms=2)``): V gets its residual codes as Q and K do, and
+the folded P~ is two codes, ``hi = E4M3(y)``, ``lo = E4M3(fp32(y - hi))`` with ``y`` what (3) rounds;
+``pv_i = fp32( lo.vc + hi.vc_lo + hi.vc )`` (three FP8 products in this order: the residual products first onto
+the running accumulator, then P~V; ``lo.lo`` left out; exact in fp64 and rounded once under ``"fp32"``, each
+product's k-steps truncated under ``"promote14"`` / ``"mma14"``); ``ptilde_max`` and ``p_zero_fraction`` read
+``hi``. The backward's dP contracts dO against ``vc + vc_lo``; its dV fold P~v keeps one term. With
+``qk_terms=2`` the trained-layer gradients are limited by the forward's P~ rounding (through
+``Delta = rowsum(dO o O)``) and V's rounding; this removes both (benchmarks/RESULTS.md "two-term operands beyond
+Q and K").
+
 ``pv_accumulator``: ``"fp32"`` (default) promotes each tile's exact product into the fp32
 accumulator as above. ``"promote14"`` forms each tile's P~V in 32-key k-steps whose running sum is
 truncated (round toward zero) to ``MMA_ACC_BITS = 14`` significant bits -- a *model* of the FP8
@@ -80,6 +90,7 @@ kernel with this emulation within a tolerance and bitwise only through the codes
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import NamedTuple, Optional, Sequence
@@ -126,7 +137,8 @@ TILE_ALIGN = 16
 class OperandCodes(NamedTuple):
     """E4M3 codes ``(T, H, D)`` and UE8M0 exponent bytes ``(T, H)`` (``quant.Quantized`` or
     ``kernels.quantize.QuantizedOperand`` fit: only ``codes`` and ``exponents`` are read), and for a
-    two-term operand (``qk_terms=2``) the residual's codes on the same exponents (``quant.residual_codes``)."""
+    two-term operand (Q, K: ``qk_terms=2``; V: ``pv_terms=2``) the residual's codes on the same exponents
+    (``quant.residual_codes``)."""
 
     codes: torch.Tensor
     exponents: torch.Tensor
@@ -150,6 +162,14 @@ def check_qk_terms(qk_terms) -> int:
         raise FlamiaError(f"qk_terms must be 1 (Q and K as one E4M3 code each) or 2 (code + residual code), got "
                           f"{qk_terms!r}")
     return int(qk_terms)
+
+
+def check_pv_terms(pv_terms) -> int:
+    """``pv_terms`` as an int, 1 or 2 (FlamiaError otherwise: bools, floats and strings included)."""
+    if isinstance(pv_terms, (bool, np.bool_)) or not isinstance(pv_terms, numbers.Integral) or pv_terms not in (1, 2):
+        raise FlamiaError(f"pv_terms must be 1 (P~ and V as one E4M3 code each) or 2 (code + residual code), got "
+                          f"{pv_terms!r}")
+    return int(pv_terms)
 
 
 def _check_options(scale_granularity, block_m, block_n, boost_log2, pv_accumulator="fp32") -> None:
@@ -197,11 +217,15 @@ def _check_tensor(name: str, x) -> torch.Tensor:
     return x
 
 
-def _prepare(q, k, v, cu_seqlens, max_seqlen, scale_granularity, quantized, kernel_head_dims=True, qk_terms=1):
+def _prepare(q, k, v, cu_seqlens, max_seqlen, scale_granularity, quantized, kernel_head_dims=True, qk_terms=1,
+             pv_terms=1):
     """Validate and quantize; returns (cu list, (qo, ko, vo) OperandCodes, T, H, Hkv, D); ``qk_terms=2``:
-    q's and k's operands also carry their residual codes (from q, k; not available with ``quantized``)."""
+    q's and k's operands also carry their residual codes, ``pv_terms=2``: v's (from q, k, v; not available
+    with ``quantized``)."""
     if check_qk_terms(qk_terms) == 2 and quantized is not None:
         raise FlamiaError("qk_terms=2 quantizes q and k itself (code + residual code): pass q, k, v, not quantized=")
+    if check_pv_terms(pv_terms) == 2 and quantized is not None:
+        raise FlamiaError("pv_terms=2 quantizes v itself (code + residual code): pass q, k, v, not quantized=")
     if quantized is not None:
         if not isinstance(quantized, (tuple, list)) or len(quantized) != 3:
             raise FlamiaError("quantized must be a (q, k, v) triple of codes + exponents")
@@ -234,6 +258,8 @@ def _prepare(q, k, v, cu_seqlens, max_seqlen, scale_granularity, quantized, kern
                       for x in (q, k, v))
         if qk_terms == 2:
             qo, ko = (OperandCodes(op.codes, op.exponents, residual_codes(x, op)) for op, x in ((qo, q), (ko, k)))
+        if pv_terms == 2:
+            vo = OperandCodes(vo.codes, vo.exponents, residual_codes(v, vo))
     return [int(c) for c in cu_arr], (qo, ko, vo), T, H, Hkv, D
 
 
@@ -401,9 +427,20 @@ def _fold_p(p: torch.Tensor, e: torch.Tensor, r: torch.Tensor, vis: torch.Tensor
     Returns:
         ``(H, m, n)`` ``torch.float8_e4m3fn``.
     """
+    return _fold_y(p, e, r, vis, boost).to(torch.float8_e4m3fn)
+
+
+def _fold_y(p: torch.Tensor, e: torch.Tensor, r: torch.Tensor, vis: torch.Tensor, boost: int) -> torch.Tensor:
+    """:func:`_fold_p` before the rounding: ``p * 2^(e_j - r_i + boost)`` (fp32) on visible pairs, 0 elsewhere."""
     d = (e[:, None, :] - r[:, :, None] + boost).clamp(min=-200)  # <= boost on visible pairs
-    y = torch.where(vis, p * pow2(d), torch.zeros((), dtype=torch.float32))
-    return y.to(torch.float8_e4m3fn)
+    return torch.where(vis, p * pow2(d), torch.zeros((), dtype=torch.float32))
+
+
+def split_e4m3(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y`` (fp32, ``|y| <= 448``) as two E4M3 codes (float32 values): ``hi = E4M3_RNE(y)`` and
+    ``lo = E4M3_RNE(y - hi)`` (the fp32 difference is exact) -- ``pv_terms=2``'s P~ (module docs)."""
+    hi = y.to(torch.float8_e4m3fn).float()
+    return hi, (y - hi).to(torch.float8_e4m3fn).float()
 
 
 def _heads_lo(op: OperandCodes, lo: int, hi: int, g: int) -> Optional[torch.Tensor]:
@@ -428,8 +465,10 @@ def _heads(codes: torch.Tensor, ex: torch.Tensor, lo: int, hi: int, g: int) -> t
 
 
 def _forward_impl(cu, ops, T, H, Hkv, D, *, causal, softmax_scale, block_m, block_n, boost,
-                  pv_accumulator, leaky_reference, stats):
+                  pv_accumulator, leaky_reference, stats, pv_terms=1):
     qo, ko, vo = ops
+    if pv_terms == 2 and vo.codes_lo is None:
+        raise FlamiaError("pv_terms=2 needs V's residual codes (_prepare(pv_terms=2))")
     g = H // Hkv
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     qk = qk_scale_f32(scale)
@@ -444,6 +483,7 @@ def _forward_impl(cu, ops, T, H, Hkv, D, *, causal, softmax_scale, block_m, bloc
         kc, ek = _heads(ko.codes, ko.exponents, lo, hi, g)
         vc, ev = _heads(vo.codes, vo.exponents, lo, hi, g)
         qcl, kcl = _heads_lo(qo, lo, hi, 1), _heads_lo(ko, lo, hi, g)
+        vcl = _heads_lo(vo, lo, hi, g) if pv_terms == 2 else None
         m = torch.full((H, L), -math.inf, dtype=torch.float32)
         l = torch.zeros((H, L), dtype=torch.float32)
         acc = torch.zeros((H, L, D), dtype=torch.float32)
@@ -468,22 +508,32 @@ def _forward_impl(cu, ops, T, H, Hkv, D, *, causal, softmax_scale, block_m, bloc
                 r, has = reference_exponent(ev[:, keys], vis)
             r = torch.maximum(r, (r_hi[:, rows] - REF_FLOOR_LOG2).clamp(min=boost - FOLD_REF_MIN_OFFSET))
             r_hi[:, rows] = torch.where(has, torch.maximum(r_hi[:, rows], r), r_hi[:, rows])
-            pt = _fold_p(p, ev[:, keys], r, vis, boost)
-            ptf = pt.float()
+            if vcl is None:
+                ptf = _fold_p(p, ev[:, keys], r, vis, boost).float()
+                terms = ((ptf, vc[:, keys]),)
+            else:  # pv_terms=2: P~ = hi + lo, products lo.V, hi.V_lo, hi.V in this order (module docs)
+                ptf, ptl = split_e4m3(_fold_y(p, ev[:, keys], r, vis, boost))
+                terms = ((ptl, vc[:, keys]), (ptf, vcl[:, keys]), (ptf, vc[:, keys]))
             pt_max = max(pt_max, float(ptf.max()) if ptf.numel() else 0.0)
             if stats is not None:
                 n_vis += int((p > 0).sum())
                 n_zero += int(((p > 0) & (ptf == 0)).sum())
-            vt = vc[:, keys]
             if pv_accumulator == "mma14":
                 first = (m_old == -math.inf)
                 r_keep = torch.where(has, r, r_run[:, rows])
                 shift = torch.where(first, torch.zeros_like(r_keep), r_run[:, rows] - r_keep)
-                a0 = truncate_bits((acc[:, rows] * alpha[..., None]) * pow2(shift)[..., None])
-                acc[:, rows] = mma_model(ptf, vt, a0)
+                t = truncate_bits((acc[:, rows] * alpha[..., None]) * pow2(shift)[..., None])
+                for a, b in terms:
+                    t = mma_model(a, b, t)
+                acc[:, rows] = t
                 r_run[:, rows] = r_keep
             else:
-                pv = exact_mm(ptf, vt) if pv_accumulator == "fp32" else mma_model(ptf, vt, None)
+                if pv_accumulator == "fp32":  # the products' fp64 sum is exact (module docs (1)): one rounding
+                    pv = functools.reduce(torch.add, (torch.matmul(a.double(), b.double()) for a, b in terms)).float()
+                else:
+                    pv = None
+                    for a, b in terms:
+                        pv = mma_model(a, b, pv)
                 acc[:, rows] = acc[:, rows] * alpha[..., None] + pv * pow2(r - boost)[..., None]
             m[:, rows] = m_new
         if pv_accumulator == "mma14":
@@ -515,6 +565,7 @@ def fp8_attention_forward(
     stats: Optional[dict] = None,
     _kernel_head_dims: bool = True,
     qk_terms: int = 1,
+    pv_terms: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Emulated FP8 attention forward on packed rows (module docs give every formula).
 
@@ -542,6 +593,8 @@ def fp8_attention_forward(
             same exponent (``quant.residual_codes``), S from three FP8 products (:func:`scores`);
             V and P~ unchanged. Not with ``quantized``. ``varlen_attention(qk_terms=2)`` runs it on the CPU
             and the kernels' equivalent on the GPU.
+        pv_terms: 1 (default) or 2: V and the folded P~ each as an E4M3 code plus a residual code, P~V from
+            three FP8 products (module docs). Not with ``quantized``.
 
     Returns:
         ``(o, lse)``: ``(T, H, D)`` bfloat16 and ``(H, T)`` float32 natural-log LSE (the BF16
@@ -549,18 +602,19 @@ def fp8_attention_forward(
 
     Raises:
         FlamiaError: wrong dtype/rank/shape, head_dim not in (64, 128), H not a multiple of H_kv,
-            bad granularity, tile size, boost or accumulator, non-finite input, bad ``quantized``;
+            bad granularity, tile size, boost, accumulator, ``qk_terms`` or ``pv_terms``, non-finite input,
+            bad ``quantized``;
         MetadataError: invalid ``cu_seqlens`` or ``max_seqlen``.
     """
     _check_options(scale_granularity, block_m, block_n, boost_log2, pv_accumulator)
     if quantized is None:
         q, k, v = (x.detach().cpu() if isinstance(x, torch.Tensor) else x for x in (q, k, v))
     cu, ops, T, H, Hkv, D = _prepare(q, k, v, cu_seqlens, max_seqlen, scale_granularity, quantized,
-                                     _kernel_head_dims, qk_terms)
+                                     _kernel_head_dims, qk_terms, pv_terms)
     ops = tuple(_on_cpu(x) for x in ops)
     return _forward_impl(cu, ops, T, H, Hkv, D, causal=bool(causal), softmax_scale=softmax_scale,
-                         block_m=block_m, block_n=block_n, boost=int(boost_log2),
-                         pv_accumulator=pv_accumulator, leaky_reference=bool(leaky_reference), stats=stats)
+                         block_m=block_m, block_n=block_n, boost=int(boost_log2), pv_accumulator=pv_accumulator,
+                         leaky_reference=bool(leaky_reference), stats=stats, pv_terms=int(pv_terms))
 
 
 def _on_cpu(op) -> OperandCodes:
@@ -588,13 +642,15 @@ class _FP8Emulated(torch.autograd.Function):
         dev = q.device
         qc, kc, vc = (x.detach().cpu() for x in (q, k, v))
         cu, ops, T, H, Hkv, D = _prepare(qc, kc, vc, cu_seqlens, max_seqlen, opts["scale_granularity"], None,
-                                         opts["kernel_head_dims"], opts["qk_terms"])
+                                         opts["kernel_head_dims"], opts["qk_terms"], opts["pv_terms"])
         o, lse = _forward_impl(cu, ops, T, H, Hkv, D, causal=opts["causal"], softmax_scale=opts["softmax_scale"],
                                block_m=opts["block_m"], block_n=opts["block_n"], boost=opts["boost_log2"],
-                               pv_accumulator=opts["pv_accumulator"], leaky_reference=False, stats=None)
-        # the forward's codes are saved for the backward (no re-quantization; same bits either way)
-        ctx.two_term = ops[0].codes_lo is not None
-        lo = (ops[0].codes_lo, ops[1].codes_lo) if ctx.two_term else ()  # qk_terms=2: the residual codes
+                               pv_accumulator=opts["pv_accumulator"], leaky_reference=False, stats=None,
+                               pv_terms=opts["pv_terms"])
+        # the forward's codes are saved for the backward (no re-quantization; same bits either way), with the
+        # residual codes of the two-term operands (Q, K: qk_terms=2; V: pv_terms=2)
+        ctx.has_lo = tuple(op.codes_lo is not None for op in ops)
+        lo = (op.codes_lo for op in ops if op.codes_lo is not None)
         ctx.save_for_backward(*(t for op in ops for t in op[:2]), o, lse, *lo)
         ctx.cu, ctx.opts, ctx.shape = cu, opts, (T, H, Hkv, D)
         ctx.dtypes, ctx.dev = (q.dtype, k.dtype, v.dtype), dev
@@ -605,11 +661,12 @@ class _FP8Emulated(torch.autograd.Function):
     def backward(ctx, do):
         from flamia_pack.kernels.fp8_emulation_bwd import BWD_BLOCK_M, _backward_impl
 
-        qc, qe, kc, ke, vc, ve, o, lse, *lo = ctx.saved_tensors
-        lo = lo if ctx.two_term else (None, None)
+        qc, qe, kc, ke, vc, ve, o, lse, *saved_lo = ctx.saved_tensors
+        it = iter(saved_lo)
+        lo = [next(it) if has else None for has in ctx.has_lo]
         T, H, Hkv, D = ctx.shape
         opts = ctx.opts
-        ops = (OperandCodes(qc, qe, lo[0]), OperandCodes(kc, ke, lo[1]), OperandCodes(vc, ve))
+        ops = (OperandCodes(qc, qe, lo[0]), OperandCodes(kc, ke, lo[1]), OperandCodes(vc, ve, lo[2]))
         if not bool(torch.isfinite(do).all()):
             raise FlamiaError("the gradient reaching varlen_attention(precision='fp8') holds NaN / Inf: the FP8 "
                               "backward quantizes dO to E4M3 and needs it finite (check the loss and the layers "
@@ -618,7 +675,7 @@ class _FP8Emulated(torch.autograd.Function):
                                     causal=opts["causal"], softmax_scale=opts["softmax_scale"],
                                     scale_granularity=opts["scale_granularity"], block_m=BWD_BLOCK_M,
                                     block_n=opts["block_n"], boost=opts["boost_log2"], dlse=None, stats=None,
-                                    bf16_scores=None)
+                                    bf16_scores=None, pv_terms=opts["pv_terms"])
         dq, dk, dv = (g.to(device=ctx.dev, dtype=dt) for g, dt in zip((dq, dk, dv), ctx.dtypes))
         return dq, dk, dv, None, None, None
 
@@ -639,6 +696,7 @@ def fp8_varlen_attention_emulated(
     pv_accumulator: str = "fp32",
     _kernel_head_dims: bool = True,
     qk_terms: int = 1,
+    pv_terms: int = 1,
 ) -> torch.Tensor:
     """Differentiable emulated FP8 attention: :func:`fp8_attention_forward` forward and
     :func:`~flamia_pack.kernels.fp8_emulation_bwd.fp8_attention_backward` backward (issue 27/28).
@@ -651,7 +709,8 @@ def fp8_varlen_attention_emulated(
     ``block_m`` (the forward's query tile, which does not change the forward's bits)."""
     opts = dict(causal=bool(causal), softmax_scale=softmax_scale, scale_granularity=scale_granularity,
                 block_m=block_m, block_n=block_n, boost_log2=boost_log2, pv_accumulator=pv_accumulator,
-                kernel_head_dims=bool(_kernel_head_dims), qk_terms=check_qk_terms(qk_terms))
+                kernel_head_dims=bool(_kernel_head_dims), qk_terms=check_qk_terms(qk_terms),
+                pv_terms=check_pv_terms(pv_terms))
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
     return _FP8Emulated.apply(q, k, v, cu_seqlens, max_seqlen, opts)

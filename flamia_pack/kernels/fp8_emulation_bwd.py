@@ -18,6 +18,7 @@ in step ``m(i) = (i - f) // 64``. ``block_m`` may be 16, 32, 64 or 128 (a multip
     s_ij    = scores(...)                 the forward's function on the same codes: bitwise the same S
     P_ij    = exp2(s_ij - fp32(LSE_i * log2 e))          (P from the saved LSE)
     dP_ij   = fp32(dc_i . vc_j) * 2^(e_do(i) + e_v(j))    exact product, exact factors
+              (pv_terms=2: fp32(dc_i . (vc_j + vc_lo_j)), two FP8 products, exact and rounded once)
     dS_ij   = fp32( P_ij * fp32(dP_ij - Delta_i) )
     Uq_ij   = dS_ij * 2^e_k(j)        the dQ product's contraction runs over keys: K's exponent folded in
     Uk_ij   = dS_ij * 2^e_q(i)        the dK product's contraction runs over queries: Q's  (masked: 0)
@@ -174,8 +175,10 @@ def _check_bwd_options(scale_granularity, block_m, block_n, boost_log2) -> None:
 
 
 def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, scale_granularity,
-                   block_m, block_n, boost, dlse, stats, bf16_scores, mismatch_delta=False):
+                   block_m, block_n, boost, dlse, stats, bf16_scores, mismatch_delta=False, pv_terms=1):
     qo, ko, vo = ops
+    if pv_terms == 2 and vo.codes_lo is None:
+        raise FlamiaError("pv_terms=2 needs V's residual codes (_prepare(pv_terms=2))")
     g = H // Hkv
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     qk = qk_scale_f32(scale)
@@ -203,6 +206,7 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
         dc, edo = _heads(dq_.codes, dq_.exponents, lo, hi, 1)
         qcl, kcl = _heads_lo(qo, lo, hi, 1), _heads_lo(ko, lo, hi, g)  # two-term residuals, or None
         kcp = kc if kcl is None else kc + kcl  # the dQ product's operand (an exact sum of two codes)
+        vcp = vc if pv_terms == 1 else vc + _heads_lo(vo, lo, hi, g)  # dP's (pv_terms=2: V's two terms)
         # query step m = (i - f) // block_m of each row; a chunk's documents each fit one step (and
         # each key sees its own document only), so a chunk is one step: the bits are the same
         step = (dpos + phase) // block_m if single else torch.zeros(L, dtype=torch.long)
@@ -224,7 +228,7 @@ def _backward_impl(do, ops, o, lse, cu, T, H, Hkv, D, *, causal, softmax_scale, 
                 ks = kf[lo:hi].float().transpose(0, 1).repeat_interleave(g, 0)[:, keys]
                 s = torch.matmul(qs, ks.transpose(-1, -2)) * qk
             p = torch.where(vis, torch.exp2(s - lse2[:, lo:hi][:, rows, None]), torch.zeros((), dtype=torch.float32))
-            dp = exact_mm(dc[:, rows], vc[:, keys].transpose(-1, -2))
+            dp = exact_mm(dc[:, rows], vcp[:, keys].transpose(-1, -2))
             dp = dp * pow2(edo[:, rows])[..., None] * pow2(ev[:, keys])[:, None, :]
             ds = p * (dp - delta[:, lo:hi][:, rows, None])
             ds = torch.where(vis, ds, torch.zeros((), dtype=torch.float32))
@@ -320,6 +324,7 @@ def fp8_attention_backward(
     mismatch: Optional[str] = None,
     _kernel_head_dims: bool = True,
     qk_terms: int = 1,
+    pv_terms: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Emulated FP8 attention backward (module docs give every formula).
 
@@ -339,6 +344,8 @@ def fp8_attention_backward(
         qk_terms: the forward's (1 or 2): with 2, S is recomputed from the two-term Q and K and the
             dQ product contracts dS against both of K's terms (``K_hi + K_lo``); dK reads Q's codes only
             (its second term costs the kernel its asynchronous wgmmas and buys < 4e-4 of cosine).
+        pv_terms: the forward's (1 or 2): with 2, dP contracts dO against both of V's terms (``V + V_lo``);
+            the dV fold P~v keeps one term.
 
     Returns:
         ``(dq, dk, dv)`` bfloat16 ``(T, H, D)``, ``(T, H_kv, D)``, ``(T, H_kv, D)``; padding rows 0.
@@ -355,7 +362,7 @@ def fp8_attention_backward(
     if quantized is None:
         q, k, v = (x.detach().cpu() if isinstance(x, torch.Tensor) else x for x in (q, k, v))
     cu, ops, T, H, Hkv, D = _prepare(q, k, v, cu_seqlens, max_seqlen, scale_granularity, quantized,
-                                     _kernel_head_dims, qk_terms)
+                                     _kernel_head_dims, qk_terms, pv_terms)
     ops = tuple(_on_cpu(x) for x in ops)
     do = _check_tensor("do", do).detach().cpu()
     if tuple(do.shape) != (T, H, D):
@@ -371,4 +378,4 @@ def fp8_attention_backward(
                           softmax_scale=softmax_scale, scale_granularity=scale_granularity, block_m=block_m,
                           block_n=block_n, boost=int(boost_log2),
                           dlse=None if dlse is None else dlse.detach().cpu(), stats=stats, bf16_scores=bf16_scores,
-                          mismatch_delta=mismatch == "bf16_delta")
+                          mismatch_delta=mismatch == "bf16_delta", pv_terms=int(pv_terms))

@@ -296,7 +296,8 @@ def _rows_geometry(items_ptr, num_items_ptr, cu_ptr, t, per_head, skip_len, GROU
 def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready, empty, qo_bar,
                         rs, o_lo, h, hk, n_steps, c, j0, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                         HAS_DO: gl.constexpr, V_T: gl.constexpr = False, qlo_desc=None, klo_desc=None,
-                        qlo_smem=None, klo_bufs=None, QK_LO: gl.constexpr = False):
+                        qlo_smem=None, klo_bufs=None, QK_LO: gl.constexpr = False, vlo_desc=None, vlo_bufs=None,
+                        V_LO: gl.constexpr = False):
     """One entry's loads for programs that own query rows (dQ, forward): its Q (and dO) tile once
     (``qo_bar``), then its K / V tiles ``j0, ..., n_steps - 1`` into the ring at positions ``c + j``
     (``c + n_steps`` returned; ``j0 > 0``: the forward's item-sharing entries, whose first tiles the
@@ -306,7 +307,8 @@ def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs
     retired, in step ``r``, and V slot ``r`` only in step ``r + 1``, after ``P_r V_r`` (``_fwd_step``).
     ``V_T``: ``v_desc`` is the feature-major copy (``(H_kv * D, T)``, the FP8 forward's V^T), so a V tile
     is the ``D x BLOCK_N`` box at ``[hk * D, row]``. ``QK_LO`` (the FP8 forward's two-term Q and K): each Q
-    tile's residual codes ride on the Q barrier and each K tile's on the K barrier."""
+    tile's residual codes ride on the Q barrier and each K tile's on the K barrier; ``V_LO`` (its two-term P~ and V):
+    each V tile's on the V barrier."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     if HAS_DO:
         mbarrier.expect(qo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -336,7 +338,12 @@ def _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs
                 mbarrier.expect(ready.index(s), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [row, hk * HEAD_DIM], ready.index(s), k_bufs.index(s))
             mbarrier.wait(empty.index(STAGES + s), ((r // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(STAGES + s), v_desc.block_type.nbytes)
+            if V_LO:  # (the FP8 forward: V^T boxes)
+                mbarrier.expect(ready.index(STAGES + s), 2 * v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(vlo_desc, [hk * HEAD_DIM, row], ready.index(STAGES + s),
+                                                vlo_bufs.index(s))
+            else:
+                mbarrier.expect(ready.index(STAGES + s), v_desc.block_type.nbytes)
             if V_T:
                 tma.async_copy_global_to_shared(v_desc, [hk * HEAD_DIM, row], ready.index(STAGES + s),
                                                 v_bufs.index(s))
@@ -352,7 +359,7 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
                         skip_len, total, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, WL_BM: gl.constexpr, CAUSAL: gl.constexpr, IS_FWD: gl.constexpr,
                         V_T: gl.constexpr = False, qlo_desc=None, klo_desc=None, qlo_bufs=None, klo_bufs=None,
-                        QK_LO: gl.constexpr = False):
+                        QK_LO: gl.constexpr = False, vlo_desc=None, vlo_bufs=None, V_LO: gl.constexpr = False):
     """Persistent dQ / forward programs' producer: as ``_dkdv_producer_loop`` (global counter, the
     index and geometry handed over in ``t_smem``), the Q (and dO) tiles in slot ``n % 2``, the K / V ring
     running on. ``V_T`` (the FP8 forward, ``v_desc`` over V^T, as ``_rows_produce_entry``): each entry's
@@ -389,7 +396,7 @@ def _rows_producer_loop(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
             c = _rows_produce_entry(q_desc, do_desc, k_desc, v_desc, q_bufs.index(slot), do_bufs.index(slot),
                                     k_bufs, v_bufs, ready, empty, qo_ready.index(slot), rs, o_lo, h, hk, n_steps,
                                     c, 0, HEAD_DIM, BLOCK_N, not IS_FWD, V_T, qlo_desc, klo_desc, qlo_slot, klo_bufs,
-                                    QK_LO)
+                                    QK_LO, vlo_desc, vlo_bufs, V_LO)
             n += 1
         t = t_next
     slot = _claim_slot(qo_empty, n)

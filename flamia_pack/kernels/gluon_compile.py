@@ -97,7 +97,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
                  persistent: bool = False, pingpong: bool = False, items_whole: bool = False,
                  wl_block_m: int = 128, part_skip: bool = False, pv_promote: bool = False,
                  masked_tile0: bool = False, deterministic: bool = False, qk_lo: bool = False,
-                 cold_call: bool = False) -> dict:
+                 cold_call: bool = False, pv_lo: bool = False) -> dict:
     """Compile one Gluon attention kernel for sm_90a and report (no GPU needed).
 
     Pointer and stride arguments are marked divisible by 16 as the launcher's specialization does at
@@ -118,6 +118,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
         deterministic: ``gluon_fp8_bwd(deterministic=)``.
         qk_lo: two-term Q and K (``gluon_fp8_fwd(qc_lo=, kc_lo=)``, ``gluon_fp8_bwd(qc_lo=, kc_lo=, kt_lo=)``).
         cold_call: ``gluon_fp8_bwd(cold_call=)``.
+        pv_lo: two-term P~ and V (``fp8_fwd``'s ``PV_LO``, ``fp8_bwd``'s ``V_LO``).
 
     Returns:
         dict: ``shared`` (bytes), ``ptxas`` (ptxas -v stderr), ``spill_bytes`` (stores), ``serialized``
@@ -176,7 +177,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
                  "kt_desc": mangle_type(fp8_descriptor_t(xt8, bn)), "ktlo_desc": mangle_type(fp8_descriptor_t(xt8, bn)),
                  "FQ": "*fp32", "FDO": "*fp32", "ENTRIES": "*i32",
                  "n_entries_ptr": "*i32", "SEM": "*i32", "SEM_BASE": "*i32"}
-    types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": v_desc, "qlo_desc": rows, "klo_desc": walked,
+    types = {"q_desc": rows, "do_desc": rows, "k_desc": walked, "v_desc": v_desc, "qlo_desc": rows, "klo_desc": walked, "vlo_desc": v_desc,
              "LSE": "*fp32", "DELTA": "*fp32",
              "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16", "O": "*bf16", "items_ptr": "*i32", "num_items_ptr": "*i32",
              "cu_ptr": "*i32", "counter_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "dq_desc": acc,
@@ -185,7 +186,7 @@ def compile_sm90(kind: str = "dkdv", *, head_dim: int = 128, block_m: int | None
                   CAUSAL=bool(causal), DQ_REDUCE=bool(dq_reduce), PERSISTENT=bool(persistent),
                   PINGPONG=bool(pingpong), ITEMS=bool(items_whole), PART_SKIP=bool(part_skip), BOOST=BOOST_LOG2,
                   PV_PROMOTE=bool(pv_promote), MASKED_TILE0=bool(masked_tile0), DETERMINISTIC=bool(deterministic),
-                  QK_LO=bool(qk_lo), COLD_CALL=bool(cold_call))
+                  QK_LO=bool(qk_lo), COLD_CALL=bool(cold_call), PV_LO=bool(pv_lo), V_LO=bool(pv_lo))
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

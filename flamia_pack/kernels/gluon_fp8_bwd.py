@@ -8,7 +8,7 @@ the grid ``f + 64 m`` that see it, for every query head of its GQA group. A prod
 V, K^T once and, per step, Q, dO (row-major: the ``S^T`` / ``dP^T`` B operands, K-major along D)
 and Q^T, dO^T (feature-major: the ``dK`` / ``dV`` B operands, K-major along the queries, stored in
 the wgmma order, ``kernels.quantize.to_wgmma_order``, so that the register A operands ``P~v`` and
-``Ck`` are the ``S^T`` / ``dP^T`` accumulators' registers as they lie, ``gluon_fp8_fwd._wgmma_cols``)
+``Ck`` are the ``S^T`` / ``dP^T`` accumulators' registers as they lie, ``gluon_fp8_regs._wgmma_cols``)
 plus the step's per-query vectors; the consumer (8 warps, 16 keys each) runs, per step::
 
     S^T   = Kc Qc^T,  dP^T = Vc dOc^T                  FP8 wgmma (QGMMA), fp32 out
@@ -56,8 +56,8 @@ from flamia_pack.kernels.gluon_common import (
     _tma_reduce_add, _rows_through_smem, _slot_barriers, _store_doc_rows, check_stages, descriptor, CONSUMER_WARPS,
     MAXNREG)
 from flamia_pack.kernels.gluon_fp8_fwd import (
-    BOOST_LOG2, TABLE_PAD, _REF_FLOOR, _e4m3_words, _exp2_const, _qgmma_layout, _wgmma_cols, _words_operand,
-    _zero_cols_outside, fp8_descriptor, fp8_descriptor_t)
+    BOOST_LOG2, TABLE_PAD, _REF_FLOOR, _zero_cols_outside, fp8_descriptor, fp8_descriptor_t)
+from flamia_pack.kernels.gluon_fp8_regs import _e4m3_words, _exp2_const, _qgmma_layout, _wgmma_cols, _words_operand
 
 __all__ = ["gluon_fp8_bwd", "fp8_bwd_entries", "BWD_BLOCK_M", "BWD_BLOCK_N", "COLD_CALL_MAX_MEAN"]
 
@@ -133,21 +133,32 @@ def _bulk_wait_all():
 def _bwd_produce(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_bufs, do_bufs, qt_bufs, dot_bufs,
                  k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs, LSE, DELTA, FQ, FDO, stride_lh, stride_f,
                  a, f, m0, n_steps, end, hk, qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_M: gl.constexpr, lo, QK_LO: gl.constexpr):
+                 BLOCK_M: gl.constexpr, lo, QK_LO: gl.constexpr, V_LO: gl.constexpr = False):
     """The producer warp: K, V, K^T of the tile (``kv_bar``), then per step ``(g, j)`` the query step's
     four tiles into ring slot ``s`` and its vectors into ``ld_bufs[5 s + (0..4)]``: ``LSE log2 e``,
     ``Delta``, ``qk 2^e_q`` (the forward's row factor), ``2^e_q``, ``2^e_do`` (stored before the
     slot's ``ready`` arrive). ``QK_LO`` (two-term Q and K): ``lo`` = the residual codes' descriptors
-    ``(Q, K, K^T)`` and buffers ``(Q ring, K, K^T)``, loaded on the same barriers."""
+    ``(Q, K, K^T, V)`` and buffers ``(Q ring, K, K^T, V)``, loaded on the same barriers (``V_LO``, two-term V:
+    the last pair)."""
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     ld_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    qlo_desc, klo_desc, ktlo_desc, vlo_desc, qlo_bufs, klo_smem, ktlo_smem, vlo_smem = lo
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes
+    lo_bytes: gl.constexpr = k_desc.block_type.nbytes + kt_desc.block_type.nbytes  # QK_LO: K_lo, K_lo^T
     if QK_LO:
-        qlo_desc, klo_desc, ktlo_desc, qlo_bufs, klo_smem, ktlo_smem = lo
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes + 2 * kt_desc.block_type.nbytes)
+        if V_LO:
+            mbarrier.expect(kv_bar, kv_bytes + lo_bytes + v_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(kv_bar, kv_bytes + lo_bytes)
+    elif V_LO:
+        mbarrier.expect(kv_bar, kv_bytes + v_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(kv_bar, kv_bytes)
+    if QK_LO:
         tma.async_copy_global_to_shared(klo_desc, [a, hk * HEAD_DIM], kv_bar, klo_smem)
         tma.async_copy_global_to_shared(ktlo_desc, [hk * HEAD_DIM, a], kv_bar, ktlo_smem)
-    else:
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes)
+    if V_LO:
+        tma.async_copy_global_to_shared(vlo_desc, [a, hk * HEAD_DIM], kv_bar, vlo_smem)
     tma.async_copy_global_to_shared(k_desc, [a, hk * HEAD_DIM], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [a, hk * HEAD_DIM], kv_bar, v_smem)
     tma.async_copy_global_to_shared(kt_desc, [hk * HEAD_DIM, a], kv_bar, kt_smem)
@@ -197,12 +208,14 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
               sm_scale, sem_doc, stride_sem, rank,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, DETERMINISTIC: gl.constexpr,
-              lo, QK_LO: gl.constexpr, COLD_CALL: gl.constexpr):
+              lo, QK_LO: gl.constexpr, COLD_CALL: gl.constexpr, V_LO: gl.constexpr = False):
     """One query step (module docs); returns ``(dk, dv, sk, rho, sk_run, rho_run)`` with the dK / dV
     products in flight (``sk_run``: per key, the largest dK reference so far; ``rho_run``: a scalar, the
     largest 2^e_do so far; the floors of the references). ``QK_LO`` (two-term Q and K, the emulation's
     ``qk_terms=2``; ``lo``: the residual codes' buffers ``(Q ring, K, K^T)``): S^T is three products
-    (``K Q^T + K Q_lo^T + K_lo Q^T``) and the dQ partial ``dS (K + K_lo)`` two; dK reads Q's codes only."""
+    (``K Q^T + K Q_lo^T + K_lo Q^T``) and the dQ partial ``dS (K + K_lo)`` two; dK reads Q's codes only.
+    ``V_LO`` (two-term V, the emulation's ``pv_terms=2``; ``lo[3]`` V's residual codes): dP^T is two products,
+    ``V_lo dO^T`` first, then ``V dO^T``."""
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     s_layout: gl.constexpr = _qgmma_layout(NW, BLOCK_M)
     acc_layout: gl.constexpr = _qgmma_layout(NW, HEAD_DIM)
@@ -240,13 +253,17 @@ def _bwd_step(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready
         st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), st, is_async=True)
     else:
         st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-    dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    if V_LO:  # V (V + V_lo): the residual product first (as S)
+        dpt = warpgroup_mma(lo[3], do_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), dpt, is_async=True)
+    else:
+        dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     if MASKED:
         q_pos = q0 + gl.arange(0, BLOCK_M, layout=col)
         vis = (q_pos >= start)[None, :] & (q_pos < end)[None, :] & (k_pos >= start)[:, None] & (k_pos < end)[:, None]
         if CAUSAL:
             vis = vis & (k_pos[:, None] <= q_pos[None, :])
-    st = warpgroup_mma_wait(1, deps=(st,))
+    st = warpgroup_mma_wait(2 if V_LO else 1, deps=(st,))  # S^T retired, dP^T's products in flight
     lse2 = ld_bufs.index(5 * s).load(col)
     rowf = ld_bufs.index(5 * s + 2).load(col)
     p = gl.exp2((st * kf[:, None]) * rowf[None, :] - lse2[None, :])
@@ -339,9 +356,10 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
                  tq_smem, dq_stage, dq_desc, DK, DV, FK, FV, stride_f, stride_dkt, stride_dvt, a, f, m0, n_steps, u0,
                  u1, start, end, hk, sm_scale, sem_doc, stride_sem, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                  BOOST: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 DETERMINISTIC: gl.constexpr, lo, QK_LO: gl.constexpr, COLD_CALL: gl.constexpr):
+                 DETERMINISTIC: gl.constexpr, lo, QK_LO: gl.constexpr, COLD_CALL: gl.constexpr,
+                 V_LO: gl.constexpr = False):
     """The 8-warp consumer of one program: every step of every head of the group, then dK, dV
-    (``QK_LO``: ``lo`` the residual codes' buffers, :func:`_bwd_step`)."""
+    (``QK_LO`` / ``V_LO``: ``lo`` the residual codes' buffers, :func:`_bwd_step`)."""
     NW: gl.constexpr = CONSUMER_WARPS
     s_layout: gl.constexpr = _qgmma_layout(NW, BLOCK_M)
     acc_layout: gl.constexpr = _qgmma_layout(NW, HEAD_DIM)
@@ -371,21 +389,21 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
                 q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, tq_smem,
                 dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run,
                 sm_scale, sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW,
-                DETERMINISTIC, lo, QK_LO, COLD_CALL)
+                DETERMINISTIC, lo, QK_LO, COLD_CALL, V_LO)
             c += 1
         for j in range(u0, u1):
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
                 q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, tq_smem,
                 dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run,
                 sm_scale, sem_doc, stride_sem, rank, False, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW,
-                DETERMINISTIC, lo, QK_LO, COLD_CALL)
+                DETERMINISTIC, lo, QK_LO, COLD_CALL, V_LO)
             c += 1
         for j in range(u1, n_steps):
             dk, dv, sk, rho, sk_run, rho_run = _bwd_step(
                 q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, ld_bufs, ds_smem, tq_smem,
                 dq_stage, dq_desc, h, a, f, m0, j, c, start, end, k_pos, kf, vf, dk, dv, sk, rho, sk_run, rho_run,
                 sm_scale, sem_doc, stride_sem, rank, True, CAUSAL, BOOST, HEAD_DIM, BLOCK_M, BLOCK_N, NW,
-                DETERMINISTIC, lo, QK_LO, COLD_CALL)
+                DETERMINISTIC, lo, QK_LO, COLD_CALL, V_LO)
             c += 1
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     tma.store_wait(0)  # the last reduce has read its staging tile before the program exits
@@ -405,11 +423,11 @@ def _bwd_consume(q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, re
 
 @gluon.jit
 def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, dq_desc, qlo_desc, klo_desc,
-                    ktlo_desc, LSE, DELTA, FQ, FDO, FK, FV, DK, DV, ENTRIES, n_entries_ptr, max_entries, stride_lh,
+                    ktlo_desc, vlo_desc, LSE, DELTA, FQ, FDO, FK, FV, DK, DV, ENTRIES, n_entries_ptr, max_entries, stride_lh,
                     stride_f, stride_dkt, stride_dvt, qk_scale, sm_scale, SEM, SEM_BASE, stride_sem,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                    QK_LO: gl.constexpr, COLD_CALL: gl.constexpr):
+                    QK_LO: gl.constexpr, COLD_CALL: gl.constexpr, V_LO: gl.constexpr):
     # head-major: entry e of kv head hk (fp8_bwd_entries' decreasing-cost order)
     pid = gl.program_id(0)
     e = pid % max_entries
@@ -452,11 +470,14 @@ def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc,
         qlo_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, HEAD_DIM], qlo_desc.layout)
         klo_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_N, HEAD_DIM], klo_desc.layout)
         ktlo_smem = gl.allocate_shared_memory(gl.float8e4nv, [HEAD_DIM, BLOCK_N], ktlo_desc.layout)
-        lo_bufs = (qlo_bufs, klo_smem, ktlo_smem)
-        lo_prod = (qlo_desc, klo_desc, ktlo_desc, qlo_bufs, klo_smem, ktlo_smem)
+    else:  # unread
+        qlo_bufs, klo_smem, ktlo_smem = q_bufs, k_smem, kt_smem
+    if V_LO:  # two-term V: its residual codes' tile
+        vlo_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_N, HEAD_DIM], vlo_desc.layout)
     else:
-        lo_bufs = (q_bufs, k_smem, kt_smem)  # unread
-        lo_prod = (q_desc, k_desc, kt_desc, q_bufs, k_smem, kt_smem)
+        vlo_smem = v_smem  # unread
+    lo_bufs = (qlo_bufs, klo_smem, ktlo_smem, vlo_smem)
+    lo_prod = (qlo_desc, klo_desc, ktlo_desc, vlo_desc, qlo_bufs, klo_smem, ktlo_smem, vlo_smem)
     ready, empty = _slot_barriers(STAGES, True)
     kv_ready, _kv_empty = _slot_barriers(1, False)
     kv_bar = kv_ready.index(0)
@@ -464,11 +485,11 @@ def _fp8_bwd_kernel(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc,
         (_bwd_consume, (q_bufs, do_bufs, qt_bufs, dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs,
                         ds_smem, tq_smem, dq_stage, dq_desc, DK, DV, FK, FV, stride_f, stride_dkt, stride_dvt, a, f, m0,
                         n_steps, u0, u1, start, end, hk, sm_scale, sem_doc, stride_sem, GROUP, CAUSAL, BOOST,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, DETERMINISTIC, lo_bufs, QK_LO, COLD_CALL)),
+                        HEAD_DIM, BLOCK_M, BLOCK_N, DETERMINISTIC, lo_bufs, QK_LO, COLD_CALL, V_LO)),
         (_bwd_produce, (q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_bufs, do_bufs, qt_bufs,
                         dot_bufs, k_smem, v_smem, kt_smem, ready, empty, kv_bar, ld_bufs, LSE, DELTA, FQ, FDO,
                         stride_lh, stride_f, a, f, m0, n_steps, end, hk, qk_scale, GROUP, HEAD_DIM, BLOCK_M,
-                        lo_prod, QK_LO)),
+                        lo_prod, QK_LO, V_LO)),
     ], [1], [24])
 
 
@@ -529,7 +550,7 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
                   *, causal: bool = True, stages: int = 2, entries=None, dq_acc: torch.Tensor | None = None,
                   cast_dq: bool = True, deterministic: bool = False, qc_lo: torch.Tensor | None = None,
                   kc_lo: torch.Tensor | None = None,
-                  kt_lo: torch.Tensor | None = None,
+                  kt_lo: torch.Tensor | None = None, vc_lo: torch.Tensor | None = None,
                   cold_call: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 attention backward (module docs), warp-specialized Gluon, sm_90.
 
@@ -557,6 +578,8 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
         qc_lo, kc_lo, kt_lo: two-term Q and K (``fp8_emulation_bwd`` ``qk_terms=2``, the forward's
             ``gluon_fp8_fwd(qc_lo=, kc_lo=)``): the residual codes of ``qc``, ``kc`` and ``kt``, same shapes
             and layouts; S^T is then three FP8 products and the dQ partial two. All three or none.
+        vc_lo: two-term V (``fp8_emulation_bwd`` ``pv_terms=2``): the residual codes of ``vc``, same shape and
+            layout; dP^T is then two FP8 products.
         cold_call: compile the masked steps' zeroing of other documents' Q^T / dO^T columns (a branch taken
             only next to a non-finite group) as a call instead of inline; ``None`` (default): on where the
             mean document length is at most :data:`COLD_CALL_MAX_MEAN`. The same bits either way.
@@ -598,6 +621,8 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
             x.dtype != y.dtype or x.shape != y.shape or x.stride() != y.stride() for x, y in zip(lo, (qc, kc, kt)))):
         raise ValueError("gluon_fp8_bwd: qc_lo, kc_lo, kt_lo come together, in qc's, kc's and kt's dtype, shape and "
                          "strides")
+    if vc_lo is not None and (vc_lo.dtype != vc.dtype or vc_lo.shape != vc.shape or vc_lo.stride() != vc.stride()):
+        raise ValueError("gluon_fp8_bwd: vc_lo must be in vc's dtype, shape and strides")
     dq_acc = torch.zeros((T, H, D), dtype=torch.float32, device=qc.device) if dq_acc is None else dq_acc
     dk = torch.empty((T, Hkv, D), dtype=torch.bfloat16, device=qc.device)
     dv = torch.empty((T, Hkv, D), dtype=torch.bfloat16, device=qc.device)
@@ -623,12 +648,12 @@ def gluon_fp8_bwd(qc, kc, vc, qt, kt, dc, dct, fq, fk, fv, fdo, lse, delta, cu_s
             fp8_descriptor_t(dct, BWD_BLOCK_M), k_d, fp8_descriptor(vc, BWD_BLOCK_N), kt_d,
             descriptor(dq_acc, BWD_BLOCK_M), fp8_descriptor(qc_lo, BWD_BLOCK_M) if two else q_d,
             fp8_descriptor(kc_lo, BWD_BLOCK_N) if two else k_d, fp8_descriptor_t(kt_lo, BWD_BLOCK_N) if two else kt_d,
-            lse, delta, fq, fdo, fk, fv, dk, dv,
+            fp8_descriptor(vc_lo if vc_lo is not None else vc, BWD_BLOCK_N), lse, delta, fq, fdo, fk, fv, dk, dv,
             ent, n_ent, max_entries, lse.stride(0), fq.stride(0), dk.stride(0), dv.stride(0),
             float(softmax_scale) * LOG2E, float(softmax_scale), sem, sem_base, H,
             GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, STAGES=stages,
             CAUSAL=bool(causal), BOOST=BOOST_LOG2, DETERMINISTIC=deterministic, QK_LO=two, COLD_CALL=cold_call,
-            num_warps=CONSUMER_WARPS.value,
+            V_LO=vc_lo is not None, num_warps=CONSUMER_WARPS.value,
             maxnreg=MAXNREG)
     from flamia_pack.kernels.flash_fwd import fill_tails
 

@@ -58,6 +58,11 @@ rescale finite (``2^(r_prev - r) <= 2^64``; an all-zero V tile used to overflow 
 ``P~_{j-1} V_{j-1}`` before ``S_j``, so no non-wgmma instruction defines a product's input inside a
 wgmma pipeline stage (ptxas serialized the other order's products, C7513).
 
+Two-term P~ and V (``vt_lo``: ``PV_LO``, the emulation's ``pv_terms=2``): the fold also packs the E4M3 code of
+each P~'s residual (``gluon_fp8_regs._e4m3_words2``), and each tile's product is ``P~_lo V + P~ V_lo + P~ V`` onto
+the accumulator (the small products first, as S's); V_lo^T's ring sits beside V^T's on the same barriers, and O is
+stored from the accumulator's registers (the staging rows' 32 KB do not fit beside the two-term Q, K and V tiles).
+
 Merged items are not supported: ``fp8_attention.py`` builds lists without them (``merge_short``
 off), so every item holds one document, 1-token documents included. Inputs: codes and exponents from ``kernels.quantize.quantize_qkv`` (V with
 its feature-major copy).
@@ -80,6 +85,8 @@ from flamia_pack.scheduler.cost import fp8_masked_tile0
 from flamia_pack.kernels.gluon_common import (
     _entry_counts, _next_entry, _handoff_load, _rows_producer_loop, _rows_through_smem, _release_after_reads,
     _store_rows, _slot_barriers, check_stages, CONSUMER_WARPS, MAXNREG)
+from flamia_pack.kernels.gluon_fp8_regs import (
+    _e4m3_words, _e4m3_words2, _exp2_const, _qgmma_layout, _wgmma_cols, _words_operand)
 from flamia_pack.kernels.gluon_fwd import _turn_barriers, _turn_pass, _turn_wait
 
 __all__ = ["gluon_fp8_fwd", "BOOST_LOG2", "MASKED_TILE0_MAX_MEAN"]
@@ -98,11 +105,6 @@ kernel's fold reference; ``gluon_fp8_bwd``'s dV / dK references)."""
 _REF_MIN_OFFSET = gl.constexpr(FOLD_REF_MIN_OFFSET)
 """``constants.FOLD_REF_MIN_OFFSET``: the fold reference is at least ``2^(BOOST - _REF_MIN_OFFSET)``."""
 
-
-@constexpr_function
-def _qgmma_layout(num_warps, n):
-    """Accumulator layout of an FP8 wgmma product with ``n`` columns (k = 32 per instruction)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
 
 
 @constexpr_function
@@ -123,11 +125,6 @@ def _key_pair_tile_layout(n):
     return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 1], [0, 2], [0, 0], [0, 0], [0, 0]],
                                       warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[n // 8, 4])
 
-
-@constexpr_function
-def _exp2_const(e):
-    """``2.0 ** e`` for an int ``e`` in fp32's normal range (a compile-time float)."""
-    return 2.0 ** e
 
 
 @gluon.jit
@@ -252,53 +249,17 @@ def _factors_ready(f_bufs, v_fbufs, FK, FV, stride_e, hk, o_lo, j, n_steps, BLOC
         _factors_fetch(f_bufs, v_fbufs, FK, FV, stride_e, hk, o_lo, j + 1, BLOCK_N, NW)
 
 
-@gluon.jit
-def _wgmma_cols(x, op_layout: gl.constexpr):
-    """An FP8 wgmma accumulator ``x`` ``(M, N)`` (fp32, :func:`_qgmma_layout`) with its columns in the
-    wgmma order (``kernels.quantize.to_wgmma_order``: column ``16 b + 8 h + 2 q + r`` to ``16 b + 4 q +
-    2 h + r``) in ``op_layout``, the E4M3 A operand's layout: register renaming only (asserted)."""
-    M: gl.constexpr = x.type.shape[0]
-    N: gl.constexpr = x.type.shape[1]
-    xp = x.reshape([M, N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([M, N])
-    return gl.convert_layout(xp, op_layout, assert_trivial=True)
 
 
-@gluon.jit
-def _e4m3_words(x):
-    """fp32 ``x`` ``(M, N)`` as int32 words ``(M, N // 4)``, word ``g`` holding the E4M3 codes of columns
-    ``4 g .. 4 g + 3`` (low byte first; ``cvt.rn.satfinite``, as ``.to(float8e4nv)``). Why words: P~ is
-    carried across the step loop's back edge, where 64 codes a thread as bytes are unpacked and
-    repacked (one phi a byte); 16 words pass as they are."""
-    M: gl.constexpr = x.type.shape[0]
-    N: gl.constexpr = x.type.shape[1]
-    lo, hi = gl.split(x.reshape([M, N // 4, 2, 2]))
-    a, b = gl.split(lo)
-    c, d = gl.split(hi)
-    return gl.inline_asm_elementwise(
-        asm="{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-            "mov.b32 $0, {lo, hi}; }",
-        constraints="=r,r,r,r,r", args=[a, c, b, d], dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _words_operand(w, op_layout: gl.constexpr):
-    """int32 words :func:`_e4m3_words` as the ``(M, 4 N')`` E4M3 A operand in ``op_layout``: each word
-    broadcast to its 4 columns and passed through as the thread's operand register (no byte moves)."""
-    M: gl.constexpr = w.type.shape[0]
-    N4: gl.constexpr = w.type.shape[1]
-    w2 = gl.join(w, w)
-    x = gl.join(w2, w2).reshape([M, N4 * 4])
-    x = gl.convert_layout(x, op_layout, assert_trivial=True)
-    return gl.inline_asm_elementwise(asm="mov.b32 $0, $1;", constraints="=r,r,r,r,r", args=[x], dtype=gl.int8,
-                                     is_pure=True, pack=4).to(gl.float8e4nv, bitcast=True)
 
 
 @gluon.jit
 def _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, j, row_f, fk, fv, MASKED: gl.constexpr, BOOST: gl.constexpr,
-                 BLOCK_N: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
+                 BLOCK_N: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr, PV_LO: gl.constexpr = False):
     """Walked tile ``j``: scores from the raw FP8 product ``st``, the base-2 online softmax and the
-    P~ fold. Returns ``(P~ as E4M3 words, m, l, alpha, r, r_run)`` (:func:`_e4m3_words` of P~ with its
-    columns in the wgmma order, :func:`_wgmma_cols`); ``r`` (float32 ``2^r_i`` per row, at least
+    P~ fold. Returns ``(P~ as E4M3 words, P~_lo, m, l, alpha, r, r_run)`` (:func:`_e4m3_words` of P~ with its
+    columns in the wgmma order, :func:`_wgmma_cols`; ``PV_LO``: P~_lo the residual's words, :func:`_e4m3_words2`,
+    else the scalar 0); ``r`` (float32 ``2^r_i`` per row, at least
     ``2^(BOOST - FOLD_REF_MIN_OFFSET)``) is the fold's reference, ``r_run`` the largest ``r`` of the row
     so far (the floor's). ``fk`` / ``fv``: the tile's K / V factors ``2^e`` (:func:`_tile_factors` for
     a walk's first tile, :func:`_factors_ready`'s shared buffers for the later ones). ``lim``: the row's
@@ -333,9 +294,14 @@ def _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, j, row_f, fk, fv, MASKED: gl
     c = _boost_over(r_new, BOOST)
     p = gl.exp2(x * row_f[:, None] - (m_ij - _log2_pow2(c))[:, None])
     l_i = l_i * alpha + gl.sum(p, 1) * (r_new * _exp2_const(-BOOST))
-    pt = p * fv[None, :]
+    pt = _wgmma_cols(p * fv[None, :], op_layout)
     r_run = gl.maximum(r_run, r_new)
-    return _e4m3_words(_wgmma_cols(pt, op_layout)), m_ij, l_i, alpha, r_new, r_run
+    if PV_LO:
+        hi, lo = _e4m3_words2(pt)
+    else:
+        hi = _e4m3_words(pt)
+        lo = gl.to_tensor(0)
+    return hi, lo, m_ij, l_i, alpha, r_new, r_run
 
 
 @gluon.jit
@@ -351,15 +317,28 @@ def _rescale(acc, alpha, r_old, r_new, acc_layout: gl.constexpr):
 
 
 @gluon.jit
-def _pv_issue(a, v_buf, acc, PV_PROMOTE: gl.constexpr):
-    """Issue ``P~ V`` (asynchronous FP8 wgmma; ``a``: :func:`_words_operand` of P~; ``v_buf``: the
-    ``HEAD_DIM x BLOCK_N`` V^T tile in the wgmma order, K-major):
-    accumulated onto the MMA accumulator ``acc``, or, ``PV_PROMOTE``, into a zero-initialized one (the
-    tile's product alone, :func:`_promote`)."""
-    if PV_PROMOTE:
-        return warpgroup_mma(a, v_buf.permute((1, 0)), gl.zeros_like(acc), use_acc=False, is_async=True)
+def _pv_issue(p, v_buf, acc, PV_PROMOTE: gl.constexpr, op_layout: gl.constexpr, p_lo=None, vlo_buf=None,
+              PV_LO: gl.constexpr = False):
+    """Issue ``P~ V`` (asynchronous FP8 wgmma; ``p``: P~'s :func:`_e4m3_words`, the register A operand; ``v_buf``:
+    the ``HEAD_DIM x BLOCK_N`` V^T tile in the wgmma order, K-major): accumulated onto the MMA accumulator
+    ``acc``, or, ``PV_PROMOTE``, into a zero-initialized one (the tile's product alone, :func:`_promote`).
+    ``PV_LO`` (two-term P~ and V, the emulation's ``pv_terms=2``): ``P~_lo V + P~ V_lo + P~ V`` in that order
+    (``p_lo`` the residual's words, ``vlo_buf`` V_lo^T's tile; ``lo.lo`` left out): the small products are summed
+    while the accumulator's new terms are small, as :func:`_s_issue`'s."""
+    a = _words_operand(p, op_layout)
+    if PV_LO:
+        a_lo = _words_operand(p_lo, op_layout)
+        if PV_PROMOTE:
+            out = warpgroup_mma(a_lo, v_buf.permute((1, 0)), gl.zeros_like(acc), use_acc=False, is_async=True)
+        else:
+            out = warpgroup_mma(a_lo, v_buf.permute((1, 0)), acc, is_async=True)
+        out = warpgroup_mma(a, vlo_buf.permute((1, 0)), out, is_async=True)
+        out = warpgroup_mma(a, v_buf.permute((1, 0)), out, is_async=True)
+    elif PV_PROMOTE:
+        out = warpgroup_mma(a, v_buf.permute((1, 0)), gl.zeros_like(acc), use_acc=False, is_async=True)
     else:
-        return warpgroup_mma(a, v_buf.permute((1, 0)), acc, is_async=True)
+        out = warpgroup_mma(a, v_buf.permute((1, 0)), acc, is_async=True)
+    return out
 
 
 @gluon.jit
@@ -395,10 +374,11 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, str
               BOOST: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr,
               s_layout: gl.constexpr, op_layout: gl.constexpr, acc_layout: gl.constexpr, WG: gl.constexpr,
               PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr, qlo_smem=None, klo_bufs=None,
-              QK_LO: gl.constexpr = False):
+              QK_LO: gl.constexpr = False, p_lo_prev=None, vlo_bufs=None, PV_LO: gl.constexpr = False):
     """Walked tile ``j >= 1``: ``P~_{j-1} V_{j-1}`` issued first, then ``S_j``, both in flight together;
     tile ``j``'s softmax and fold once both retired (with ``PINGPONG`` under the other partition's
-    products). Returns ``(acc, P~_j, m, l, r, r_run, alpha)``. ``PINGPONG``: the two products are issued in
+    products). Returns ``(acc, P~_j, P~_lo_j, m, l, r, r_run, alpha)`` (``PV_LO``: :func:`_pv_issue`'s three
+    products; else P~_lo is 0). ``PINGPONG``: the two products are issued in
     the partition's turn ``k_turn + j`` (``gluon_fwd._turn_wait``), taken once both tiles landed.
     ``acc``: the MMA accumulator in units of ``r_{j-1} / 2^BOOST`` (rescaled after the softmax to tile
     ``j``'s max and reference), or, ``PV_PROMOTE``, the fp32 register accumulator that ``P~_{j-1} V_{j-1}``
@@ -423,7 +403,7 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, str
         # registers are free again before the softmax
         if not PINGPONG:
             mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
-        pv = _pv_issue(_words_operand(p_prev, op_layout), v_bufs.index(sp), acc, PV_PROMOTE)
+        pv = _pv_issue(p_prev, v_bufs.index(sp), acc, PV_PROMOTE, op_layout, p_lo_prev, vlo_bufs.index(sp), PV_LO)
         st = _s_issue(q_smem, qlo_smem, k_bufs, klo_bufs, s, zero, QK_LO)
         _turn_pass(turn, WG, PINGPONG)
         pv = warpgroup_mma_wait(S_GROUPS, deps=(pv,))
@@ -433,14 +413,14 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, str
         mbarrier.arrive(empty.index(s), count=1)
         fk = f_bufs.index(j % 2).load(f_layout)
         fv = v_fbufs.index(j % 2).load(f_layout)
-        p, m_ij, l_i, alpha, r_new, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, j, row_f, fk, fv,
-                                                         MASKED, BOOST, BLOCK_N, s_layout, op_layout)
+        p, p_lo, m_ij, l_i, alpha, r_new, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, j, row_f, fk, fv,
+                                                               MASKED, BOOST, BLOCK_N, s_layout, op_layout, PV_LO)
     else:
         # P~_{j-1} V_{j-1} issued first onto the accumulator (rescaled at the end of step j - 1), then S_j:
         # no non-wgmma instruction defines a product's input inside the pipeline stage (C7513)
         if not PINGPONG:
             mbarrier.wait(ready.index(STAGES + sp), ((r - 1) // STAGES) & 1)
-        acc = _pv_issue(_words_operand(p_prev, op_layout), v_bufs.index(sp), acc, PV_PROMOTE)
+        acc = _pv_issue(p_prev, v_bufs.index(sp), acc, PV_PROMOTE, op_layout, p_lo_prev, vlo_bufs.index(sp), PV_LO)
         st = _s_issue(q_smem, qlo_smem, k_bufs, klo_bufs, s, zero, QK_LO)
         _turn_pass(turn, WG, PINGPONG)
         acc = warpgroup_mma_wait(S_GROUPS, deps=(acc,))
@@ -449,10 +429,10 @@ def _fp8_step(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, str
         mbarrier.arrive(empty.index(s), count=1)
         fk = f_bufs.index(j % 2).load(f_layout)
         fv = v_fbufs.index(j % 2).load(f_layout)
-        p, m_ij, l_i, alpha, r_new, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, j, row_f, fk, fv,
-                                                         MASKED, BOOST, BLOCK_N, s_layout, op_layout)
+        p, p_lo, m_ij, l_i, alpha, r_new, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, j, row_f, fk, fv,
+                                                               MASKED, BOOST, BLOCK_N, s_layout, op_layout, PV_LO)
         acc = _rescale(acc, alpha, r_i, r_new, acc_layout)
-    return acc, p, m_ij, l_i, r_new, r_run, alpha
+    return acc, p, p_lo, m_ij, l_i, r_new, r_run, alpha
 
 
 @gluon.jit
@@ -461,13 +441,16 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, o_smem, ready, e
                        u1, qk_scale, c, T, turn, k_turn, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr,
                        BOOST: gl.constexpr, PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr,
-                       MASKED_TILE0: gl.constexpr, qlo_smem=None, klo_bufs=None, QK_LO: gl.constexpr = False):
+                       MASKED_TILE0: gl.constexpr, qlo_smem=None, klo_bufs=None, QK_LO: gl.constexpr = False,
+                       vlo_bufs=None, PV_LO: gl.constexpr = False):
     """One entry's FP8 forward from ring position ``c`` (returned advanced) by consumer partition ``WG``
     (rows ``WG * BLOCK_M / 2`` on): ``gluon_fwd._fwd_consume_entry`` with the FP8 softmax / fold, O
     through the partition's own bf16 staging rows ``o_smem``. ``PINGPONG``: the entry's products are
     issued in the partition's turns ``k_turn, ..., k_turn + n_steps`` (``S_0``, the steps, the last
     ``P~ V``), as ``gluon_fwd``'s. ``PV_PROMOTE``: each tile's ``P~ V`` promoted into an fp32 register
-    accumulator (:func:`_fp8_step`)."""
+    accumulator (:func:`_fp8_step`). ``PV_LO`` (two-term P~ and V): three P~V products a tile, V_lo^T's tiles in
+    ``vlo_bufs`` (zeroed with V^T's where a neighbour's codes may be NaN), and O stored straight from the
+    accumulator's registers (the staging rows' shared memory does not fit beside the residual tiles)."""
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     PART_M: gl.constexpr = BLOCK_M * NW // 8
     s_layout: gl.constexpr = _qgmma_layout(NW, BLOCK_N)
@@ -505,31 +488,30 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, o_smem, ready, e
     st = warpgroup_mma_wait(0, deps=(st,))
     mbarrier.arrive(empty.index(s0), count=1)
     if MASKED_TILE0:  # one copy of the softmax in the prologue: what short documents' entries are bound by
-        p, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, True,
-                                                    BOOST, BLOCK_N, s_layout, op_layout)
+        p, p_lo, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, True,
+                                                          BOOST, BLOCK_N, s_layout, op_layout, PV_LO)
     elif (u1 > 0) & (ph == 0):
-        p, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, False,
-                                                    BOOST, BLOCK_N, s_layout, op_layout)
+        p, p_lo, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, False,
+                                                          BOOST, BLOCK_N, s_layout, op_layout, PV_LO)
     else:
-        p, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, True,
-                                                    BOOST, BLOCK_N, s_layout, op_layout)
+        p, p_lo, m_i, l_i, a_i, r_i, r_run = _fp8_softmax(st, m_i, l_i, r_i, r_run, lim, ph, 0, row_f, fk, fv, True,
+                                                          BOOST, BLOCK_N, s_layout, op_layout, PV_LO)
     if (ph > 0) & (n_steps > 1):  # tile 0's leading columns hold the previous document (the last tile: below)
         if _may_be_nonfinite_outside(FV, stride_e, hk, o_lo, 0, ph, BLOCK_N, BLOCK_N, NW):
             mbarrier.wait(ready.index(STAGES + s0), (c // STAGES) & 1)
             _zero_cols_outside(v_bufs.index(s0), ph, BLOCK_N, NW, True)
+            if PV_LO:
+                _zero_cols_outside(vlo_bufs.index(s0), ph, BLOCK_N, NW, True)
     for j in range(1, u1):
-        acc, p, m_i, l_i, r_i, r_run, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV,
-                                                      stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p,
-                                                      m_i, l_i, r_i, r_run, a_i, turn, k_turn, False, BOOST, PART_M,
-                                                      BLOCK_N, NW, s_layout, op_layout, acc_layout, WG, PINGPONG,
-                                                      PV_PROMOTE, qlo_part, klo_bufs, QK_LO)
+        acc, p, p_lo, m_i, l_i, r_i, r_run, a_i = _fp8_step(
+            q_part, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi, lim, row_f, j,
+            c, n_steps, acc, p, m_i, l_i, r_i, r_run, a_i, turn, k_turn, False, BOOST, PART_M, BLOCK_N, NW, s_layout,
+            op_layout, acc_layout, WG, PINGPONG, PV_PROMOTE, qlo_part, klo_bufs, QK_LO, p_lo, vlo_bufs, PV_LO)
     for j in range(gl.maximum(u1, 1), n_steps):
-        acc, p, m_i, l_i, r_i, r_run, a_i = _fp8_step(q_part, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV,
-                                                      stride_e, hk, o_lo, ph, o_hi, lim, row_f, j, c, n_steps, acc, p,
-                                                      m_i, l_i, r_i, r_run, a_i, turn, k_turn, True, BOOST, PART_M,
-                                                      BLOCK_N, NW, s_layout, op_layout, acc_layout, WG, PINGPONG,
-                                                      PV_PROMOTE, qlo_part, klo_bufs, QK_LO)
-    a = _words_operand(p, op_layout)
+        acc, p, p_lo, m_i, l_i, r_i, r_run, a_i = _fp8_step(
+            q_part, k_bufs, v_bufs, f_bufs, v_fbufs, ready, empty, FK, FV, stride_e, hk, o_lo, ph, o_hi, lim, row_f, j,
+            c, n_steps, acc, p, m_i, l_i, r_i, r_run, a_i, turn, k_turn, True, BOOST, PART_M, BLOCK_N, NW, s_layout,
+            op_layout, acc_layout, WG, PINGPONG, PV_PROMOTE, qlo_part, klo_bufs, QK_LO, p_lo, vlo_bufs, PV_LO)
     r = c + n_steps - 1
     sl = r % STAGES
     mbarrier.wait(ready.index(STAGES + sl), (r // STAGES) & 1)
@@ -538,8 +520,10 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, o_smem, ready, e
     if (hi_last < BLOCK_N) | (lo_last > 0):  # the tile the document end cuts (and a one-tile walk's start)
         if _may_be_nonfinite_outside(FV, stride_e, hk, o_lo, n_steps - 1, lo_last, hi_last, BLOCK_N, NW):
             _zero_cols_outside(v_bufs.index(sl), lo_last, hi_last, NW, True)
+            if PV_LO:
+                _zero_cols_outside(vlo_bufs.index(sl), lo_last, hi_last, NW, True)
     _turn_wait(turn, k_turn + n_steps, WG, PINGPONG)
-    pv = _pv_issue(a, v_bufs.index(sl), acc, PV_PROMOTE)
+    pv = _pv_issue(p, v_bufs.index(sl), acc, PV_PROMOTE, op_layout, p_lo, vlo_bufs.index(sl), PV_LO)
     _turn_pass(turn, WG, PINGPONG)
     pv = warpgroup_mma_wait(0, deps=(pv,))
     mbarrier.arrive(empty.index(STAGES + sl), count=1)
@@ -552,8 +536,9 @@ def _fp8_consume_entry(q_smem, k_bufs, v_bufs, f_bufs, v_fbufs, o_smem, ready, e
         acc = pv
         f = (r_i * _exp2_const(-BOOST)) / l_safe  # r >= 2^(BOOST - 110): a normal float, exact
     out = (acc * gl.convert_layout(f, gl.SliceLayout(1, acc_layout))[:, None]).to(gl.bfloat16)
-    out = _rows_through_smem(o_smem, out, NW)
-    gl.thread_barrier()  # every warp read its rows before the partition's next entry writes o_smem
+    if not PV_LO:
+        out = _rows_through_smem(o_smem, out, NW)
+        gl.thread_barrier()  # every warp read its rows before the partition's next entry writes o_smem
     _store_rows(O, out, r0, re, stride_ot, h * HEAD_DIM)
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
     gl.store(LSE + h * stride_lh + q_pos, lse, mask=q_pos < re)
@@ -566,7 +551,8 @@ def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, f_smem, v_fsmem, o_smem, ready, e
                        total, T, turn, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        WL_BM: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr, NW: gl.constexpr,
                        BOOST: gl.constexpr, PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr,
-                       MASKED_TILE0: gl.constexpr, qlo_bufs, klo_bufs, QK_LO: gl.constexpr):
+                       MASKED_TILE0: gl.constexpr, qlo_bufs, klo_bufs, QK_LO: gl.constexpr, vlo_bufs,
+                       PV_LO: gl.constexpr):
     """Consumer partition ``WG`` of the persistent FP8 forward: the entries the producer hands over
     (both partitions run every entry, so with ``PINGPONG`` their turns stay paired: entry ``n`` from
     ring position ``c`` takes turns ``c + n, ..., c + n + n_steps``)."""
@@ -585,18 +571,18 @@ def _fp8_consumer_loop(q_bufs, k_bufs, v_bufs, f_smem, v_fsmem, o_smem, ready, e
                                qo_ready.index(slot), (n // QO_STAGES) & 1, qo_empty.index(slot), O, LSE, EQ, FK, FV,
                                stride_ot, stride_lh, stride_eq, stride_e, rs, re, o_lo, ph, o_hi, h, hk, n_steps, u1,
                                qk_scale, c, T, turn, c + n, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, WG, NW, BOOST, PINGPONG,
-                               PV_PROMOTE, MASKED_TILE0, qlo_bufs.index(slot), klo_bufs, QK_LO)
+                               PV_PROMOTE, MASKED_TILE0, qlo_bufs.index(slot), klo_bufs, QK_LO, vlo_bufs, PV_LO)
         n += 1
         t = _next_entry(qo_ready, t_smem, n, idx_layout)
 
 
 @gluon.jit
-def _fp8_fwd_kernel(q_desc, k_desc, v_desc, qlo_desc, klo_desc, O, LSE, EQ, FK, FV, items_ptr, num_items_ptr, cu_ptr,
+def _fp8_fwd_kernel(q_desc, k_desc, v_desc, qlo_desc, klo_desc, vlo_desc, O, LSE, EQ, FK, FV, items_ptr, num_items_ptr, cu_ptr,
                     max_entries, skip_len, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, total, T, counter_ptr,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     WL_BM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOOST: gl.constexpr,
                     PINGPONG: gl.constexpr, PV_PROMOTE: gl.constexpr, MASKED_TILE0: gl.constexpr,
-                    QK_LO: gl.constexpr):
+                    QK_LO: gl.constexpr, PV_LO: gl.constexpr):
     # one program per SM; two Q slots; the K / V^T ring (split barriers, as the BF16 forward); two 4-warp
     # consumer partitions (PINGPONG: taking turns to issue their products) and the producer warp
     # (gluon_common._rows_producer_loop, V^T boxes on the 16-token grid)
@@ -611,8 +597,13 @@ def _fp8_fwd_kernel(q_desc, k_desc, v_desc, qlo_desc, klo_desc, O, LSE, EQ, FK, 
     else:
         qlo_bufs = q_bufs
         klo_bufs = k_bufs
-    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PART_M, HEAD_DIM], gl.bfloat16)
-    o_smem = gl.allocate_shared_memory(gl.bfloat16, [PARTS, PART_M, HEAD_DIM], o_layout)
+    if PV_LO:  # two-term P~ and V: V_lo^T's ring beside V^T's; O goes out from registers (no staging rows)
+        vlo_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], vlo_desc.layout)
+        o_smem = q_bufs  # unread
+    else:
+        vlo_bufs = v_bufs  # unread
+        o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PART_M, HEAD_DIM], gl.bfloat16)
+        o_smem = gl.allocate_shared_memory(gl.bfloat16, [PARTS, PART_M, HEAD_DIM], o_layout)
     q_ready, q_empty = _slot_barriers(2, True, PARTS)
     ready, empty = _slot_barriers(2 * STAGES, True, PARTS)
     t_smem = gl.allocate_shared_memory(gl.int32, [2, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
@@ -627,15 +618,15 @@ def _fp8_fwd_kernel(q_desc, k_desc, v_desc, qlo_desc, klo_desc, O, LSE, EQ, FK, 
         (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem0, v_fsmem0, o_smem, ready, empty, q_ready, q_empty, t_smem,
                               O, LSE, EQ, FK, FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr,
                               max_entries, total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 0, 4, BOOST,
-                              PINGPONG, PV_PROMOTE, MASKED_TILE0, qlo_bufs, klo_bufs, QK_LO)),
+                              PINGPONG, PV_PROMOTE, MASKED_TILE0, qlo_bufs, klo_bufs, QK_LO, vlo_bufs, PV_LO)),
         (_fp8_consumer_loop, (q_bufs, k_bufs, v_bufs, f_smem1, v_fsmem1, o_smem, ready, empty, q_ready, q_empty, t_smem,
                               O, LSE, EQ, FK, FV, stride_ot, stride_lh, stride_eq, stride_e, qk_scale, num_items_ptr,
                               max_entries, total, T, turn, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL, 1, 4, BOOST,
-                              PINGPONG, PV_PROMOTE, MASKED_TILE0, qlo_bufs, klo_bufs, QK_LO)),
+                              PINGPONG, PV_PROMOTE, MASKED_TILE0, qlo_bufs, klo_bufs, QK_LO, vlo_bufs, PV_LO)),
         (_rows_producer_loop, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, ready, empty,
                                q_ready, q_empty, t_smem, counter_ptr, items_ptr, num_items_ptr, cu_ptr,
                                max_entries, skip_len, total, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, WL_BM, CAUSAL,
-                               True, True, qlo_desc, klo_desc, qlo_bufs, klo_bufs, QK_LO)),
+                               True, True, qlo_desc, klo_desc, qlo_bufs, klo_bufs, QK_LO, vlo_desc, vlo_bufs, PV_LO)),
     ], [4, 1], [240, 24])
 
 
@@ -707,7 +698,7 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
                   wl_block_m: int = 128, stages: int = 2, skip_len: int = 1, o: torch.Tensor | None = None,
                   lse: torch.Tensor | None = None, pingpong: bool = True, pv_promote: bool = False,
                   masked_tile0: bool | None = None, qc_lo: torch.Tensor | None = None,
-                  kc_lo: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  kc_lo: torch.Tensor | None = None, vt_lo: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed FP8 attention forward, warp-specialized Gluon, sm_90 (module docs: the numerics).
 
     Args:
@@ -738,6 +729,8 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
         qc_lo, kc_lo: two-term Q and K (``fp8_emulation`` ``qk_terms=2``): the residual codes of ``qc`` and
             ``kc`` (``quant.residual_codes``), same shapes and layout; S is then three FP8 products.
             Both or neither.
+        vt_lo: two-term P~ and V (``fp8_emulation`` ``pv_terms=2``): the residual codes of V^T, ``vt``'s shape,
+            layout and wgmma order; each tile's ``P~ V`` is then three FP8 products (``P~_lo V + P~ V_lo + P~ V``).
 
     Returns:
         ``(o, lse)``: ``(T, H_q, 128)`` bf16 and ``(H_q, T)`` float32 natural-log LSE; rows of skipped
@@ -767,15 +760,18 @@ def gluon_fp8_fwd(qc: torch.Tensor, kc: torch.Tensor, vt: torch.Tensor, eq: torc
             qc_lo.shape != qc.shape or kc_lo.shape != kc.shape or qc_lo.dtype != qc.dtype or kc_lo.dtype != kc.dtype
             or not qc_lo.is_contiguous() or not kc_lo.is_contiguous())):
         raise ValueError("gluon_fp8_fwd: qc_lo and kc_lo come together, contiguous, in qc's and kc's shapes and dtype")
+    if vt_lo is not None and (vt_lo.dtype != vt.dtype or vt_lo.shape != vt.shape or vt_lo.stride() != vt.stride()):
+        raise ValueError("gluon_fp8_fwd: vt_lo must be in vt's dtype, shape and strides")
     grid = min(total, torch.cuda.get_device_properties(qc.device).multi_processor_count)
     q_d, k_d = fp8_descriptor(qc, block_m), fp8_descriptor(kc, block_n)
     two = qc_lo is not None
+    v_d = fp8_descriptor_t(vt, block_n)
     _fp8_fwd_kernel[(grid,)](
-        q_d, k_d, fp8_descriptor_t(vt, block_n), fp8_descriptor(qc_lo, block_m) if two else q_d,
-        fp8_descriptor(kc_lo, block_n) if two else k_d, o, lse, eq, ek, ev,
+        q_d, k_d, v_d, fp8_descriptor(qc_lo, block_m) if two else q_d,
+        fp8_descriptor(kc_lo, block_n) if two else k_d, fp8_descriptor_t(vt_lo, block_n) if vt_lo is not None else v_d, o, lse, eq, ek, ev,
         items, num_items, cu_seqlens, max_entries, int(skip_len), o.stride(0), lse.stride(0), eq.stride(0),
         ek.stride(0), float(softmax_scale) * LOG2E, total, T, torch.zeros(1, dtype=torch.int32, device=qc.device),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WL_BM=wl_block_m, STAGES=stages,
         CAUSAL=bool(causal), BOOST=BOOST_LOG2, PINGPONG=bool(pingpong), PV_PROMOTE=bool(pv_promote),
-        MASKED_TILE0=bool(masked_tile0), QK_LO=two, num_warps=CONSUMER_WARPS.value // 2, maxnreg=MAXNREG)
+        MASKED_TILE0=bool(masked_tile0), QK_LO=two, PV_LO=vt_lo is not None, num_warps=CONSUMER_WARPS.value // 2, maxnreg=MAXNREG)
     return o, lse

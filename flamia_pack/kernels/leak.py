@@ -270,7 +270,7 @@ def _make_qdq_path(qdq) -> AttnFn:
     return path
 
 
-def _make_fp8_emulated_path(granularity: str, qk_terms: int = 1) -> AttnFn:
+def _make_fp8_emulated_path(granularity: str, qk_terms: int = 1, pv_terms: int = 1) -> AttnFn:
     # the emulated FP8 kernel path (kernels/fp8_emulation.py): codes, P / dS folds and
     # accumulation included, not only the input quantization; the FP8 kernels' head dims only
     # (fp8_emulation.HEAD_DIMS, the rule of varlen_attention(precision="fp8")): a verdict for a
@@ -279,7 +279,7 @@ def _make_fp8_emulated_path(granularity: str, qk_terms: int = 1) -> AttnFn:
         from flamia_pack.kernels.fp8_emulation import fp8_varlen_attention_emulated
 
         return fp8_varlen_attention_emulated(q, k, v, cu_seqlens, max_seqlen, scale_granularity=granularity,
-                                             qk_terms=qk_terms)
+                                             qk_terms=qk_terms, pv_terms=pv_terms)
     return path
 
 
@@ -294,6 +294,8 @@ PATHS: dict[str, AttnFn] = {
     "fp8-emu-block": _make_fp8_emulated_path("block"),
     "fp8-emu-token2": _make_fp8_emulated_path("token", 2),
     "fp8-emu-block2": _make_fp8_emulated_path("block", 2),
+    "fp8-emu-token22": _make_fp8_emulated_path("token", 2, 2),
+    "fp8-emu-block22": _make_fp8_emulated_path("block", 2, 2),
 }
 
 #: :func:`probe_leak`'s default head dimension (also what :func:`probe_paths` checks the FP8 paths' rule on).
@@ -301,13 +303,15 @@ DEFAULT_HEAD_DIM = 64
 
 #: Built-in paths that run the FP8 kernels' emulation: head_dim in ``fp8_emulation.HEAD_DIMS`` only,
 #: as for ``varlen_attention(precision="fp8")`` (:func:`probe_paths` checks it before running any path).
-FP8_PATHS = ("fp8-emu-token", "fp8-emu-block", "fp8-emu-token2", "fp8-emu-block2")
+FP8_PATHS = ("fp8-emu-token", "fp8-emu-block", "fp8-emu-token2", "fp8-emu-block2", "fp8-emu-token22",
+             "fp8-emu-block22")
 
 #: What each built-in path is expected to show (asserted in tests/test_leak.py and
 #: tests/test_fp8_emulation.py).
 EXPECTED = {"reference": "exact", "token": "exact", "block": "within-group",
             "tensor": "cross-document", "mx": "exact", "fp8-emu-token": "exact",
-            "fp8-emu-block": "within-group", "fp8-emu-token2": "exact", "fp8-emu-block2": "within-group"}
+            "fp8-emu-block": "within-group", "fp8-emu-token2": "exact", "fp8-emu-block2": "within-group",
+            "fp8-emu-token22": "exact", "fp8-emu-block22": "within-group"}
 
 PATH_HELP = {
     "reference": "exact reference: bf16 inputs, float32 compute",
@@ -319,6 +323,8 @@ PATH_HELP = {
     "fp8-emu-block": "emulated FP8 kernel (fp8_emulation.py), 32-token block scales",
     "fp8-emu-token2": "as fp8-emu-token with two-term Q and K (qk_terms=2: residual codes on the same scales)",
     "fp8-emu-block2": "as fp8-emu-block with two-term Q and K (qk_terms=2)",
+    "fp8-emu-token22": "as fp8-emu-token2 with two-term P~ and V (pv_terms=2)",
+    "fp8-emu-block22": "as fp8-emu-block2 with two-term P~ and V (pv_terms=2)",
 }
 
 

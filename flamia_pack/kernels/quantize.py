@@ -560,6 +560,8 @@ def _quantize_many(
                 ct = to_wgmma_order(torch.nn.functional.pad(ct.view(torch.uint8), (0, tp - T))).view(ct.dtype)
             lo = residual_codes(x, qz) if want_r[i] else None
             lot = lo.permute(1, 2, 0).contiguous() if want_rt[i] else None
+            if want_rt[i] and want_w[i]:
+                lot = to_wgmma_order(torch.nn.functional.pad(lot.view(torch.uint8), (0, tp - T))).view(lot.dtype)
             outs.append(QuantizedOperand(qz.codes, qz.exponents, ct, lo, lot))
         return outs
 
@@ -646,30 +648,34 @@ def _quantize_many(
         for ct, w, wo in zip(codes_t, want_t, want_w):
             if w and not wo:  # (the wgmma order's kernel store writes the padding's zero codes itself)
                 ct[:, :, T:].zero_()
-    lows_t = [_transpose_codes(lo, dev, transposed_store) if w else None for lo, w in zip(lows, want_rt)]
+    lows_t = [_transpose_codes(lo, dev, transposed_store, wo) if w else None
+              for lo, w, wo in zip(lows, want_rt, want_w)]
     outs = []
     for i in range(len(xs)):
         ct = (codes_t[i] if want_w[i] else codes_t[i][:, :, :T]).view(torch.float8_e4m3fn) if want_t[i] else None
         lo = lows[i].view(torch.float8_e4m3fn) if want_r[i] else None
-        lot = lows_t[i][:, :, :T].view(torch.float8_e4m3fn) if want_rt[i] else None
+        lot = (lows_t[i] if want_w[i] else lows_t[i][:, :, :T]).view(torch.float8_e4m3fn) if want_rt[i] else None
         outs.append(QuantizedOperand(codes[i].view(torch.float8_e4m3fn), exps[i], ct, lo, lot))
     if check_finite:
         _check_outputs_finite(outs, xs)
     return outs
 
 
-def _transpose_codes(c: torch.Tensor, dev, transposed_store: str) -> torch.Tensor:
-    """uint8 codes ``(T, H, D)`` -> ``(H, D, ceil16(T))`` in token order, zeros past T (the residual codes' copy)."""
+def _transpose_codes(c: torch.Tensor, dev, transposed_store: str, wgmma_order: bool = False) -> torch.Tensor:
+    """uint8 codes ``(T, H, D)`` -> ``(H, D, ceil16(T))`` in token order (``wgmma_order``: in the wgmma order,
+    :func:`to_wgmma_order`), zeros past T (the residual codes' copy)."""
     T, H, D = c.shape
     tp = -(-T // 16) * 16
     ct = torch.empty((H, D, tp), dtype=torch.uint8, device=dev)
     if transposed_store == "triton" and tp:
         kernel_for(_transpose_codes_kernel, dev)[(triton.cdiv(tp, TRANSPOSE_BLOCK_T), H)](
-            c, ct, T, tp, H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=TRANSPOSE_BLOCK_T, WGMMA=False,
-            num_warps=4)
+            c, ct, T, tp, H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=TRANSPOSE_BLOCK_T,
+            WGMMA=bool(wgmma_order), num_warps=4)
     else:
         ct[:, :, :T].copy_(c.permute(1, 2, 0))
         ct[:, :, T:].zero_()
+        if wgmma_order:
+            ct.copy_(to_wgmma_order(ct))
     return ct
 
 
@@ -782,8 +788,9 @@ def quantize_qkv(
     never reach memory); bfloat16 inputs of head_dim 64 / 128 only. Two launches then (q and k, then v).
     ``residual``, a bool or three: which inputs also get their residual codes (``codes_lo``, bitwise
     ``quant.residual_codes``; two-term Q and K, ``qk_terms=2``), encoded in the same pass (the encoder runs
-    twice); ``residual_transposed``: which of those also get the ``(H, D, T)`` copy ``codes_lo_t`` (one
-    transposing launch each, never in the quantizer: ``transposed_store="kernel"`` is an error then).
+    twice; two-term V, ``pv_terms=2``, too); ``residual_transposed``: which of those also get the ``(H, D, T)``
+    copy ``codes_lo_t``, in the wgmma order where ``wgmma_order`` asks it for that input (one transposing launch
+    each, never in the quantizer: ``transposed_store="kernel"`` is an error then).
 
     Returns:
         ``(q_quant, k_quant, v_quant)`` :class:`QuantizedOperand` each.
