@@ -2,7 +2,6 @@
 exponent, the folded P~ two codes; the forward's P~V from three FP8 products ``lo.V + hi.V_lo + hi.V``, the backward's
 dP from ``dO (V + V_lo)^T``): the split, a hand-built one-tile reference under each accumulator model, accuracy against
 fp64, the autograd wrapper, causality, errors and the public plumbing (CPU)."""
-import dataclasses
 
 import pytest
 import torch
@@ -183,35 +182,3 @@ def test_varlen_attention_two_term_pv_on_the_cpu_is_the_emulation():
     emu = [x.clone().requires_grad_() for x in (q, k, v)]
     fp8_varlen_attention_emulated(*emu, cu32, 300, qk_terms=2, pv_terms=2).backward(do)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(leaves, emu))
-
-
-def test_transformers_options_carry_pv_terms():
-    pytest.importorskip("transformers")
-    import json
-
-    import numpy as np
-
-    from flamia_pack.integrations.transformers import FlamiaAttentionOptions, _varlen_call_kwargs
-
-    assert "pv_terms" not in _varlen_call_kwargs(FlamiaAttentionOptions(precision="fp8"))
-    kw = _varlen_call_kwargs(FlamiaAttentionOptions(precision="fp8", qk_terms=2, pv_terms=2))
-    assert kw["pv_terms"] == 2 and kw["qk_terms"] == 2
-    assert "pv_terms" not in _varlen_call_kwargs(FlamiaAttentionOptions(precision="bf16", pv_terms=2))
-    with pytest.raises(FlamiaError, match="pv_terms must be 1"):
-        FlamiaAttentionOptions(pv_terms=3)
-    opts = FlamiaAttentionOptions(precision="fp8", pv_terms=np.int64(2))  # stored as a plain int: saves as JSON
-    assert type(opts.pv_terms) is int and json.loads(json.dumps(dataclasses.asdict(opts)))["pv_terms"] == 2
-
-
-def test_set_options_and_stored_bad_pv_terms_names_the_config():
-    pytest.importorskip("transformers")
-    from types import SimpleNamespace
-
-    from flamia_pack.integrations.transformers import _CONFIG_ATTR, get_options, set_options
-
-    model = SimpleNamespace(config=SimpleNamespace())
-    assert set_options(model, precision="fp8", pv_terms=2).pv_terms == 2
-    assert getattr(model.config, _CONFIG_ATTR)["pv_terms"] == 2 and get_options(model).pv_terms == 2
-    model = SimpleNamespace(config=SimpleNamespace(**{_CONFIG_ATTR: {"pv_terms": 2.0}}))
-    with pytest.raises(FlamiaError, match=f"config.{_CONFIG_ATTR} holds an invalid option: pv_terms must be 1"):
-        get_options(model)

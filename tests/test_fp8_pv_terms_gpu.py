@@ -1,11 +1,13 @@
 """The GPU path of two-term P~ and V (``varlen_attention(precision="fp8", qk_terms=2, pv_terms=2)``): V's residual
 codes from the quantizer in both layouts (also on the CPU, in Triton's interpreter), both kernels against the CPU
-emulation, accuracy against fp64 over ``qk_terms=2`` alone, NaN containment, determinism and the leak probe."""
+emulation, accuracy against fp64 over ``qk_terms=2`` alone (NaN containment, determinism and the leak probe with
+``pv_terms=2``: ``test_fp8_two_term.py``'s GPU tests, parametrized)."""
 import pytest
 import torch
 
 from flamia_pack.kernels.reference import packed_attention_reference, packed_attention_reference_bwd
 from flamia_pack.quant import quantize_token_blocks, residual_codes
+from test_fp8_two_term import _two_term_grads  # the two-term call with its gradients (tests/ is on the path)
 
 _CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                          reason="needs CUDA")])
@@ -61,15 +63,6 @@ def test_quantizer_writes_v_residual_codes_in_both_layouts(gran, device):
     assert torch.equal(kq.codes_lo_t.cpu().view(torch.uint8), kq.codes_lo.cpu().view(torch.uint8).permute(1, 2, 0))
 
 
-def _grads(q, k, v, do, cu, **kw):
-    from flamia_pack import varlen_attention
-
-    x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    o = varlen_attention(*x, cu, int((cu[1:] - cu[:-1]).max()), precision="fp8", qk_terms=2, **kw)
-    o.backward(do)
-    return [o.detach(), *(t.grad for t in x)]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("heads, D, causal", [((4, 4), 128, True), ((4, 2), 128, True), ((4, 2), 64, True),
@@ -90,7 +83,7 @@ def test_gpu_pv_terms_match_the_emulation_and_beat_qk_terms_alone(heads, D, caus
     exact = [o_ref[:n], *(x[:n] for x in ref)]
 
     def run(device, pv_terms):
-        got = _grads(*(t.to(device) for t in (q, k, v, do, cu)), causal=causal, pv_terms=pv_terms)
+        got = _two_term_grads(*(t.to(device) for t in (q, k, v, do, cu)), causal=causal, pv_terms=pv_terms)
         return [x.cpu()[:n] for x in got]
 
     gpu, cpu, one = run("cuda", 2), run("cpu", 2), run("cuda", 1)
@@ -99,51 +92,3 @@ def test_gpu_pv_terms_match_the_emulation_and_beat_qk_terms_alone(heads, D, caus
     assert min(_cos(a, b) for a, b in zip(gpu[1:], cpu[1:])) > 0.999
     for i in (0, 1, 2):  # O, dQ, dK
         assert _cos(gpu[i], exact[i]) > _cos(one[i], exact[i]), i
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_pv_terms_nan_stays_in_its_document():
-    """A NaN / Inf in one document (so NaN codes in V's residual too, zeroed in the neighbours' tiles) leaves the other
-    documents' O bitwise and their gradients (dQ's reduce order aside) as without it."""
-    _kernels_or_skip()
-    q, k, v, do, cu = (t.cuda() for t in _row(5, lens=(500, 600, 400), heads=(2, 2), outliers=False, pad=0))
-    clean = _grads(q, k, v, do, cu, pv_terms=2)
-    q[700, 0, 3] = float("nan")
-    k[650, 1, 9] = float("nan")
-    v[505, 0, 7] = float("inf")  # the group at the document's start: the previous document's last tile reads it
-    v[1090, 1, 2] = float("nan")  # and at its end: the next document's first tile
-    dirty = _grads(q, k, v, do, cu, pv_terms=2)
-    keep = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
-    keep[500:1100] = False
-    assert torch.equal(dirty[0][keep], clean[0][keep])
-    assert not torch.isfinite(dirty[0][500:1100]).all()
-    for a, b in zip(dirty[1:], clean[1:]):
-        assert torch.isfinite(a[keep]).all()
-        torch.testing.assert_close(a[keep], b[keep], rtol=0, atol=2e-3)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("gran", ["token", "block"])
-def test_gpu_pv_terms_deterministic_and_leak_probe(gran):
-    """``deterministic=True`` repeats bitwise; the leak probe (dO fixed): changing q, k, v after a cut inside a
-    document leaves O and dQ before it bitwise unchanged in "token" mode, and before the cut's 32-token group in
-    "block" mode; the other documents' O, dQ, dK, dV bitwise unchanged in both."""
-    _kernels_or_skip()
-    q, k, v, do, cu = (t.cuda() for t in _row(9, lens=(500, 600, 400), heads=(2, 2), outliers=False, pad=0))
-    cut = 733  # document 1 is [500, 1100); its 32-token group holding the cut starts at 724
-    a = _grads(q, k, v, do, cu, pv_terms=2, scale_granularity=gran, deterministic=True)
-    again = _grads(q, k, v, do, cu, pv_terms=2, scale_granularity=gran, deterministic=True)
-    assert all(torch.equal(x, y) for x, y in zip(a, again))
-    q2, k2, v2 = (t.clone() for t in (q, k, v))
-    for t in (q2, k2, v2):
-        t[cut:1100] = (torch.randn_like(t[cut:1100].float()) * 4).bfloat16()
-    b = _grads(q2, k2, v2, do, cu, pv_terms=2, scale_granularity=gran, deterministic=True)
-    safe = cut if gran == "token" else 724
-    assert torch.equal(a[0][:safe], b[0][:safe]) and torch.equal(a[1][:safe], b[1][:safe])
-    assert not torch.equal(a[0][cut:1100], b[0][cut:1100])
-    other = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
-    other[500:1100] = False
-    for x, y in zip(a, b):
-        assert torch.equal(x[other], y[other])

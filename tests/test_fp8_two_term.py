@@ -236,31 +236,38 @@ def test_varlen_attention_two_terms_on_the_cpu_is_the_emulation():
         varlen_attention(q, k, v, cu, 300, qk_terms=2)
 
 
-def test_transformers_options_carry_qk_terms():
+@pytest.mark.parametrize("name", ["qk_terms", "pv_terms"])
+def test_transformers_options_carry_the_term_counts(name):
     pytest.importorskip("transformers")
     from flamia_pack.integrations.transformers import FlamiaAttentionOptions, _varlen_call_kwargs
 
-    assert "qk_terms" not in _varlen_call_kwargs(FlamiaAttentionOptions(precision="fp8"))
-    assert _varlen_call_kwargs(FlamiaAttentionOptions(precision="fp8", qk_terms=2))["qk_terms"] == 2
-    assert "qk_terms" not in _varlen_call_kwargs(FlamiaAttentionOptions(precision="bf16", qk_terms=2))
-    with pytest.raises(FlamiaError, match="qk_terms must be 1"):
-        FlamiaAttentionOptions(qk_terms=3)
+    assert name not in _varlen_call_kwargs(FlamiaAttentionOptions(precision="fp8"))
+    assert _varlen_call_kwargs(FlamiaAttentionOptions(precision="fp8", **{name: 2}))[name] == 2
+    kw = _varlen_call_kwargs(FlamiaAttentionOptions(precision="fp8", qk_terms=2, pv_terms=2))
+    assert kw["qk_terms"] == 2 and kw["pv_terms"] == 2
+    assert name not in _varlen_call_kwargs(FlamiaAttentionOptions(precision="bf16", **{name: 2}))
+    with pytest.raises(FlamiaError, match=f"{name} must be 1"):
+        FlamiaAttentionOptions(**{name: 3})
     import json
 
     import numpy as np
 
-    opts = FlamiaAttentionOptions(precision="fp8", qk_terms=np.int64(2))  # stored as a plain int: saves as JSON
-    assert type(opts.qk_terms) is int and json.loads(json.dumps(dataclasses.asdict(opts)))["qk_terms"] == 2
+    opts = FlamiaAttentionOptions(precision="fp8", **{name: np.int64(2)})  # stored as a plain int: saves as JSON
+    assert type(getattr(opts, name)) is int and json.loads(json.dumps(dataclasses.asdict(opts)))[name] == 2
 
 
-def test_stored_bad_qk_terms_names_the_config():
+@pytest.mark.parametrize("name", ["qk_terms", "pv_terms"])
+def test_set_options_and_stored_bad_term_counts_name_the_config(name):
     pytest.importorskip("transformers")
     from types import SimpleNamespace
 
-    from flamia_pack.integrations.transformers import _CONFIG_ATTR, get_options
+    from flamia_pack.integrations.transformers import _CONFIG_ATTR, get_options, set_options
 
-    model = SimpleNamespace(config=SimpleNamespace(**{_CONFIG_ATTR: {"qk_terms": 2.0}}))
-    with pytest.raises(FlamiaError, match=f"config.{_CONFIG_ATTR} holds an invalid option: qk_terms must be 1"):
+    model = SimpleNamespace(config=SimpleNamespace())
+    assert getattr(set_options(model, precision="fp8", **{name: 2}), name) == 2
+    assert getattr(model.config, _CONFIG_ATTR)[name] == 2 and getattr(get_options(model), name) == 2
+    model = SimpleNamespace(config=SimpleNamespace(**{_CONFIG_ATTR: {name: 2.0}}))
+    with pytest.raises(FlamiaError, match=f"config.{_CONFIG_ATTR} holds an invalid option: {name} must be 1"):
         get_options(model)
 
 
@@ -343,15 +350,19 @@ def _two_term_grads(q, k, v, do, cu, **kw):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_two_terms_nan_stays_in_its_document():
+@pytest.mark.parametrize("pv_terms", [1, 2])
+def test_gpu_two_terms_nan_stays_in_its_document(pv_terms):
     """A NaN / Inf in one document (Q's, K's and V's codes, so NaN residual codes too) leaves the other documents'
-    O bitwise and their gradients (dQ's reduce order aside) as without it, with two terms."""
+    O bitwise and their gradients (dQ's reduce order aside) as without it, with two terms (``pv_terms=2``: V's
+    residual codes too, zeroed in the neighbours' tiles: the groups at the document's start and end)."""
     q, k, v, do, cu = _gpu_two_term_inputs([500, 600, 400], 2, 2, seed=5)
-    clean = _two_term_grads(q, k, v, do, cu)
+    clean = _two_term_grads(q, k, v, do, cu, pv_terms=pv_terms)
     q[700, 0, 3] = float("nan")
     k[650, 1, 9] = float("nan")
     v[720, 0, 7] = float("inf")
-    dirty = _two_term_grads(q, k, v, do, cu)
+    v[505, 0, 7] = float("inf")  # the previous document's last tile reads this group's columns
+    v[1090, 1, 2] = float("nan")  # and the next document's first tile this one's
+    dirty = _two_term_grads(q, k, v, do, cu, pv_terms=pv_terms)
     keep = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
     keep[500:1100] = False
     assert torch.equal(dirty[0][keep], clean[0][keep])
@@ -431,17 +442,21 @@ def test_gpu_two_terms_deterministic_and_under_torch_compile():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("gran", ["token", "block"])
-def test_gpu_two_terms_leak_probe(gran):
-    """Issue 27 / 28's leak probe on the GPU path with two terms (deterministic dQ, dO fixed): changing q, k, v
-    after a cut inside a document leaves O and dQ before it bitwise unchanged in "token" mode, and before the cut's
-    32-token group in "block" mode; the other documents' O, dQ, dK, dV bitwise unchanged in both."""
+@pytest.mark.parametrize("pv_terms", [1, 2])
+def test_gpu_two_terms_leak_probe(gran, pv_terms):
+    """Issue 27 / 28's leak probe on the GPU path with two terms (and ``pv_terms=2``: P~ and V too; deterministic
+    dQ, repeated bitwise; dO fixed): changing q, k, v after a cut inside a document leaves O and dQ before it bitwise
+    unchanged in "token" mode, and before the cut's 32-token group in "block" mode; the other documents' O, dQ, dK,
+    dV bitwise unchanged in both."""
     q, k, v, do, cu = _gpu_two_term_inputs([500, 600, 400], 2, 2, seed=9)
     cut = 733  # document 1 is [500, 1100); its 32-token group holding the cut starts at 724
-    a = _two_term_grads(q, k, v, do, cu, scale_granularity=gran, deterministic=True)
+    a = _two_term_grads(q, k, v, do, cu, scale_granularity=gran, deterministic=True, pv_terms=pv_terms)
+    again = _two_term_grads(q, k, v, do, cu, scale_granularity=gran, deterministic=True, pv_terms=pv_terms)
+    assert all(torch.equal(x, y) for x, y in zip(a, again))
     q2, k2, v2 = (t.clone() for t in (q, k, v))
     for t in (q2, k2, v2):
         t[cut:1100] = (torch.randn_like(t[cut:1100].float()) * 4).bfloat16()
-    b = _two_term_grads(q2, k2, v2, do, cu, scale_granularity=gran, deterministic=True)
+    b = _two_term_grads(q2, k2, v2, do, cu, scale_granularity=gran, deterministic=True, pv_terms=pv_terms)
     safe = cut if gran == "token" else 724
     assert torch.equal(a[0][:safe], b[0][:safe]) and torch.equal(a[1][:safe], b[1][:safe])
     assert not torch.equal(a[0][cut:1100], b[0][cut:1100])  # the change reached the rows it may reach

@@ -689,14 +689,11 @@ def varlen_attention(
     if qk_rotation is not None and precision != "fp8":
         raise FlamiaError("qk_rotation applies to precision='fp8' (it spreads outlier channels before the E4M3 "
                           "quantization); leave it None with precision='bf16'")
-    qk_terms = check_qk_terms(qk_terms)
-    if qk_terms == 2 and precision != "fp8":
-        raise FlamiaError("qk_terms=2 applies to precision='fp8' (Q and K as E4M3 code + residual code); leave it 1 "
-                          "with precision='bf16'")
-    pv_terms = check_pv_terms(pv_terms)
-    if pv_terms == 2 and precision != "fp8":
-        raise FlamiaError("pv_terms=2 applies to precision='fp8' (P~ and V as E4M3 code + residual code); leave it 1 "
-                          "with precision='bf16'")
+    qk_terms, pv_terms = check_qk_terms(qk_terms), check_pv_terms(pv_terms)
+    for name, terms, operands in (("qk_terms", qk_terms, "Q and K"), ("pv_terms", pv_terms, "P~ and V")):
+        if terms == 2 and precision != "fp8":
+            raise FlamiaError(f"{name}=2 applies to precision='fp8' ({operands} as E4M3 code + residual code); leave "
+                              "it 1 with precision='bf16'")
     # numpy bools (e.g. from a config array) are bools too
     causal, return_lse, deterministic = (bool(x) if isinstance(x, np.bool_) else x
                                          for x in (causal, return_lse, deterministic))

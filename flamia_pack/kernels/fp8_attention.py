@@ -270,7 +270,7 @@ class _FP8Attention(torch.autograd.Function):
 
         o, lse, cu32, qc, kc, *rest = ctx.saved_tensors
         causal, scale, granularity, deterministic, rotated = ctx.fp8
-        ops = FP8Operands(qc, kc, None, *rest[:5], granularity, *rest[5:11], None, rest[11])
+        ops = FP8Operands(qc, kc, None, *rest[:5], granularity, *rest[5:11], vc_lo=rest[11])
         dq, dk, dv = fp8_backward(do, ops, o, lse, cu32, causal=causal, softmax_scale=scale, dlse=dlse,
                                   entries=ctx.entries, deterministic=deterministic)
         if rotated:  # gradients of the rotated q M, k M: back through M (symmetric), a bf16 matmul each

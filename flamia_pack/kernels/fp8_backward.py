@@ -34,8 +34,8 @@ def fp8_backward(do: torch.Tensor, ops, o: torch.Tensor, lse: torch.Tensor, cu32
     Args:
         do: ``(T, H_q, 128)`` bf16 gradient of ``o``; ops: the forward's ``FP8Operands`` (built with
             ``fp8_quantize(backward=True)``; with ``qk_terms=2`` the backward recomputes S from the same three
-            products and forms dQ against K + K_lo; with ``pv_terms=2``, ``vc_lo``, dP against V + V_lo); o, lse: the forward's outputs; cu32: validated int32
-            ``cu_seqlens`` on the device; causal, softmax_scale: the forward's; dlse: optional ``(H_q, T)``.
+            products and forms dQ against K + K_lo; with ``pv_terms=2``, ``vc_lo``, dP against V + V_lo); o, lse:
+            the forward's outputs; cu32: validated int32 ``cu_seqlens`` on the device; causal, softmax_scale: the forward's; dlse: optional ``(H_q, T)``.
         entries: optional ``gluon_fp8_bwd.fp8_bwd_entries`` result (reuse across calls).
         deterministic: bitwise reproducible dQ (``gluon_fp8_bwd(deterministic=True)``: a document's key
             tiles add their dQ partials in a fixed order); dK / dV are reproducible either way.

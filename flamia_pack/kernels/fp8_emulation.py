@@ -156,20 +156,22 @@ def _check_int(name: str, val, lo: int, hi: int) -> int:
     return int(val)
 
 
+def _check_terms(name: str, value, operands: str) -> int:
+    """A term count ``name`` as an int, 1 or 2 (FlamiaError otherwise: bools, floats and strings included)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value not in (1, 2):
+        raise FlamiaError(f"{name} must be 1 ({operands} as one E4M3 code each) or 2 (code + residual code), got "
+                          f"{value!r}")
+    return int(value)
+
+
 def check_qk_terms(qk_terms) -> int:
-    """``qk_terms`` as an int, 1 or 2 (FlamiaError otherwise: bools, floats and strings included)."""
-    if isinstance(qk_terms, (bool, np.bool_)) or not isinstance(qk_terms, numbers.Integral) or qk_terms not in (1, 2):
-        raise FlamiaError(f"qk_terms must be 1 (Q and K as one E4M3 code each) or 2 (code + residual code), got "
-                          f"{qk_terms!r}")
-    return int(qk_terms)
+    """``qk_terms`` as an int, 1 or 2 (:func:`_check_terms`)."""
+    return _check_terms("qk_terms", qk_terms, "Q and K")
 
 
 def check_pv_terms(pv_terms) -> int:
-    """``pv_terms`` as an int, 1 or 2 (FlamiaError otherwise: bools, floats and strings included)."""
-    if isinstance(pv_terms, (bool, np.bool_)) or not isinstance(pv_terms, numbers.Integral) or pv_terms not in (1, 2):
-        raise FlamiaError(f"pv_terms must be 1 (P~ and V as one E4M3 code each) or 2 (code + residual code), got "
-                          f"{pv_terms!r}")
-    return int(pv_terms)
+    """``pv_terms`` as an int, 1 or 2 (:func:`_check_terms`)."""
+    return _check_terms("pv_terms", pv_terms, "P~ and V")
 
 
 def _check_options(scale_granularity, block_m, block_n, boost_log2, pv_accumulator="fp32") -> None:

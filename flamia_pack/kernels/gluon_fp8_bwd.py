@@ -143,17 +143,10 @@ def _bwd_produce(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, kt_desc, q_
     STAGES: gl.constexpr = q_bufs.type.shape[0]
     ld_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     qlo_desc, klo_desc, ktlo_desc, vlo_desc, qlo_bufs, klo_smem, ktlo_smem, vlo_smem = lo
-    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes
-    lo_bytes: gl.constexpr = k_desc.block_type.nbytes + kt_desc.block_type.nbytes  # QK_LO: K_lo, K_lo^T
-    if QK_LO:
-        if V_LO:
-            mbarrier.expect(kv_bar, kv_bytes + lo_bytes + v_desc.block_type.nbytes)
-        else:
-            mbarrier.expect(kv_bar, kv_bytes + lo_bytes)
-    elif V_LO:
-        mbarrier.expect(kv_bar, kv_bytes + v_desc.block_type.nbytes)
-    else:
-        mbarrier.expect(kv_bar, kv_bytes)
+    # K, V, K^T, and the residual tiles: K_lo, K_lo^T (QK_LO), V_lo (V_LO)
+    kv_bytes: gl.constexpr = ((1 + QK_LO) * (k_desc.block_type.nbytes + kt_desc.block_type.nbytes)
+                              + (1 + V_LO) * v_desc.block_type.nbytes)
+    mbarrier.expect(kv_bar, kv_bytes)
     if QK_LO:
         tma.async_copy_global_to_shared(klo_desc, [a, hk * HEAD_DIM], kv_bar, klo_smem)
         tma.async_copy_global_to_shared(ktlo_desc, [hk * HEAD_DIM, a], kv_bar, ktlo_smem)
